@@ -1,0 +1,1 @@
+"""hybrid_dist.fsdp2 (see DESIGN §3)."""

@@ -1,0 +1,195 @@
+"""NVFP4: E2M1 elements packed two per byte, an E4M3 scale per 16 elements, and an fp32
+per-tensor scale.
+
+Layout for a logical ``[M, K]`` tensor (stored forms, see ``_storage``):
+
+* rowwise    ``data`` uint8 ``[M, K/2]``, ``block_scale`` fp8 E4M3 ``[M, K/16]``;
+* columnwise ``data`` uint8 ``[K, M/2]``, ``block_scale`` ``[K, M/16]``;
+* ``block_2d=True`` (weights): 16×16 blocks, ``block_scale`` ``[R/16, C/16]``; columnwise
+  is then the exact transpose of rowwise (codes and scales);
+* ``global_scale`` fp32 ``[]`` per direction (the RHT direction has its own amax).
+
+Byte ``j`` of a row packs elements ``2j`` (low nibble) and ``2j+1`` (high nibble); a code
+is sign(bit 3) + E2M1 magnitude (see ``_numerics``). Scale rules (as TE):
+
+    global_scale = amax / (448 · 6)                      (amax 0 → 1)
+    block_scale  = e4m3( min(amax_block / 6 / global_scale, 448) )
+    q            = e2m1( x / (block_scale · global_scale) )   (RNE, or stochastic)
+    x            ≈ q · block_scale · global_scale
+
+Options: ``rht`` applies the 16×16 random Hadamard transform ``T`` (``_numerics.hadamard16``,
+sign vector from ``rht_seed``) along the contraction dim of the **columnwise** direction
+only (the wgrad operand of inputs and gradients); ``stochastic_rounding`` rounds elements
+stochastically with the generator of ``make_state()`` (seeded with ``seed``; the global
+generator if no state is passed). Shape rules: rowwise ``K % 16``, columnwise ``M % 16``
+(both for 2D blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from hybrid_dist.formats._numerics import (
+    E2M1_MAX,
+    E4M3_MAX,
+    apply_hadamard16,
+    cast_to_fp8,
+    e2m1_decode,
+    e2m1_encode,
+    hadamard16,
+    pack_fp4,
+    unpack_fp4,
+)
+from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
+from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
+
+NV_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NVFP4Storage(DirectionStorage):
+    """``data`` uint8 ``[R, C/2]``; ``block_scale`` E4M3 ``[R/br, C/16]``; ``global_scale`` fp32 []."""
+
+    TENSOR_FIELDS = ("data", "block_scale", "global_scale")
+    FORMAT = "nvfp4"
+    data: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: torch.Tensor
+    block_rows: int  # 1, or 16 for 2D blocks
+    rht_seed: int | None  # None: no Hadamard transform applied to this direction
+
+    @property
+    def shape2d(self):
+        r, half = self.data.shape
+        return (r, 2 * half)
+
+    def field_axes(self) -> FieldAxes:
+        return {
+            "data": {"R": (0, 1), "C": (1, 2)},
+            "block_scale": {"R": (0, self.block_rows), "C": (1, NV_BLOCK)},
+            "global_scale": {},
+        }
+
+    def values(self, *, undo_rht: bool = True) -> torch.Tensor:
+        """fp32 ``[R, C]`` = codes · block scales; in the original (not Hadamard) domain
+        unless ``undo_rht=False``."""
+        r, c = self.shape2d
+        br = self.block_rows
+        q = e2m1_decode(unpack_fp4(self.data)).reshape(r // br, br, c // NV_BLOCK, NV_BLOCK)
+        v = (q * self.block_scale.float()[:, None, :, None]).reshape(r, c)
+        if undo_rht and self.rht_seed is not None:
+            v = apply_hadamard16(v, hadamard16(self.rht_seed, v.device), inverse=True)
+        return v
+
+    def tensor_scale(self):
+        return self.global_scale
+
+
+class NVFP4State:
+    """Stochastic-rounding RNG of one NVFP4 tensor slot: one generator per device."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 decode scale ``1 / min(448·6/amax, fp32_max)`` (1 when amax is 0)."""
+    amax = amax.float()
+    enc = torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax))
+    enc = enc.clamp(max=torch.finfo(torch.float32).max)
+    return torch.reciprocal(enc)
+
+
+def nvfp4_quantize_rows(
+    x: torch.Tensor, global_scale: torch.Tensor, *, block_rows: int, rand: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: quantize fp32 ``x [R, C]`` along C → ``(packed data, block_scale)``."""
+    r, c = x.shape
+    br = block_rows
+    blocks = x.float().reshape(r // br, br, c // NV_BLOCK, NV_BLOCK)
+    block_amax = blocks.abs().amax(dim=(1, 3))
+    block_scale = cast_to_fp8((block_amax / E2M1_MAX) / global_scale, torch.float8_e4m3fn)
+    denom = block_scale.float() * global_scale
+    encode = torch.where(denom > 0, torch.reciprocal(denom), torch.zeros_like(denom))
+    scaled = (blocks * encode[:, None, :, None]).clamp(-E2M1_MAX, E2M1_MAX).reshape(r, c)
+    codes = e2m1_encode(scaled, rand)
+    return pack_fp4(codes), block_scale
+
+
+def transpose_packed_fp4(data: torch.Tensor) -> torch.Tensor:
+    """Packed ``[R, C/2]`` → packed ``[C, R/2]`` of the transposed codes."""
+    return pack_fp4(unpack_fp4(data).t().contiguous())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 (16-element E4M3 scales + fp32 tensor scale); options as in the module doc."""
+
+    FORMAT: ClassVar[str] = "nvfp4"
+    PRECISION_RANK: ClassVar[int] = 1
+    rht: bool = False
+    rht_seed: int = 0
+    stochastic_rounding: bool = False
+    seed: int = 0
+    block_2d: bool = False
+
+    @property
+    def is_per_tensor(self) -> bool:
+        return True
+
+    @property
+    def block_rows(self) -> int:
+        return NV_BLOCK if self.block_2d else 1
+
+    def block_shape(self, direction):
+        if self.block_2d:
+            return (NV_BLOCK, NV_BLOCK)
+        return (1, NV_BLOCK) if direction == "rowwise" else (NV_BLOCK, 1)
+
+    def make_state(self):
+        return NVFP4State(self.seed) if self.stochastic_rounding else None
+
+    def _rand(self, shape, device, state) -> torch.Tensor | None:
+        if not self.stochastic_rounding:
+            return None
+        gen = state.generator(device) if isinstance(state, NVFP4State) else None
+        return torch.rand(shape, device=device, generator=gen)
+
+    def _storage(self, x, amax, state, *, transposed: bool, rht: bool) -> NVFP4Storage:
+        seed = self.rht_seed if rht else None
+        if rht:
+            x = apply_hadamard16(x.float(), hadamard16(self.rht_seed, x.device))
+            amax = tensor_amax(x)  # the transformed direction uses its own amax
+        elif amax is None:
+            amax = tensor_amax(x)
+        gs = nvfp4_global_scale(amax.to(x.device))
+        rand = self._rand(x.shape, x.device, state)
+        data, bs = nvfp4_quantize_rows(x, gs, block_rows=self.block_rows, rand=rand)
+        return NVFP4Storage(
+            data=data, block_scale=bs, global_scale=gs, block_rows=self.block_rows,
+            rht_seed=seed, transposed=transposed,
+        )
+
+    def _quantize_2d(self, x, *, rowwise, columnwise, state, amax):
+        row = col = None
+        derive_col = self.block_2d and not self.rht
+        if rowwise or (columnwise and derive_col):
+            row = self._storage(x, amax, state, transposed=False, rht=False)
+        if columnwise and derive_col:
+            col = NVFP4Storage(
+                data=transpose_packed_fp4(row.data), block_scale=row.block_scale.t().contiguous(),
+                global_scale=row.global_scale, block_rows=self.block_rows, rht_seed=None,
+                transposed=True,
+            )
+        elif columnwise:
+            col = self._storage(x.t(), amax, state, transposed=True, rht=self.rht)
+        return (row if rowwise else None), col

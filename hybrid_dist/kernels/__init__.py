@@ -1,0 +1,36 @@
+"""CUDA kernel registry: which fused kernel (if any) serves a format on a device.
+
+The reference backend (pure torch, ``hybrid_dist.formats``) is the ground truth and runs
+everywhere. GPU kernels register themselves here per quantizer class and per GEMM operand
+pair; on CPU tensors, or where no kernel is registered, callers use the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_QUANTIZE: dict[type, Callable] = {}
+_GEMM: list[Callable] = []
+
+
+def register_quantize(quantizer_cls: type, impl: Callable) -> None:
+    """``impl(quantizer, x2d, *, rowwise, columnwise, state, amax) -> (row, col)`` or
+    ``NotImplemented`` to defer to the reference for that call."""
+    _QUANTIZE[quantizer_cls] = impl
+
+
+def register_gemm(impl: Callable) -> None:
+    """``impl(a, b, *, out_dtype, config) -> Tensor`` or ``NotImplemented``."""
+    _GEMM.append(impl)
+
+
+def quantize_impl_for(quantizer, x: torch.Tensor):
+    if x.device.type != "cuda":
+        return None
+    return _QUANTIZE.get(type(quantizer))
+
+
+def gemm_impls_for(a_device: torch.device) -> list[Callable]:
+    return _GEMM if a_device.type == "cuda" else []

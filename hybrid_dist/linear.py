@@ -1,0 +1,181 @@
+"""``hd.Linear``: ``y = x Wᵀ + b`` with each GEMM operand in its recipe's format.
+
+One ``autograd.Function`` holds the three GEMMs (see ``gemm``). Forward quantizes the
+input rowwise (fprop) and, only if the weight needs a gradient, columnwise (wgrad); the
+weight rowwise and, only if the input needs a gradient, columnwise (dgrad). Backward
+needs only the columnwise directions, so only those are saved — never the
+high-precision input.
+
+[Note: recompute and delayed scaling]
+Activation recompute reruns the forward inside backward, where ``hd.autocast`` is no
+longer active: a module reuses the recipe its original forward used. A forward that is
+not a recompute (``torch._C._current_graph_task_id() == -1``) starts a new delayed-scaling
+pass; quantizing records the amax as a running max, so a recompute changes no state and
+reproduces the forward bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_dist import _saved, gemm
+from hybrid_dist.autocast import current_recipe, model_init_recipe
+from hybrid_dist.formats._quantizer import Quantizer
+from hybrid_dist.quantized_tensor import QuantizedTensor
+from hybrid_dist.recipes import Recipe, Role
+
+
+@dataclasses.dataclass
+class LinearPlan:
+    """A module's quantizers and their states under one recipe."""
+
+    recipe: Recipe
+    input: Quantizer
+    weight: Quantizer
+    grad_output: Quantizer
+    states: dict[str, Any]  # tensor_type -> quantizer state (delayed history, SR RNG)
+
+    @classmethod
+    def build(cls, recipe: Recipe, *, module_type: str, name: str) -> "LinearPlan":
+        qs = {t: recipe.quantizer(Role(tensor_type=t, module_type=module_type, name=name))
+              for t in ("input", "weight", "grad_output")}
+        return cls(recipe=recipe, **qs, states={t: q.make_state() for t, q in qs.items()})
+
+    def start_forward_pass(self) -> None:
+        self.input.advance_state(self.states["input"])
+        self.weight.advance_state(self.states["weight"])
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward (e.g. an activation recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: LinearPlan):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        k = x.shape[-1]
+        x_q = plan.input.quantize(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
+                                  state=plan.states["input"])
+        w_q = weight if isinstance(weight, QuantizedTensor) else plan.weight.quantize(
+            weight, rowwise=True, columnwise=need_dgrad, state=plan.states["weight"])
+        # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
+        y = gemm.fprop(x_q, w_q, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        _saved.pack(ctx, x_q.columnwise if need_wgrad else None, w_q.columnwise if need_dgrad else None)
+        ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan = ctx.plan
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_col, w_col = _saved.unpack(ctx)
+        n = dy.shape[-1]
+        dy2d = dy.reshape(-1, n)
+        plan.grad_output.advance_state(plan.states["grad_output"])
+        dy_q = plan.grad_output.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
+                                         state=plan.states["grad_output"])
+        dx = dw = db = None
+        if need_dgrad:
+            # dgrad: dx [M, K] = dy [M, N] · W [N, K]   (W columnwise stored [K, N])
+            dx = gemm.gemm_nt(dy_q.rowwise, w_col, out_dtype=plan.recipe.dgrad.out_dtype or ctx.x_dtype,
+                              config=plan.recipe.dgrad).reshape(ctx.x_shape)
+        if need_wgrad:
+            # wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]   (dy, x columnwise stored [N, M], [K, M])
+            dw = gemm.gemm_nt(dy_q.columnwise, x_col, out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
+                              config=plan.recipe.wgrad)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0)
+        return dx, dw, db, None
+
+
+class _DequantizeFn(torch.autograd.Function):
+    """Straight-through dequantize: the gradient passes to the quantized tensor unchanged."""
+
+    @staticmethod
+    def forward(ctx, t: QuantizedTensor, dtype: torch.dtype):
+        return t.dequantize(dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Linear(nn.Module):
+    """Drop-in ``nn.Linear`` whose GEMMs run in a recipe's formats.
+
+    The recipe is ``recipe`` if given, else the one of the enclosing ``hd.autocast``;
+    with neither, the layer runs in high precision. Created inside
+    ``hd.quantized_model_init(recipe)``, the weight is a :class:`QuantizedTensor`.
+    ``name`` is the qualified name passed to the recipe's factory in ``Role.name``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: Recipe | None = None, name: str = "", device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.recipe = recipe
+        self.name = name
+        self._plans: dict[int, LinearPlan] = {}  # id(recipe) -> quantizers and states
+        self._last_recipe: Recipe | None = None  # recipe of the last forward, for recompute
+        w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self._init_weights(w)
+
+    def _init_weights(self, w: torch.Tensor) -> None:
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        init = model_init_recipe()
+        if init is None:
+            self.weight = nn.Parameter(w)
+            return
+        recipe, keep_hp = init
+        q = self._plan(recipe).weight
+        self.weight = nn.Parameter(q.quantize(w, rowwise=True, columnwise=True))
+        if keep_hp:
+            self.weight._hd_hp_init = w.float()
+
+    def _plan(self, recipe: Recipe) -> LinearPlan:
+        plan = self._plans.get(id(recipe))
+        if plan is None or plan.recipe is not recipe:
+            plan = LinearPlan.build(recipe, module_type="linear", name=self.name)
+            self._plans[id(recipe)] = plan
+        return plan
+
+    def active_recipe(self) -> Recipe | None:
+        recipe = self.recipe or current_recipe()
+        if in_backward():
+            return recipe or self._last_recipe
+        if torch.is_grad_enabled():
+            self._last_recipe = recipe
+        return recipe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"hd.Linear expects input [..., {self.in_features}], got {tuple(x.shape)}")
+        recipe = self.active_recipe()
+        if recipe is None:
+            w = self.weight
+            if isinstance(w, QuantizedTensor):
+                w = _DequantizeFn.apply(w, x.dtype)
+            return F.linear(x, w, self.bias)
+        plan = self._plan(recipe)
+        if not in_backward():
+            plan.start_forward_pass()
+        return _LinearFn.apply(x, self.weight, self.bias, plan)
+
+    def extra_repr(self) -> str:
+        recipe = self.recipe.name if self.recipe else None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, recipe={recipe}"

@@ -1,0 +1,166 @@
+"""``QuantizedTensor``: a ``torch.Tensor`` wrapper subclass holding up to two directions.
+
+The wrapper has the logical shape and high-precision dtype of the tensor it quantizes;
+its data lives in per-direction storages (``t.rowwise``, ``t.columnwise``; see
+``formats/_storage`` for the stored layouts). ``__torch_dispatch__`` is a lookup in the op
+table of ``_tensor_ops``; an op not in the table raises ``NotImplementedError`` naming it.
+
+Inner tensors are flattened as ``"<direction>__<field>"`` (e.g. ``rowwise__data``), which
+is also how they are reachable as attributes, so ``torch.compile`` and FSDP2 can see them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from hybrid_dist.formats._storage import DirectionStorage, storage_meta_fields
+
+DIRECTIONS = ("rowwise", "columnwise")
+
+
+class QuantizedTensor(torch.Tensor):
+    """A tensor quantized per direction; build with ``quantizer.quantize(x)``."""
+
+    _rowwise: DirectionStorage | None  # fprop operand, stored [M, K]
+    _columnwise: DirectionStorage | None  # backward operand, stored [K, M]
+    _quantizer: Any  # the Quantizer that made it; re-quantizes on copy_ from high precision
+
+    @staticmethod
+    def __new__(cls, shape, dtype, rowwise, columnwise, quantizer, *, requires_grad=False):
+        if rowwise is None and columnwise is None:
+            raise ValueError("QuantizedTensor needs at least one of rowwise / columnwise")
+        device = (rowwise or columnwise).device
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        self._rowwise = rowwise
+        self._columnwise = columnwise
+        self._quantizer = quantizer
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # --- public -------------------------------------------------------------------
+    @property
+    def rowwise(self) -> DirectionStorage | None:
+        return self._rowwise
+
+    @property
+    def columnwise(self) -> DirectionStorage | None:
+        return self._columnwise
+
+    @property
+    def quantizer(self):
+        return self._quantizer
+
+    def storage_of(self, direction: str) -> DirectionStorage | None:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {direction!r}")
+        return self._rowwise if direction == "rowwise" else self._columnwise
+
+    def dequantize(self, direction: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain tensor of this shape from ``direction``; by default from the more precise
+        direction present."""
+        if direction is None:
+            present = [d for d in DIRECTIONS if self.storage_of(d) is not None]
+            direction = max(present, key=lambda d: self._quantizer.direction_quantizer(d).PRECISION_RANK)
+        st = self.storage_of(direction)
+        if st is None:
+            raise ValueError(
+                f"this QuantizedTensor has no {direction} direction (it has "
+                f"{[d for d in DIRECTIONS if self.storage_of(d) is not None]}); quantize "
+                f"with {direction}=True"
+            )
+        return st.dequantize(dtype or self.dtype).reshape(self.shape)
+
+    def nbytes_by_direction(self) -> dict[str, int]:
+        return {d: self.storage_of(d).nbytes() for d in DIRECTIONS if self.storage_of(d) is not None}
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        dirs = {d: type(self.storage_of(d)).__name__ for d in DIRECTIONS if self.storage_of(d) is not None}
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, directions={dirs}, quantizer={self._quantizer})"
+        )
+
+    # --- flatten / unflatten ------------------------------------------------------
+    def __tensor_flatten__(self):
+        names, meta = [], {}
+        for d in DIRECTIONS:
+            st = self.storage_of(d)
+            if st is not None:
+                names += [f"{d}__{f}" for f in st.TENSOR_FIELDS]
+                meta[d] = _storage_meta(st)
+        return names, (meta, self._quantizer, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        meta, quantizer, dtype = ctx
+        storages = {}
+        for d, (cls, fields) in meta.items():
+            tensors = {f: inner_tensors[f"{d}__{f}"] for f in cls.TENSOR_FIELDS}
+            storages[d] = cls(**fields, **tensors)
+        return QuantizedTensor(
+            outer_size, dtype, storages.get("rowwise"), storages.get("columnwise"), quantizer
+        )
+
+    def __getattr__(self, name: str):
+        direction, sep, field = name.partition("__")
+        if sep and direction in DIRECTIONS and field:
+            st = object.__getattribute__(self, f"_{direction}")
+            if st is not None and field in st.TENSOR_FIELDS:
+                return getattr(st, field)
+        raise AttributeError(f"'QuantizedTensor' object has no attribute '{name}'")
+
+    # --- pickling (torch.save; torch.load(weights_only=True) after add_safe_globals) --
+    def __reduce_ex__(self, protocol):
+        storages = tuple(
+            None if st is None else (type(st), storage_meta_fields(st), st.tensors())
+            for st in (self._rowwise, self._columnwise)
+        )
+        args = (tuple(self.shape), self.dtype, self.requires_grad, storages, encode_config(self._quantizer))
+        return (_rebuild_quantized_tensor, args)
+
+    # --- dispatch -----------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from hybrid_dist._tensor_ops import OPS
+
+        impl = OPS.get(func) or OPS.get(func.overloadpacket)
+        if impl is None:
+            raise NotImplementedError(
+                f"{func} is not supported on hd.QuantizedTensor. Supported ops: detach, "
+                "clone, _to_copy, copy_, view/reshape of leading dims, split/slice/narrow "
+                "along dim 0, new_zeros, empty_like, zero_. Call .dequantize() first for "
+                "anything else."
+            )
+        return impl(func, args, kwargs or {})
+
+
+def _storage_meta(st: DirectionStorage):
+    return (type(st), storage_meta_fields(st))
+
+
+def encode_config(q) -> Any:
+    """A quantizer (frozen dataclass, possibly nested) as ``(cls, ((field, value), ...))``
+    so that it unpickles with ``weights_only=True`` (only the class is a global)."""
+    if dataclasses.is_dataclass(q) and not isinstance(q, type):
+        return (type(q), tuple((f.name, encode_config(getattr(q, f.name))) for f in dataclasses.fields(q)))
+    return q
+
+
+def decode_config(obj) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], type) and dataclasses.is_dataclass(obj[0]):
+        cls, fields = obj
+        return cls(**{k: decode_config(v) for k, v in fields})
+    return obj
+
+
+def _rebuild_quantized_tensor(shape, dtype, requires_grad, storages, quantizer):
+    built = [None if s is None else s[0](**s[1], **s[2]) for s in storages]
+    return QuantizedTensor(
+        shape, dtype, built[0], built[1], decode_config(quantizer), requires_grad=requires_grad
+    )

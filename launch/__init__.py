@@ -1,0 +1,1 @@
+"""hybrid_dist.launch (see DESIGN §3)."""

@@ -1,0 +1,1 @@
+"""hybrid_dist.moe (see DESIGN §3)."""

@@ -1,0 +1,1 @@
+"""hybrid_dist.tensor_parallel (see DESIGN §3)."""
