@@ -95,7 +95,8 @@ class DelayedScalingState:
 def _scale_from_amax(amax: torch.Tensor, q: "Float8Quantizer", margin: int = 0) -> torch.Tensor:
     fmax = FP8_MAX[q.dtype]
     amax = amax.float()
-    scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax))
+    # a tensor numerator: ``scalar / tensor`` is reciprocal-then-multiply in torch (2 roundings)
+    scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))
     scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
     if margin:
         scale = scale / (2.0**margin)

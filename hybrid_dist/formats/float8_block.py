@@ -85,7 +85,8 @@ class Float8BlockQuantizer(Quantizer):
         blocks = x.float().reshape(r // br, br, c // BLOCK, BLOCK)
         amax = blocks.abs().amax(dim=(1, 3)).clamp(min=self.amax_epsilon)
         fmax = FP8_MAX[self.dtype]
-        scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax))
+        # a tensor numerator: ``scalar / tensor`` is reciprocal-then-multiply in torch (2 roundings)
+        scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))
         scale = scale.clamp(max=torch.finfo(torch.float32).max)
         if self.power_of_2_scales:
             scale = pow2_floor(scale)
