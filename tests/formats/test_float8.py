@@ -199,3 +199,12 @@ def test_delayed_state_dict_round_trip():
 def test_current_scaling_has_no_state():
     assert Float8Quantizer().make_state() is None
     assert Float8Quantizer().is_per_tensor
+
+
+def test_scale_is_one_correctly_rounded_division():
+    # scale = fl(448 / amax), one IEEE division (what TE and the div_rn kernels compute);
+    # torch's ``448.0 / tensor`` (reciprocal, then multiply) is off by 1 ulp for ~1/4 of amaxes.
+    amaxes = torch.rand(64, generator=torch.Generator().manual_seed(0)) * 100 + 1e-3
+    got = torch.stack([Float8Quantizer().quantize(_x(float(a))).rowwise.scale_inv for a in amaxes])
+    expected = torch.reciprocal(torch.full_like(amaxes, 448.0) / amaxes)
+    assert_bitwise_equal(got, expected, "scale_inv")
