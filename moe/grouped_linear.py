@@ -1,0 +1,216 @@
+"""``GroupedLinear``: E experts' Linears ``y_e = x_e W_eᵀ`` over token-grouped rows.
+
+Legend: T tokens (sorted by expert), E experts, K in_features, N out_features,
+``m_e`` tokens of expert e, ``p_e`` its padded count (``split_quantize`` note).
+
+One ``autograd.Function``; each GEMM is grouped over experts (reference: a loop of
+``gemm_nt`` per expert on the padded slices; CUDA + identity (bf16) recipe:
+``torch._grouped_mm`` with device offsets, no host sync — ``_grouped_mm.py``):
+
+    fprop  y_e  [p_e, N] = x_e.rowwise  [p_e, K] · W_e.rowwise    [N, K]ᵀ   → rows [:m_e]
+    dgrad  dx_e [p_e, K] = dy_e.rowwise [p_e, N] · W_e.columnwise [K, N]ᵀ   → rows [:m_e]
+    wgrad  dW_e [N, K]   = dy_e.colwise [N, p_e] · x_e.columnwise [K, p_e]ᵀ (groups along T)
+
+[Note: expert weights]
+The weight is one parameter ``[E, N, K]``. High precision: each forward quantizes each
+W_e ``[N, K]`` with its own state (per-expert per-tensor scales, as E ``hd.Linear``s).
+Under ``hd.quantized_model_init`` the parameter is one ``QuantizedTensor [E, N, K]``
+quantized as the 2D ``[E·N, K]`` (one per-tensor scale for all experts): rowwise stored
+``[E·N, K]``, expert e = rows ``[eN, (e+1)N)``; columnwise stored ``[K, E·N]`` = ``[W_0ᵀ |
+W_1ᵀ | ...]``, so expert e's dgrad operand W_eᵀ is columns ``[eN, (e+1)N)`` — a narrow of
+the stored C axis, exact whenever N is a multiple of the columnwise block along N (32
+MXFP8, 16 NVFP4 2D, 128 FP8 128x128), which the quantizer enforces on ``[E·N, K]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybrid_dist import _saved, gemm
+from hybrid_dist._tensor_ops import stateless
+from hybrid_dist.autocast import current_recipe, model_init_recipe
+from hybrid_dist.linear import LinearPlan, in_backward
+from hybrid_dist.quantized_tensor import QuantizedTensor
+from hybrid_dist.recipes import Recipe
+from hybrid_dist.moe import _grouped_mm
+from hybrid_dist.moe.split_quantize import GroupedQuantized, split_quantize, token_multiple
+
+__all__ = ["GroupedLinear", "GroupedPlan"]
+
+
+class GroupedPlan:
+    """A grouped module's quantizers (one per role, shared by experts) and per-expert
+    states (delayed-scaling histories, SR generators): ``states[tensor_type][e]``."""
+
+    def __init__(self, recipe: Recipe, *, num_experts: int, name: str):
+        base = LinearPlan.build(recipe, module_type="grouped_linear", name=name)
+        self.recipe = recipe
+        self.input, self.weight, self.grad_output = base.input, base.weight, base.grad_output
+        self.states = {t: [getattr(self, t).make_state() for _ in range(num_experts)]
+                       for t in ("input", "weight", "grad_output")}
+        self.multiple = token_multiple(self.input, self.grad_output)  # x and dy pad alike
+
+    def advance(self, tensor_type: str) -> None:
+        q = getattr(self, tensor_type)
+        for s in self.states[tensor_type]:
+            q.advance_state(s)
+
+
+def _weight_operands(weight, plan: GroupedPlan, *, need_dgrad: bool):
+    """Per-expert (rowwise [N, K], columnwise [K, N] or None) storages (see the note)."""
+    e, n, _ = weight.shape
+    if isinstance(weight, QuantizedTensor):
+        if need_dgrad and weight.columnwise is None:
+            raise ValueError("GroupedLinear: the quantized weight has no columnwise direction, needed by dgrad")
+        rows = [weight.rowwise.narrow_dim0(i * n, n) for i in range(e)]
+        cols = [weight.columnwise.narrow_dim0(i * n, n) if need_dgrad else None for i in range(e)]
+        return rows, cols
+    rows, cols = [], []
+    for i in range(e):
+        r, c = plan.weight.quantize_storages(weight[i], rowwise=True, columnwise=need_dgrad,
+                                             state=plan.states["weight"][i])
+        rows.append(r)
+        cols.append(c)
+    return rows, cols
+
+
+def _grouped_gemm_rows(a_list, b_list, splits, *, out_dtype, config, width, like) -> torch.Tensor:
+    """``cat_e (A_e @ B_eᵀ)[:m_e]`` → ``[T, width]`` (fprop and dgrad)."""
+    outs = [gemm.gemm_nt(a, b, out_dtype=out_dtype, config=config)[:m] for a, b, m in zip(a_list, b_list, splits)]
+    if not outs:
+        return like.new_zeros(0, width, dtype=out_dtype)
+    return torch.cat(outs)
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, tokens_per_expert, plan: GroupedPlan, io: dict | None):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        e, n, _ = weight.shape
+        x_q = io.get("x_quantized") if io else None
+        if x_q is None:
+            x_q = split_quantize(x, tokens_per_expert, [plan.input] * e, rowwise=True, columnwise=need_wgrad,
+                                 states=plan.states["input"], multiple=plan.multiple)
+        w_rows, w_cols = _weight_operands(weight, plan, need_dgrad=need_dgrad)
+        # fprop: y_e [p_e, N] = x_e [p_e, K] · W_e [N, K]ᵀ, keep the m_e real rows
+        y = _grouped_gemm_rows(x_q.rowwise, w_rows, x_q.splits, out_dtype=plan.recipe.fprop.out_dtype or x.dtype,
+                               config=plan.recipe.fprop, width=n, like=x)
+        x_cols = x_q.columnwise if need_wgrad else [None] * e
+        _saved.pack(ctx, *x_cols, *(w_cols if need_dgrad else [None] * e))
+        ctx.plan, ctx.io, ctx.num_experts = plan, io, e
+        ctx.splits, ctx.padded = x_q.splits, x_q.padded_splits
+        ctx.x_dtype, ctx.w_dtype, ctx.k = x.dtype, weight.dtype, x.shape[1]
+        ctx.save_tpe = tokens_per_expert
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan, e = ctx.plan, ctx.num_experts
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        saved = _saved.unpack(ctx)
+        x_cols, w_cols = saved[:e], saved[e:]
+        dy_q = ctx.io.get("dy_quantized") if ctx.io else None
+        if dy_q is None:
+            plan.advance("grad_output")
+            dy_q = split_quantize(dy.contiguous(), ctx.save_tpe, [plan.grad_output] * e, rowwise=need_dgrad,
+                                  columnwise=need_wgrad, states=plan.states["grad_output"], multiple=plan.multiple)
+        dx = dw = None
+        if need_dgrad:
+            # dgrad: dx_e [p_e, K] = dy_e [p_e, N] · W_e [N, K]   (W_e columnwise stored [K, N])
+            dx = _grouped_gemm_rows(dy_q.rowwise, w_cols, ctx.splits, out_dtype=plan.recipe.dgrad.out_dtype
+                                    or ctx.x_dtype, config=plan.recipe.dgrad, width=ctx.k, like=dy)
+        if need_wgrad:
+            # wgrad: dW_e [N, K] = dy_eᵀ [N, p_e] · x_e [p_e, K]   (grouped along tokens)
+            dw = torch.stack([
+                gemm.gemm_nt(d, xc, out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype, config=plan.recipe.wgrad)
+                for d, xc in zip(dy_q.columnwise, x_cols)
+            ])
+        return dx, dw, None, None, None
+
+
+class GroupedLinear(nn.Module):
+    """E bias-free Linears ``[in_features → out_features]`` applied to token groups.
+
+    ``forward(x [T, K], tokens_per_expert [E] int on x's device) -> [T, N]``; rows of x are
+    sorted by expert. Recipe resolution as ``hd.Linear`` (own ``recipe``, else the
+    enclosing ``hd.autocast``, else high precision); roles use ``module_type="grouped_linear"``.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, *,
+                 recipe: Recipe | None = None, name: str = "", device=None, dtype=None):
+        super().__init__()
+        if bias:
+            raise NotImplementedError("GroupedLinear(bias=True) is not supported; experts here are bias-free")
+        if num_experts < 1:
+            raise ValueError(f"GroupedLinear needs num_experts >= 1, got {num_experts}")
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.recipe, self.name = recipe, name
+        self._plans: dict[int, GroupedPlan] = {}  # id(recipe) -> quantizers and per-expert states
+        self._last_recipe: Recipe | None = None  # recipe of the last forward, for recompute
+        w = torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype)
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0
+        nn.init.uniform_(w, -bound, bound)  # = kaiming_uniform(a=√5) of each [N, K] expert
+        init = model_init_recipe()
+        if init is None:
+            self.weight = nn.Parameter(w)
+        else:
+            recipe_init, keep_hp = init
+            q = stateless(self.plan(recipe_init).weight)  # delayed scaling has no history yet
+            self.weight = nn.Parameter(q.quantize(w, rowwise=True, columnwise=True))
+            if keep_hp:
+                self.weight._hd_hp_init = w.float()
+
+    def plan(self, recipe: Recipe) -> GroupedPlan:
+        p = self._plans.get(id(recipe))
+        if p is None or p.recipe is not recipe:
+            p = GroupedPlan(recipe, num_experts=self.num_experts, name=self.name)
+            self._plans[id(recipe)] = p
+        return p
+
+    def active_recipe(self) -> Recipe | None:
+        recipe = self.recipe or current_recipe()
+        if in_backward():
+            return recipe or self._last_recipe
+        if torch.is_grad_enabled():
+            self._last_recipe = recipe
+        return recipe
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, *, io: dict[str, Any] | None = None):
+        """``io`` (expert-parallel hook): ``{"x_quantized": GroupedQuantized}`` replaces the
+        input quantization; ``"dy_quantized"``, filled before this layer's backward runs,
+        replaces the gradient quantization (``expert_parallel``)."""
+        self._check(x, tokens_per_expert)
+        recipe = self.active_recipe()
+        if recipe is None:
+            return _grouped_mm.high_precision(x, self.weight, tokens_per_expert)
+        plan = self.plan(recipe)
+        if io is None and _grouped_mm.fits(plan, x, self.weight):
+            return _grouped_mm.grouped_mm_linear(x, self.weight, tokens_per_expert)
+        if not in_backward():
+            plan.advance("input")
+            plan.advance("weight")
+        return _GroupedLinearFn.apply(x, self.weight, tokens_per_expert, plan, io)
+
+    def _check(self, x, tokens_per_expert) -> None:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"GroupedLinear expects x [T, {self.in_features}], got {tuple(x.shape)}")
+        if (not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.shape != (self.num_experts,)
+                or tokens_per_expert.is_floating_point() or tokens_per_expert.device != x.device):
+            raise ValueError(
+                f"GroupedLinear expects tokens_per_expert as an int tensor [{self.num_experts}] on "
+                f"{x.device}; got {getattr(tokens_per_expert, 'dtype', type(tokens_per_expert).__name__)} "
+                f"{tuple(getattr(tokens_per_expert, 'shape', ()))} on {getattr(tokens_per_expert, 'device', None)}"
+            )
+
+    def extra_repr(self) -> str:
+        recipe = self.recipe.name if self.recipe else None
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, recipe={recipe}")
+
+
+# GroupedQuantized is part of the io protocol above
+_ = GroupedQuantized
