@@ -165,11 +165,12 @@ class NVFP4Quantizer(Quantizer):
         gen = state.generator(device) if isinstance(state, NVFP4State) else None
         return torch.rand(shape, device=device, generator=gen)
 
-    def _storage(self, x, amax, state, *, transposed: bool, rht: bool) -> NVFP4Storage:
+    def _storage(self, x, amax, state, *, transposed: bool, rht: bool, rht_amax=None) -> NVFP4Storage:
         seed = self.rht_seed if rht else None
         if rht:
             x = apply_hadamard16(x.float(), hadamard16(self.rht_seed, x.device))
-            amax = tensor_amax(x)  # the transformed direction uses its own amax
+            # the transformed direction uses its own amax (precomputed, e.g. group-reduced, or local)
+            amax = tensor_amax(x) if rht_amax is None else rht_amax
         elif amax is None:
             amax = tensor_amax(x)
         gs = nvfp4_global_scale(amax.to(x.device))
@@ -194,3 +195,24 @@ class NVFP4Quantizer(Quantizer):
         elif columnwise:
             col = self._storage(x.t(), amax, state, transposed=True, rht=self.rht)
         return (row if rowwise else None), col
+
+    # --- precomputed amax of the Hadamard (columnwise) direction (additive; used by TP) ---
+    def columnwise_rht_amax(self, x2d: torch.Tensor) -> torch.Tensor:
+        """fp32 amax of the columnwise direction of ``x2d [M, K]`` in its Hadamard domain
+        (``M % 16 == 0``). The max over row shards equals the full tensor's value, so it
+        can be all-reduced (MAX) over a process group."""
+        if not self.rht:
+            raise ValueError("columnwise_rht_amax needs NVFP4Quantizer(rht=True); got rht=False")
+        return tensor_amax(apply_hadamard16(x2d.t().float(), hadamard16(self.rht_seed, x2d.device)))
+
+    def quantize_columnwise_rht(self, x2d: torch.Tensor, *, amax: torch.Tensor, rht_amax: torch.Tensor,
+                                state=None) -> NVFP4Storage:
+        """Columnwise (Hadamard) storage of ``x2d [M, K]`` (stored ``[K, M]``) with a
+        precomputed ``rht_amax`` (see ``columnwise_rht_amax``); reference backend only.
+        Bitwise equal to ``quantize_storages(x2d, rowwise=False, columnwise=True)`` when
+        ``rht_amax`` is that tensor's own value."""
+        if not self.rht:
+            raise ValueError("quantize_columnwise_rht needs NVFP4Quantizer(rht=True); got rht=False")
+        self.check_input(x2d, rowwise=False, columnwise=True)
+        x2d = x2d.detach()
+        return self._storage(x2d.t(), amax, state, transposed=True, rht=True, rht_amax=rht_amax.float().to(x2d.device))

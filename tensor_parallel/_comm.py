@@ -1,0 +1,175 @@
+"""Low-level collectives of the TP package: byte-packed all-gathers, reduce-scatters,
+amax all-reduces, async handles and the bytes-on-the-wire log.
+
+[Note: one collective per gather]
+A quantized all-gather moves several tensors (codes, block scales; per direction). They
+are packed into **one** flat ``uint8`` buffer per rank (each field moved so that its
+logical-dim-0 axis is first, then viewed as bytes) and gathered with a single
+``all_gather_single``/``all_gather_into_tensor``; the receiver unpacks each rank's slice
+and concatenates along the field's own axis. Viewing as bytes also lets backends without
+fp8 support (gloo) carry fp8 payloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 names them *_single; 2.11 has only the *_tensor spelling.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --- bytes-on-the-wire log ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WireEvent:
+    """One collective's payload. ``nbytes`` = bytes of the gathered output (all_gather),
+    of the full input (reduce_scatter) or of the reduced tensor (all_reduce)."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    what: str  # "rowwise" | "columnwise" | "high_precision" | "amax" | "grad" | "output" | ...
+    fmt: str  # storage format ("fp8", "mxfp8", "nvfp4", ...) or the dtype name
+    nbytes: int
+
+
+@dataclasses.dataclass
+class WireLog:
+    """Events recorded inside ``record_wire_bytes()`` (this process, in call order)."""
+
+    events: list[WireEvent] = dataclasses.field(default_factory=list)
+
+    def total(self, kind: str | None = None, what: str | None = None) -> int:
+        return sum(e.nbytes for e in self.events
+                   if (kind is None or e.kind == kind) and (what is None or e.what == what))
+
+
+_LOG: contextvars.ContextVar[WireLog | None] = contextvars.ContextVar("hd_tp_wire_log", default=None)
+
+
+@contextlib.contextmanager
+def record_wire_bytes():
+    """Record the payload of every TP collective run inside the block::
+
+        with record_wire_bytes() as log:
+            gather_along_first_dim(x, group, quantizer=q)
+        log.total("all_gather", "rowwise")
+    """
+    log = WireLog()
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def log_event(kind: str, what: str, fmt: str, nbytes: int) -> None:
+    log = _LOG.get()
+    if log is not None:
+        log.events.append(WireEvent(kind=kind, what=what, fmt=fmt, nbytes=int(nbytes)))
+
+
+# --- async handle ---------------------------------------------------------------------
+class CollectiveHandle:
+    """Result of an ``async_op=True`` call: ``wait()`` finishes the collective (and any
+    unpacking / quantization after it) and returns the result; calling it again returns
+    the same object."""
+
+    def __init__(self, work, finish: Callable[[], object]):
+        self._work = work
+        self._finish = finish
+        self._result = None
+        self._done = False
+
+    def wait(self):
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._done = True
+            self._finish = None
+        return self._result
+
+
+def finish_or_handle(work, finish: Callable[[], object], async_op: bool):
+    if async_op:
+        return CollectiveHandle(work, finish)
+    if work is not None:
+        work.wait()
+    return finish()
+
+
+# --- primitives -------------------------------------------------------------------------
+def group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
+    """All-gather ``x`` along dim 0: ``[d0, *rest]`` → ``[world·d0, *rest]`` (rank order).
+    Returns ``(work or None, output)``; the output is valid after ``work.wait()``."""
+    world = group_size(group)
+    x = x.contiguous()
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    if x.dtype.itemsize == 1 and x.dtype.is_floating_point:  # fp8: carried as bytes
+        work = _all_gather_single(out.view(torch.uint8), x.view(torch.uint8), group=group, async_op=async_op)
+    else:
+        work = _all_gather_single(out, x, group=group, async_op=async_op)
+    return work, out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
+    """Sum over ranks and scatter along dim 0: ``[world·d, *rest]`` → ``[d, *rest]``."""
+    world = group_size(group)
+    if x.shape[0] % world:
+        raise ValueError(
+            f"reduce_scatter_along_first_dim: dim 0 has size {x.shape[0]}, not a multiple of "
+            f"the group size {world}. Pad the sequence to a multiple of {world}."
+        )
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    work = _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return work, out
+
+
+def all_reduce_(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, async_op: bool = False):
+    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+
+
+# --- byte packing -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _FieldSpec:
+    dtype: torch.dtype
+    moved_shape: tuple[int, ...]  # shape with the gathered axis first
+    axis: int
+    nbytes: int
+
+
+def pack_fields(fields: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, list[_FieldSpec]]:
+    """``[(tensor, axis)]`` → (flat uint8 buffer, specs). ``axis`` is the dim gathered."""
+    parts, specs = [], []
+    for t, axis in fields:
+        moved = t.movedim(axis, 0).contiguous()
+        raw = moved.reshape(-1).view(torch.uint8) if moved.numel() else moved.new_empty(0, dtype=torch.uint8)
+        parts.append(raw)
+        specs.append(_FieldSpec(t.dtype, tuple(moved.shape), axis, raw.numel()))
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return flat, specs
+
+
+def unpack_gathered(out: torch.Tensor, specs: list[_FieldSpec], world: int) -> list[torch.Tensor]:
+    """Inverse of ``pack_fields`` after an all-gather: each field concatenated over ranks
+    along its axis."""
+    per_rank = out.view(world, -1)
+    result = []
+    offset = 0
+    for sp in specs:
+        chunk = per_rank[:, offset:offset + sp.nbytes].contiguous()
+        offset += sp.nbytes
+        vals = chunk.view(sp.dtype).reshape(world, *sp.moved_shape)
+        full = torch.cat(list(vals.unbind(0)), dim=0)  # concatenated along the moved axis
+        result.append(full.movedim(0, sp.axis).contiguous())
+    return result
