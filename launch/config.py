@@ -1,0 +1,104 @@
+"""``TrainConfig`` (every option of the training job) and its command-line parser.
+
+The parser maps ``--flag-name`` to the field ``flag_name``; ``parse_args(argv)`` returns a
+validated config, so tests build the same object in-process with ``TrainConfig(...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+from typing import Sequence
+
+import hybrid_dist as hd
+from hybrid_dist.launch.presets import PRESETS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    preset: str = "tiny"
+    recipe: str = "bf16"            # a name in hd.RECIPE_NAMES or "package.module:attr"
+    steps: int = 100
+    batch_size: int = 2             # sequences per data-parallel rank
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup: int = 10
+    min_lr_ratio: float = 0.1       # cosine decay to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    fsdp: int = -1                  # dp_shard degree; -1 = world / (hsdp * tp)
+    hsdp: int = 1                   # dp_replicate degree (HSDP when > 1)
+    tp: int = 1
+    ep: int = 1                     # expert parallel, carved out of the fsdp axis
+    moe_experts: int = 0            # 0 = dense MLP
+    moe_top_k: int = 2
+    dtype: str = "auto"             # compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32
+    quantized_init: bool = False
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    compile: bool = False
+    data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
+    data_dtype: str = "uint16"
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: str | None = None       # a checkpoint step dir, or a checkpoint_dir (latest step)
+    metrics: str | None = None      # JSONL path (rank 0 writes)
+    log_every: int = 1
+    run_name: str | None = None
+    quiet: bool = False
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.fsdp != -1 and self.fsdp < 1:
+            raise ValueError(f"--fsdp must be >= 1 (or -1 for 'all remaining ranks'), got {self.fsdp}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        if self.save_every and not self.checkpoint_dir:
+            raise ValueError("--save-every needs --checkpoint-dir DIR")
+        if self.ep > 1 and not self.moe_experts:
+            raise ValueError(f"--ep {self.ep} needs an MoE model: pass --moe-experts N (a multiple of {self.ep})")
+
+    @property
+    def name(self) -> str:
+        return self.run_name or f"{self.preset}-{self.recipe}"
+
+
+def load_recipe(spec: str) -> hd.Recipe:
+    """A named recipe, or ``package.module:attr`` naming an ``hd.Recipe`` or a function returning one."""
+    if spec in hd.RECIPE_NAMES:
+        return hd.recipe_from_name(spec)
+    if ":" not in spec:
+        raise ValueError(f"--recipe {spec!r}: use one of {', '.join(hd.RECIPE_NAMES)} or 'package.module:attr'")
+    mod_name, attr = spec.split(":", 1)
+    obj = getattr(importlib.import_module(mod_name), attr)
+    recipe = obj if isinstance(obj, hd.Recipe) else obj()
+    if not isinstance(recipe, hd.Recipe):
+        raise ValueError(f"--recipe {spec!r} gave {type(recipe).__name__}; it must be (or return) an hd.Recipe")
+    return recipe
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hybrid_dist.launch.train",
+                                description="Train a Llama-style model with a hybrid low-precision recipe.")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", default=f.default)
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        p.add_argument(flag, type=kind, default=f.default)
+    p.add_argument("--dry-run", action="store_true", help="validate the configuration for --world-size ranks")
+    p.add_argument("--world-size", type=int, default=None, help="ranks to validate with --dry-run")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    ns = build_parser().parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(ns).items() if k in fields}), ns

@@ -1,0 +1,145 @@
+"""``train(cfg)``: build, parallelize and train the model; the body of ``launch.train``.
+
+Callable in-process on an initialised process group (tests run it on gloo ranks); under
+``torchrun`` it initialises the group itself (NCCL on GPU, gloo on CPU). Returns the
+summary dict, with every step's data-parallel-mean loss under ``"losses"``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import hybrid_dist as hd
+from hybrid_dist.launch import checkpoint
+from hybrid_dist.launch.config import TrainConfig, load_recipe
+from hybrid_dist.launch.data import make_data
+from hybrid_dist.launch.mesh import ParallelDims
+from hybrid_dist.launch.metrics import Meter
+from hybrid_dist.launch.model import Transformer, apply_recipe
+from hybrid_dist.launch.parallelize import needs_fsdp, parallelize
+from hybrid_dist.launch.presets import preset
+from hybrid_dist.launch.quantized_init import check_quantized_init
+
+
+def init_distributed() -> torch.device:
+    """The process group (joined if already up) and this rank's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine to ``lr * min_lr_ratio``."""
+    if step <= cfg.warmup:
+        return cfg.lr * step / max(cfg.warmup, 1)
+    frac = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.device):
+    """The parallelized model and the recipe. Weights are initialised before sharding on
+    CPU (identical for every world size) and after sharding on meta→GPU (large presets)."""
+    mcfg = preset(cfg.preset, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k)
+    if cfg.seq_len > mcfg.max_seq_len:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds preset {cfg.preset!r}'s max_seq_len {mcfg.max_seq_len}")
+    recipe = load_recipe(cfg.recipe)
+    compute_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    torch.manual_seed(cfg.seed)
+    on_meta = device.type == "cuda" and not cfg.quantized_init
+    if cfg.quantized_init:
+        check_quantized_init(needs_fsdp=needs_fsdp(cfg, dims, compute_dtype), tp=dims.tp)
+        with torch.device(device), hd.quantized_model_init(recipe):
+            model = Transformer(mcfg)
+    else:
+        with torch.device("meta" if on_meta else device):
+            model = Transformer(mcfg)
+    if not on_meta:
+        model.init_weights()
+    apply_recipe(model, recipe)
+    parallelize(model, cfg, dims, meshes, param_dtype=compute_dtype, device_type=device.type)
+    if on_meta:
+        model.to_empty(device=device)
+        model.init_weights()
+    return model, mcfg, recipe
+
+
+def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int) -> int:
+    """Estimated bytes each rank receives from FSDP all-gathers per step: every block is
+    gathered in forward and again in backward (the last block and the root once)."""
+    n = dims.fsdp
+    total = 0
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        numel = sum(p.numel() for p in block.parameters())
+        total += numel * (2 if i < len(blocks) - 1 else 1)
+    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    total += sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
+    return total * param_dtype_bytes * (n - 1) // n
+
+
+def make_optimizer(model, cfg: TrainConfig):
+    kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.quantized_init:  # quantized parameters step through fp32 master copies
+        return hd.MasterWeightOptimizer(torch.optim.AdamW, params, **kw)
+    return torch.optim.AdamW(params, **kw)
+
+
+def _mean_over(loss: torch.Tensor, group, size: int) -> float:
+    loss = loss.detach().float().clone()
+    dist.all_reduce(loss, group=group)  # gloo has no AVG
+    return float(loss) / size
+
+
+def train(cfg: TrainConfig) -> dict:
+    device = init_distributed()
+    dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
+    meshes = dims.build_meshes(device.type)
+    model, mcfg, recipe = build_model(cfg, dims, meshes, device)
+    optimizer = make_optimizer(model, cfg)
+    dp_rank = meshes.dp.get_local_rank()
+    data = make_data(cfg.data, vocab_size=mcfg.vocab_size, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                     seed=cfg.seed, dp_rank=dp_rank, dtype=cfg.data_dtype)
+    start = checkpoint.load(cfg.resume, model, optimizer, device) if cfg.resume else 0
+    dtype_bytes = 2 if (cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")) else 4
+    meter = Meter(total_steps=cfg.steps, flops_per_token=mcfg.flops_per_token(cfg.seq_len),
+                  world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
+                  log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=False,
+                  ag_bytes_per_step=all_gather_bytes_per_step(model, dims, dtype_bytes),
+                  run={"name": cfg.name, "recipe": recipe.name, "preset": cfg.preset, "world_size": dims.world_size,
+                       "fsdp": dims.fsdp, "hsdp": dims.hsdp, "tp": dims.tp, "ep": dims.ep, "start_step": start,
+                       "params": mcfg.num_params(), "entropy_floor": data.entropy_floor,
+                       "log_vocab": math.log(mcfg.vocab_size)})
+    losses = []
+    for step in range(start + 1, cfg.steps + 1):
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        tokens = data.batch(step).to(device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=True)
+            if isinstance(grad_norm, DTensor):
+                grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))
+        meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
+        if cfg.save_every and step % cfg.save_every == 0:
+            checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device)
+    summary = meter.finish({"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)})
+    return {**summary, "losses": losses}

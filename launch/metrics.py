@@ -1,0 +1,102 @@
+"""Progress line, metrics JSONL and the final summary (rank 0 prints and writes).
+
+MFU = achieved model FLOP/s ÷ the device's dense **bf16** peak (whatever the recipe), with
+FLOPs per token from ``ModelConfig.flops_per_token``; unknown devices (and CPUs) report
+none. Peak memory is ``torch.cuda.max_memory_allocated`` on GPU and the process's peak
+RSS on CPU. All-gather bytes are per rank per step: measured by ``hybrid_dist.fsdp2`` when
+it exposes accounting, else estimated from the sharded parameters (``ag_bytes_est``).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import torch
+
+# Dense bf16 tensor-core peak, FLOP/s (vendor datasheets, SXM parts).
+_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _BF16_PEAK.items() if k in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _bar(frac: float, width: int = 20) -> str:
+    n = int(round(frac * width))
+    return "█" * n + "·" * (width - n)
+
+
+class Meter:
+    """``meter.step(step, loss, tokens)`` after each optimizer step (on every rank)."""
+
+    def __init__(self, *, total_steps: int, flops_per_token: int, world_size: int, device: torch.device,
+                 rank: int, jsonl_path: str | None, log_every: int, quiet: bool, run: dict,
+                 ag_bytes_per_step: int | None, ag_measured: bool):
+        self.total, self.flops_per_token, self.world = total_steps, flops_per_token, world_size
+        self.device, self.is_main, self.log_every, self.quiet = device, rank == 0, log_every, quiet
+        self.peak = peak_flops(device)
+        self.ag_bytes, self.ag_key = ag_bytes_per_step, "ag_bytes" if ag_measured else "ag_bytes_est"
+        self.records: list[dict] = []
+        self._file = open(jsonl_path, "a") if (jsonl_path and self.is_main) else None
+        self._t0 = self._t_last = time.perf_counter()
+        self._tokens_total = 0
+        self._emit({"event": "start", **run})
+
+    def _emit(self, rec: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+
+    def step(self, step: int, loss: float, tokens: int, lr: float) -> dict:
+        """``tokens``: tokens processed by all ranks in this step."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        dt, self._t_last = now - self._t_last, now
+        self._tokens_total += tokens
+        tps = tokens / dt
+        mfu = (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None
+        rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tps, "step_time_s": dt,
+               "mfu": mfu, "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: self.ag_bytes}
+        self.records.append(rec)
+        self._emit(rec)
+        if self.is_main and not self.quiet and (step % self.log_every == 0 or step == self.total):
+            mfu_s = f"{100 * mfu:5.1f}%" if mfu is not None else "  n/a"
+            ag = f" | all-gather {rec[self.ag_key] / 2**20:.2f} MiB" if self.ag_bytes is not None else ""
+            print(f"step {step:>5}/{self.total} {_bar(step / self.total)} loss {loss:7.4f} | "
+                  f"{tps:>9,.0f} tok/s | MFU {mfu_s} | peak mem {rec['peak_mem_bytes'] / 2**30:.2f} GiB{ag}",
+                  flush=True)
+        return rec
+
+    def finish(self, extra: dict) -> dict:
+        steps = self.records
+        timed = steps[1:] or steps  # the first step includes warm-up
+        tps = sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1)
+        summary = {"event": "summary", "steps": len(steps), "first_loss": steps[0]["loss"] if steps else None,
+                   "final_loss": steps[-1]["loss"] if steps else None, "tokens_per_s": tps,
+                   "mfu": (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None,
+                   "peak_mem_bytes": peak_memory_bytes(self.device),
+                   "wall_s": time.perf_counter() - self._t0, **extra}
+        self._emit(summary)
+        if self._file:
+            self._file.close()
+        if self.is_main and not self.quiet:
+            print("summary: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if k != "event"),
+                  file=sys.stdout, flush=True)
+        return summary
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,154 @@
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention through
+``F.scaled_dot_product_attention``, and a dense or MoE MLP.
+
+Every projection inside the blocks is an ``hd.Linear`` (its recipe is set later with
+``hd.convert_to_hybrid``); the token embedding and the output head stay high precision,
+as TransformerEngine and torchao keep them. Created inside ``hd.quantized_model_init``,
+the block weights are QuantizedTensors.
+
+Shape legend: B batch, S sequence, D model dim, H query heads, G kv heads, Dh head dim,
+V vocab, F ffn dim. Attention reshapes use ``-1`` for the head count so a tensor-parallel
+shard (H/tp local heads) runs the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import hybrid_dist as hd
+from hybrid_dist.launch.presets import ModelConfig
+
+
+def rope_tables(cfg: ModelConfig, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``[max_seq_len, Dh/2]`` (fp32)."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the head dim by the position angle."""
+    s = x_BSHD.shape[1]
+    cos, sin = cos[:s, None, :], sin[:s, None, :]
+    x1, x2 = x_BSHD.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x_BSHD.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.wq = hd.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = hd.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = hd.Linear(cfg.dim, kv_dim, bias=False)
+        self.wo = hd.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        q = apply_rope(self.wq(x_BSD).view(b, s, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x_BSD).view(b, s, -1, self.head_dim), cos, sin)
+        v = self.wv(x_BSD).view(b, s, -1, self.head_dim)
+        o_BHSD = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return self.wo(o_BHSD.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = hd.Linear(dim, ffn_dim, bias=False)
+        self.w3 = hd.Linear(dim, ffn_dim, bias=False)
+        self.w2 = hd.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def build_mlp(cfg: ModelConfig) -> nn.Module:
+    """Dense SwiGLU, or the MoE MLP of ``hybrid_dist.moe`` when ``cfg.moe_experts > 0``."""
+    if not cfg.moe_experts:
+        return FeedForward(cfg.dim, cfg.ffn_dim)
+    from hybrid_dist.launch.moe_mlp import build_moe_mlp
+
+    return build_moe_mlp(cfg)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = build_mlp(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """``forward(tokens [B, S] int64) -> logits [B, S, V]`` (fp32)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg, device=self.tok_embeddings.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic init (given the global seed): N(0, 0.02) weights, output
+        projections scaled by 1/sqrt(2·n_layers), unit norms, RoPE tables. Works on
+        materialised ``to_empty`` models and on sharded (DTensor) parameters; quantized
+        weights keep the values they were created with."""
+        out_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
+        for name, p in self.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if isinstance(local, hd.QuantizedTensor):
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=out_std)
+            else:
+                nn.init.normal_(p, std=0.02)
+        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens_BS)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h)).float()
+
+
+def hybrid_filter(module: nn.Module, fqn: str) -> bool:
+    """``module_filter_fn`` for ``hd.convert_to_hybrid``: every block projection, not the
+    output head nor an MoE router."""
+    return fqn != "output" and not fqn.endswith("router")
+
+
+def apply_recipe(model: nn.Module, recipe: hd.Recipe) -> nn.Module:
+    """Set ``recipe`` on every block projection (``hd.Linear`` and MoE ``GroupedLinear``)."""
+    hd.convert_to_hybrid(model, recipe=recipe, module_filter_fn=hybrid_filter)
+    if model.cfg.moe_experts:
+        from hybrid_dist.moe import GroupedLinear
+
+        for fqn, mod in model.named_modules():
+            if isinstance(mod, GroupedLinear):
+                mod.recipe, mod.name = recipe, fqn
+    return model
