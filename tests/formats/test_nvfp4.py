@@ -119,7 +119,8 @@ def test_stochastic_rounding_is_unbiased():
     n = 8192
     x = _block(SR_VALUES).repeat(n, 1)  # n independent draws of one fixed block
     q = NVFP4Quantizer(stochastic_rounding=True, seed=123)
-    dq = q.quantize(x, columnwise=False, state=q.make_state()).dequantize("rowwise")
+    t = q.quantize(x, columnwise=False, state=q.make_state())
+    dq = t.dequantize("rowwise")
     mean = dq.mean(0)[: len(SR_VALUES)]
     err = (mean - torch.tensor(SR_VALUES)).abs()
     # worst per-draw std is 2*sqrt(.25*.75) = 0.87 (4.5 between 4 and 6): std of the mean 0.0096
@@ -127,9 +128,9 @@ def test_stochastic_rounding_is_unbiased():
     rtn = NVFP4Quantizer().quantize(x[:1], columnwise=False).dequantize("rowwise")[0, : len(SR_VALUES)]
     assert torch.allclose(rtn, torch.tensor(RTN_OF), rtol=1e-6, atol=0)  # 2688 * fl(1/448) ~ 6
     rtn_bias = (rtn - torch.tensor(SR_VALUES)).abs()
-    assert bool((rtn_bias[1:] >= 0.2).all())  # RTN is off by >= 0.2 on each; SR < 0.05
-    # each draw lands on one of the two neighbours
-    assert set(dq[:, 1].unique().tolist()) == {2.0, 3.0}
+    assert bool((rtn_bias[1:] > 0.19).all())  # RTN is off by >= 0.2 on each; SR < 0.05
+    # each draw of 2.4 lands on one of its two neighbours: codes 4 (2.0) and 5 (3.0)
+    assert set(unpack_fp4(t.rowwise.data)[:, 1].unique().tolist()) == {4, 5}
 
 
 def test_stochastic_rounding_reproducible_with_seed():
