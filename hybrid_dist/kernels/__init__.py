@@ -34,3 +34,26 @@ def quantize_impl_for(quantizer, x: torch.Tensor):
 
 def gemm_impls_for(a_device: torch.device) -> list[Callable]:
     return _GEMM if a_device.type == "cuda" else []
+
+
+def registered_quantizers() -> tuple[type, ...]:
+    """Quantizer classes with a registered CUDA kernel (empty without CUDA + Triton)."""
+    return tuple(_QUANTIZE)
+
+
+def _cuda_kernels_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if _cuda_kernels_available():  # CPU-only installs (CI) never import Triton
+    from hybrid_dist.kernels import _register
+
+    _register.register_all()
+
+__all__ = ["gemm_impls_for", "quantize_impl_for", "register_gemm", "register_quantize", "registered_quantizers"]

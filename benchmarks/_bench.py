@@ -1,0 +1,29 @@
+"""Shared timing helpers for the benchmarks (median of CUDA-event timings)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn()`` (``triton.testing.do_bench``)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_gbps(numel: int = 16384 * 8192, dtype=torch.bfloat16) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) in GB/s."""
+    src = torch.randn(numel, device="cuda").to(dtype)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def print_table(header: list[str], rows: list[list], title: str) -> None:
+    """One markdown table."""
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|")
+    for r in rows:
+        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r) + " |")

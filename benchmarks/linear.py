@@ -1,0 +1,105 @@
+"""``hd.Linear`` fwd+bwd step time per recipe against bf16 ``nn.Linear`` (and torchao float8
+tensorwise, compiled, when torchao is importable), with the roofline speedup next to the
+achieved one. Prints one table. Run: ``python -m benchmarks.linear``.
+
+roofline = bf16 step time / (the recipe's three GEMMs timed alone on pre-quantized
+operands + the fewest bytes its quantization must move / the copy bandwidth measured in
+the same run). Fewest bytes per tensor (x, W, dy): the high-precision input read once
+(twice when a direction needs a current per-tensor amax) plus every quantized byte
+written; identity directions move nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import hybrid_dist as hd
+from benchmarks._bench import bench_ms, copy_gbps, print_table
+from hybrid_dist import gemm
+from hybrid_dist.formats import Float8Quantizer, IdentityQuantizer, NVFP4Quantizer
+from hybrid_dist.linear import LinearPlan
+
+SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096), (8192, 2048, 2048)]
+RECIPES = ["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
+           "fp8_fwd_bf16_bwd", "bf16_fwd_mxfp8_bwd"]
+
+
+def _step(module, x, dy):
+    params = [p for p in module.parameters() if p.requires_grad]
+    return lambda: torch.autograd.grad(module(x), [x, *params], dy)
+
+
+def _reads(q) -> int:
+    subs = [q.direction_quantizer(d) for d in ("rowwise", "columnwise")]
+    if all(isinstance(s, IdentityQuantizer) for s in subs):
+        return 0
+    current = any((isinstance(s, Float8Quantizer) and s.scaling == "current") or isinstance(s, NVFP4Quantizer)
+                  for s in subs)
+    return 2 if current else 1
+
+
+def _roofline_parts(recipe, x, w, dy, copy):
+    plan = LinearPlan.build(recipe, module_type="linear", name="")
+    for st in plan.states.values():
+        if hasattr(st, "to"):
+            st.to("cuda")
+    qs = {}
+    nbytes = 0
+    for name, t in (("input", x), ("weight", w), ("grad_output", dy)):
+        q = getattr(plan, name)
+        qt = q.quantize(t.detach(), rowwise=True, columnwise=True, state=plan.states[name])
+        qs[name] = qt
+        quantized = sum(n for d, n in qt.nbytes_by_direction().items()
+                        if not isinstance(q.direction_quantizer(d), IdentityQuantizer))
+        nbytes += _reads(q) * t.numel() * t.element_size() + quantized
+    xq, wq, dyq = qs["input"], qs["weight"], qs["grad_output"]
+    r = recipe
+
+    def three():
+        gemm.gemm_nt(xq.rowwise, wq.rowwise, out_dtype=torch.bfloat16, config=r.fprop)  # fprop
+        gemm.gemm_nt(dyq.rowwise, wq.columnwise, out_dtype=torch.bfloat16, config=r.dgrad)  # dgrad
+        gemm.gemm_nt(dyq.columnwise, xq.columnwise, out_dtype=torch.bfloat16, config=r.wgrad)  # wgrad
+
+    return bench_ms(three), nbytes / copy / 1e6
+
+
+def _torchao_ms(k, n, x, dy):
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None
+    m = nn.Sequential(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    convert_to_float8_training(m)
+    return bench_ms(_step(torch.compile(m), x, dy))
+
+
+def main() -> None:
+    copy = copy_gbps()
+    rows = []
+    for m, k, n in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16().requires_grad_(True)
+        dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        bf16_ms = bench_ms(_step(ref, x, dy))
+        ao = _torchao_ms(k, n, x, dy)
+        rows.append([f"{m},{k},{n}", "bf16 nn.Linear", bf16_ms, 1.0, "", ""])
+        if ao is not None:
+            rows.append([f"{m},{k},{n}", "torchao fp8 tensorwise (compiled)", ao, bf16_ms / ao, "", ""])
+        for name in RECIPES:
+            recipe = hd.recipe_from_name(name)
+            lin = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+            ms = bench_ms(_step(lin, x, dy))
+            gemm_ms, quant_ms = _roofline_parts(recipe, x, lin.weight, dy, copy)
+            roof = bf16_ms / (gemm_ms + quant_ms)
+            rows.append([f"{m},{k},{n}", name, ms, bf16_ms / ms, roof, (bf16_ms / ms) / roof])
+            del lin
+        del x, dy, ref
+        torch.cuda.empty_cache()
+    print_table(["M,K,N", "variant", "fwd+bwd ms", "x bf16", "roofline x", "of roofline"], rows,
+                f"Linear fwd+bwd on {torch.cuda.get_device_name()} (copy {copy:.0f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Bit-exact Triton building blocks shared by the quantize and dequantize kernels.
+
+Each helper mirrors one function of ``hybrid_dist.formats._numerics`` (same IEEE
+operations in the same order), so the kernels reproduce the reference bitwise:
+
+* every fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate);
+* fp32 -> fp8 casts clamp first, then round to nearest even (``cvt.rn.satfinite`` on sm_90);
+* powers of two are built from bits (``exp2_int``), never with ``exp2``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP32_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def div_rn(a, b):
+    """IEEE round-to-nearest fp32 division (``torch`` semantics)."""
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def cast_fp8(v, fmax: tl.constexpr, out_dtype: tl.constexpr):
+    """Saturating RNE cast of fp32 ``v`` (``_numerics.cast_to_fp8``)."""
+    v = tl.minimum(tl.maximum(v, -fmax), fmax)
+    return v.to(out_dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def exp2_int(k):
+    """Exact ``2.0**k`` (fp32) for int32 ``k`` in [-149, 127] (``_numerics.exp2_int``)."""
+    normal = tl.maximum(k + 127, 1) << 23
+    subnormal = tl.full(k.shape, 1, tl.int32) << tl.minimum(tl.maximum(k + 149, 0), 22)
+    bits = tl.where(k >= -126, normal, subnormal)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_floor(x):
+    """Largest power of two <= positive normal fp32 ``x`` (``_numerics.pow2_floor``)."""
+    return (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_from_amax(amax, elem_max: tl.constexpr):
+    """Biased E8M0 exponent (int32) rounding ``amax / elem_max`` up (RCEIL)."""
+    ratio = div_rn(amax, elem_max)
+    bits = ratio.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    sub_half = (exponent == 0) & (mantissa <= 0x400000)
+    round_up = (mantissa > 0) & (exponent != 0xFE) & (sub_half == 0)
+    e = exponent + round_up.to(tl.int32)
+    return tl.where(exponent == 0xFF, 0xFF, e)
+
+
+@triton.jit
+def per_block_scale(amax, fmax: tl.constexpr, eps: tl.constexpr, POW2: tl.constexpr):
+    """FP8 encode scale ``fmax / max(amax, eps)`` (1 when 0), clamped, optional pow2 floor."""
+    amax = tl.maximum(amax, eps)
+    scale = tl.where(amax > 0, div_rn(tl.zeros_like(amax) + fmax, amax), 1.0)
+    scale = tl.minimum(scale, FP32_MAX)
+    if POW2:
+        scale = pow2_floor(scale)
+    return scale
+
+
+@triton.jit
+def e2m1_rne(v):
+    """E2M1 code (int32, sign in bit 3) of ``v`` scaled into [-6, 6], ties to even."""
+    mag = tl.minimum(tl.abs(v), 6.0)
+    code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+    code += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+    code += (mag > 5.0).to(tl.int32)
+    return code | ((v < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _e2m1_grid(idx):
+    """E2M1 magnitude of a 3-bit code (0, .5, 1, 1.5, 2, 3, 4, 6)."""
+    half = idx.to(tl.float32) * 0.5
+    return tl.where(idx <= 4, half, tl.where(idx == 5, 3.0, tl.where(idx == 6, 4.0, 6.0)))
+
+
+@triton.jit
+def e2m1_stochastic(v, rand):
+    """E2M1 code rounding up with probability ``(|v| - lo) / (hi - lo)`` (unbiased)."""
+    mag = tl.minimum(tl.abs(v), 6.0)
+    lo = (mag >= 0.5).to(tl.int32) + (mag >= 1.0).to(tl.int32) + (mag >= 1.5).to(tl.int32)
+    lo += (mag >= 2.0).to(tl.int32) + (mag >= 3.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)
+    lo = tl.minimum(lo, 6)
+    lo_val = _e2m1_grid(lo)
+    hi_val = _e2m1_grid(lo + 1)
+    p_up = div_rn(mag - lo_val, hi_val - lo_val)
+    code = lo + (rand < p_up).to(tl.int32)
+    return code | ((v < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def e2m1_decode(code):
+    """fp32 value of an E2M1 code (low 4 bits)."""
+    mag = _e2m1_grid(code & 7)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """Pack int32 codes ``[R, C]`` into uint8 ``[R, C/2]`` (element 2j low nibble)."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)

@@ -1,0 +1,27 @@
+"""Registers the Triton quantize kernels and the CUDA GEMM with the registry.
+
+Imported by ``hybrid_dist.kernels`` only when CUDA and Triton are both available.
+"""
+
+from __future__ import annotations
+
+from hybrid_dist.formats.float8 import Float8Quantizer
+from hybrid_dist.formats.float8_block import Float8BlockQuantizer
+from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
+from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
+
+
+def register_all() -> None:
+    from hybrid_dist import kernels
+    from hybrid_dist.kernels.fp8_block import quantize_fp8_block
+    from hybrid_dist.kernels.fp8_tensor import quantize_fp8_tensor
+    from hybrid_dist.kernels.gemm import gemm_nt_cuda
+    from hybrid_dist.kernels.mxfp8 import quantize_mxfp8
+    from hybrid_dist.kernels.nvfp4 import quantize_nvfp4
+
+    kernels.register_quantize(Float8Quantizer, quantize_fp8_tensor)
+    kernels.register_quantize(Float8BlockQuantizer, quantize_fp8_block)
+    kernels.register_quantize(MXFP8Quantizer, quantize_mxfp8)
+    kernels.register_quantize(NVFP4Quantizer, quantize_nvfp4)
+    if gemm_nt_cuda not in kernels._GEMM:
+        kernels.register_gemm(gemm_nt_cuda)

@@ -1,0 +1,143 @@
+"""Every Triton quantize kernel against the reference backend, on the GPU.
+
+Bitwise for FP8 per-tensor (current and delayed), FP8 block, MXFP8 and NVFP4 without
+RHT/SR. NVFP4 with RHT multiplies by the Hadamard matrix in a different summation order
+than the reference's fp32 matmul, so codes may flip where a value sits within an ulp of a
+rounding boundary: bounded mismatch fraction, matching global scales to 1e-6.
+Stochastic rounding uses a Philox stream (not torch.rand's): tested for reproducibility
+and unbiasedness instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybrid_dist as hd
+from tests.gpu._gpu_helpers import assert_storages_bitwise, kernel_quantize, n_bit_diffs, reference_quantize
+
+pytestmark = pytest.mark.gpu
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# non-power-of-two multiples of every block (128) and of the kernels' tiles
+SHAPES = [(256, 512), (384, 640), (640, 1152)]
+DIRS = [(True, True), (True, False), (False, True)]
+
+
+def _x(shape, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", generator=g) * torch.rand(shape[0], 1, device="cuda", generator=g) * 8
+    x[0, :7] = 0.0  # exact zeros and a zero-amax block somewhere
+    return x.to(dtype)
+
+
+def _check(q, x, rowwise, columnwise, what, **kw):
+    k = kernel_quantize(q, x, rowwise=rowwise, columnwise=columnwise, **kw)
+    r = reference_quantize(q, x, rowwise=rowwise, columnwise=columnwise, **kw)
+    assert_storages_bitwise(k[0], r[0], f"{what} rowwise")
+    assert_storages_bitwise(k[1], r[1], f"{what} columnwise")
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(100, 300)], ids=str)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_current_bitwise(shape, dtype, in_dtype):
+    for pow2 in (False, True):
+        q = hd.Float8Quantizer(dtype=dtype, power_of_2_scales=pow2)
+        x = _x(shape, dtype=in_dtype)
+        for rw, cw in DIRS:
+            _check(q, x, rw, cw, f"fp8 {dtype} pow2={pow2} {shape} dirs={rw, cw}")
+        amax = torch.tensor(3.0, device="cuda")  # precomputed (e.g. all-reduced) amax
+        _check(q, x, True, True, f"fp8 {dtype} amax= {shape}", amax=amax)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp8_delayed_bitwise_and_records_amax(shape):
+    q = hd.Float8Quantizer(scaling="delayed")
+    sk, sr = q.make_state(), q.make_state()
+    sk.to("cuda"), sr.to("cuda")
+    for step in range(3):
+        x = _x(shape, seed=step)
+        k = kernel_quantize(q, x, rowwise=True, columnwise=True, state=sk)
+        r = reference_quantize(q, x, rowwise=True, columnwise=True, state=sr)
+        assert_storages_bitwise(k[0], r[0], f"delayed step {step} rowwise")
+        assert_storages_bitwise(k[1], r[1], f"delayed step {step} columnwise")
+        assert torch.equal(sk.amax_history, sr.amax_history), f"step {step}: amax history differs"
+        q.advance_state(sk), q.advance_state(sr)
+        assert torch.equal(sk.scale, sr.scale)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(96, 160)], ids=str)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+def test_mxfp8_bitwise(shape, dtype):
+    q = hd.MXFP8Quantizer(dtype=dtype)
+    x = _x(shape)
+    x[3, 40] = 1e-30  # tiny amax: subnormal E8M0 ratio path
+    for rw, cw in DIRS:
+        _check(q, x, rw, cw, f"mxfp8 {dtype} {shape} dirs={rw, cw}")
+    _check(q, _x(shape, dtype=torch.float32), True, True, f"mxfp8 fp32 input {shape}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("block", ["1x128", "128x128"])
+def test_fp8_block_bitwise(shape, block):
+    for pow2, eps in ((True, 0.0), (False, 0.0), (True, 1e-4)):
+        q = hd.Float8BlockQuantizer(block=block, power_of_2_scales=pow2, amax_epsilon=eps)
+        x = _x(shape)
+        x[:128, :128] = 0.0  # an all-zero block (scale 1)
+        for rw, cw in DIRS:
+            _check(q, x, rw, cw, f"fp8_block {block} pow2={pow2} eps={eps} {shape} dirs={rw, cw}")
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(96, 160)], ids=str)
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
+def test_nvfp4_rne_bitwise(shape, block_2d):
+    q = hd.NVFP4Quantizer(block_2d=block_2d)
+    x = _x(shape)
+    for rw, cw in DIRS:
+        _check(q, x, rw, cw, f"nvfp4 2d={block_2d} {shape} dirs={rw, cw}")
+    _check(q, x, True, True, f"nvfp4 amax= {shape}", amax=torch.tensor(40.0, device="cuda"))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
+def test_nvfp4_rht_within_bound(shape, block_2d):
+    q = hd.NVFP4Quantizer(rht=True, block_2d=block_2d)
+    x = _x(shape)
+    k = kernel_quantize(q, x, rowwise=True, columnwise=True)
+    r = reference_quantize(q, x, rowwise=True, columnwise=True)
+    assert_storages_bitwise(k[0], r[0], "rht rowwise (not transformed)")
+    kc, rc = k[1], r[1]
+    assert kc.rht_seed == rc.rht_seed == q.rht_seed
+    assert torch.allclose(kc.global_scale, rc.global_scale, rtol=1e-6, atol=0)
+    codes = n_bit_diffs(kc.data, rc.data, "rht data")
+    scales = n_bit_diffs(kc.block_scale, rc.block_scale, "rht block_scale")
+    assert codes <= 1e-3 * rc.data.numel(), f"{codes} of {rc.data.numel()} packed bytes differ"
+    assert scales <= 1e-2 * rc.block_scale.numel(), f"{scales} block scales differ"
+    # in the transformed domain the kernel's values are as close to x as the reference's
+    v_k, v_r = kc.dequantize(), rc.dequantize()
+    err_k = (v_k - x.float()).norm() / x.float().norm()
+    err_r = (v_r - x.float()).norm() / x.float().norm()
+    assert err_k <= err_r * 1.01 + 1e-6, (err_k, err_r)
+
+
+def test_nvfp4_stochastic_rounding_reproducible_and_unbiased():
+    q = hd.NVFP4Quantizer(stochastic_rounding=True, seed=7)
+    x = _x((256, 512))
+    a = kernel_quantize(q, x, rowwise=True, columnwise=True, state=q.make_state())
+    b = kernel_quantize(q, x, rowwise=True, columnwise=True, state=q.make_state())
+    for d in (0, 1):
+        assert n_bit_diffs(a[d].data, b[d].data, "sr repro") == 0, "same seed must reproduce"
+        assert n_bit_diffs(a[d].block_scale, b[d].block_scale, "sr scales") == 0
+    # the block scales do not depend on the rounding: bitwise the RNE reference
+    r = reference_quantize(hd.NVFP4Quantizer(), x, rowwise=True, columnwise=True)
+    assert n_bit_diffs(a[0].block_scale, r[0].block_scale, "sr row scale") == 0
+    st = q.make_state()
+    n = 64
+    mean = sum(kernel_quantize(q, x, rowwise=True, columnwise=False, state=st)[0].dequantize()
+               for _ in range(n)) / n
+    rtn = r[0].dequantize()
+    bias_sr = ((mean - x.float()).mean() / x.float().abs().mean()).abs()
+    err_sr = (mean - x.float()).norm() / x.float().norm()
+    err_rtn = (rtn - x.float()).norm() / x.float().norm()
+    assert bias_sr < 2e-3, f"SR mean bias {bias_sr}"
+    assert err_sr < 0.5 * err_rtn, f"mean of {n} SR draws ({err_sr}) should beat one RTN ({err_rtn})"
