@@ -43,7 +43,11 @@ def main() -> None:
         sa = Q[an].quantize_storages(a_hp, rowwise=True, columnwise=False)[0]
         sb = Q[bn].quantize_storages(b_hp, rowwise=True, columnwise=False)[0]
         cfg = GemmConfig(use_fast_accum=fast)
-        ms = bench_ms(lambda: gemm_nt(sa, sb, out_dtype=torch.bfloat16, config=cfg))
+        try:
+            ms = bench_ms(lambda: gemm_nt(sa, sb, out_dtype=torch.bfloat16, config=cfg))
+        except Exception as e:  # keep the table: report the failure in its row
+            rows.append([f"{an} x {bn}", f"failed: {type(e).__name__}: {e}"[:120], "", "", ""])
+            continue
         rows.append([f"{an} x {bn}", "fast" if fast else "", ms, flop / ms / 1e9, bf16_ms / ms])
     print_table(["A x B", "accum", "ms", "TFLOP/s", "x bf16"], rows,
                 f"gemm_nt {S}^3, bf16 out, on {torch.cuda.get_device_name()}")

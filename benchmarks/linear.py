@@ -89,9 +89,13 @@ def main() -> None:
             rows.append([f"{m},{k},{n}", "torchao fp8 tensorwise (compiled)", ao, bf16_ms / ao, "", ""])
         for name in RECIPES:
             recipe = hd.recipe_from_name(name)
-            lin = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
-            ms = bench_ms(_step(lin, x, dy))
-            gemm_ms, quant_ms = _roofline_parts(recipe, x, lin.weight, dy, copy)
+            try:
+                lin = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+                ms = bench_ms(_step(lin, x, dy))
+                gemm_ms, quant_ms = _roofline_parts(recipe, x, lin.weight, dy, copy)
+            except Exception as e:  # keep the table: report the failure in its row
+                rows.append([f"{m},{k},{n}", name, f"failed: {type(e).__name__}: {e}"[:120], "", "", ""])
+                continue
             roof = bf16_ms / (gemm_ms + quant_ms)
             rows.append([f"{m},{k},{n}", name, ms, bf16_ms / ms, roof, (bf16_ms / ms) / roof])
             del lin

@@ -40,9 +40,13 @@ def main() -> None:
         state = q.make_state()
         if state is not None and hasattr(state, "to"):
             state.to("cuda")
-        row, col = q.quantize_storages(x, rowwise=rw, columnwise=cw, state=state)
-        out_bytes = sum(s.nbytes() for s in (row, col) if s is not None)
-        ms = bench_ms(lambda: q.quantize_storages(x, rowwise=rw, columnwise=cw, state=state))
+        try:
+            row, col = q.quantize_storages(x, rowwise=rw, columnwise=cw, state=state)
+            out_bytes = sum(s.nbytes() for s in (row, col) if s is not None)
+            ms = bench_ms(lambda: q.quantize_storages(x, rowwise=rw, columnwise=cw, state=state))
+        except Exception as e:  # keep the table: report the failure in its row
+            rows.append([name, f"failed: {type(e).__name__}: {e}"[:120], "", "", ""])
+            continue
         gbps = (reads * x.numel() * 2 + out_bytes) / ms / 1e6
         dirs = "+".join(d for d, w in (("row", rw), ("col", cw)) if w)
         rows.append([name, dirs, reads, gbps, gbps / copy])
