@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_dist import _saved, gemm
+from hybrid_dist._tensor_ops import stateless
 from hybrid_dist.autocast import current_recipe, model_init_recipe
 from hybrid_dist.formats._quantizer import Quantizer
 from hybrid_dist.quantized_tensor import QuantizedTensor
@@ -142,7 +143,7 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(w)
             return
         recipe, keep_hp = init
-        q = self._plan(recipe).weight
+        q = stateless(self._plan(recipe).weight)  # delayed scaling has no history yet
         self.weight = nn.Parameter(q.quantize(w, rowwise=True, columnwise=True))
         if keep_hp:
             self.weight._hd_hp_init = w.float()

@@ -7,7 +7,7 @@ import torch
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB (inf when equal)."""
-    ref, approx = ref.double(), approx.double()
+    ref, approx = ref.detach().double(), approx.detach().double()
     noise = (ref - approx).pow(2).mean()
     if noise == 0:
         return float("inf")

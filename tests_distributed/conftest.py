@@ -11,3 +11,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # Under pytest-xdist each worker gets one intra-op thread: 2 workers on 2 cores would
+    # otherwise oversubscribe the CPU and slow every test down.
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
