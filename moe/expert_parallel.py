@@ -1,0 +1,253 @@
+"""Expert parallel: all-to-all dispatch and combine of token slots over an EP group.
+
+Legend: W ranks in the EP group, E global experts, ``E_l = E / W`` local experts (rank r
+owns experts ``[r·E_l, (r+1)·E_l)``), S = T·k slots on this rank, R slots received.
+
+[Note: exchange layout]
+Slots leave ``permute`` sorted by global expert, so the rows for rank d are contiguous
+(``send_splits[d] = Σ_{e of d} count[e]``). ``all_to_all_single`` delivers them
+source-major, ``[src 0: e_0, e_1, ...][src 1: e_0, ...]``; ``regroup`` reorders them
+expert-major, ``[e_0: src 0, src 1, ...][e_1: ...]``, so expert e sees its tokens in
+global (rank, token) order — exactly the rows a single rank would give it.
+
+Per step: one ``all_to_all_single`` of the ``[E]`` counts; the forward token payload
+(dispatch) and the combine's backward payload (dy) each need one ``all_reduce`` (MAX) of
+an ``[E]`` amax vector when their format has a per-tensor scale, then one
+``all_to_all_single`` of packed bytes (``_wire``); the combine forward and the dispatch
+backward exchange high precision (they are summed, not multiplied).
+
+Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes, so the counts are
+read on the host once per step (``make_route``); a static-capacity variant would avoid it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from hybrid_dist.moe import _wire
+from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
+
+__all__ = ["WireStats", "Route", "make_route", "dispatch", "combine", "combine_io"]
+
+
+@dataclasses.dataclass
+class WireStats:
+    """Bytes each rank sends to **other** ranks, by exchange (``counts``, ``dispatch``,
+    ``combine``, ``dispatch_grad``, ``combine_grad``, ``amax``)."""
+
+    bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, key: str, n: int) -> None:
+        self.bytes[key] = self.bytes.get(key, 0) + int(n)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Route:
+    """One step's exchange plan (host split sizes + device regroup index)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    counts_global: list[int]  # [E] this rank's slots per global expert
+    send_splits: list[int]  # [W] slots to each rank
+    recv_counts: list[list[int]]  # [W][E_l] slots from each source per local expert
+    recv_splits: list[int]  # [W]
+    regroup: torch.Tensor  # [R]: expert-major row i = source-major row regroup[i]
+    tokens_per_local_expert: torch.Tensor  # [E_l] int64 on device
+    local_splits: list[int]  # [E_l]
+
+
+def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) -> Route:
+    """Exchange the counts and plan the step (one ``all_to_all_single``, one host read)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    e = tokens_per_expert.numel()
+    if e % world:
+        raise ValueError(f"{e} experts cannot be split over an EP group of {world} ranks; use a multiple")
+    e_l = e // world
+    recv = torch.zeros_like(tokens_per_expert)
+    dist.all_to_all_single(recv, tokens_per_expert.contiguous(), group=group)
+    if stats is not None:
+        stats.add("counts", (world - 1) * e_l * tokens_per_expert.element_size())
+    counts = tokens_per_expert.tolist()  # host read: a2a split sizes (module note)
+    recv_counts = torch.as_tensor(recv.tolist()).reshape(world, e_l).tolist()
+    idx, pos = [[] for _ in range(e_l)], 0
+    for s in range(world):
+        for j in range(e_l):
+            idx[j].append(torch.arange(pos, pos + recv_counts[s][j]))
+            pos += recv_counts[s][j]
+    regroup = torch.cat([t for per in idx for t in per]) if pos else torch.zeros(0, dtype=torch.int64)
+    return Route(
+        group=group, rank=rank, world=world, counts_global=counts,
+        send_splits=[sum(counts[d * e_l:(d + 1) * e_l]) for d in range(world)],
+        recv_counts=recv_counts, recv_splits=[sum(r) for r in recv_counts],
+        regroup=regroup.to(tokens_per_expert.device),
+        tokens_per_local_expert=recv.reshape(world, e_l).sum(0),
+        local_splits=[sum(recv_counts[s][j] for s in range(world)) for j in range(e_l)],
+    )
+
+
+def _a2a(x: torch.Tensor, in_splits, out_splits, route: Route, stats, key: str) -> torch.Tensor:
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=route.group)
+    if stats is not None:
+        row = torch.Size(x.shape[1:]).numel() * x.element_size()
+        stats.add(key, (sum(in_splits) - in_splits[route.rank]) * row)
+    return out
+
+
+def _to_expert_major(x, route: Route):
+    return x[route.regroup]
+
+
+def _to_source_major(x, route: Route):
+    out = torch.empty_like(x)
+    out[route.regroup] = x
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """High-precision exchange: dispatch (``forward=True``: slots → experts) or combine."""
+
+    @staticmethod
+    def forward(ctx, x, route: Route, to_experts: bool, stats, key: str):
+        ctx.route, ctx.to_experts, ctx.stats, ctx.key = route, to_experts, stats, key
+        return _exchange(x, route, to_experts, stats, key)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(g.contiguous(), ctx.route, not ctx.to_experts, ctx.stats, ctx.key + "_grad"), None, None, None, None
+
+
+def _exchange(x, route: Route, to_experts: bool, stats, key: str):
+    if to_experts:
+        return _to_expert_major(_a2a(x, route.send_splits, route.recv_splits, route, stats, key), route)
+    return _a2a(_to_source_major(x, route), route.recv_splits, route.send_splits, route, stats, key)
+
+
+def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_columnwise: bool,
+                       stats, key: str) -> GroupedQuantized:
+    """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``) and build the
+    experts' :class:`GroupedQuantized` (padded to ``multiple``) at the receiver."""
+    e = len(route.counts_global)
+    e_l = e // route.world
+    chunks = list(torch.split(x_perm.detach(), route.counts_global))
+    amax = torch.stack([c.abs().amax().float() if c.numel() else c.new_zeros((), dtype=torch.float32)
+                        for c in chunks]) if e else x_perm.new_zeros(0, dtype=torch.float32)
+    if quantizer.direction_quantizer("rowwise").is_per_tensor:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=route.group)
+        if stats is not None:
+            stats.add(key + "_amax", amax.numel() * amax.element_size())  # all-reduce payload
+    k = x_perm.shape[1]
+    tmpls = [_wire.template(quantizer, k, amax[i], x_perm) for i in range(e)]
+    row_q = quantizer.direction_quantizer("rowwise")
+    packed = [_wire.pack(row_q.quantize_storages(c, rowwise=True, columnwise=False, amax=amax[i])[0])
+              for i, c in enumerate(chunks)]
+    width = _wire.row_bytes(tmpls[0])
+    send = torch.cat(packed) if packed else x_perm.new_zeros(0, width, dtype=torch.uint8)
+    recv = _a2a(send.reshape(-1, width), route.send_splits, route.recv_splits, route, stats, key)
+    recv = _to_expert_major(recv, route)
+    rows, cols, start = [], [], 0
+    padded = [-(-m // multiple) * multiple for m in route.local_splits]
+    for j, (m, p) in enumerate(zip(route.local_splits, padded)):
+        st = _wire.unpack(recv[start:start + m], tmpls[route.rank * e_l + j], p)
+        rows.append(st)
+        cols.append(_wire.derive_columnwise(st) if need_columnwise else None)
+        start += m
+    off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
+    return GroupedQuantized(rowwise=rows, columnwise=cols, splits=list(route.local_splits), padded_splits=padded,
+                            offsets=off, padded_offsets=poff)
+
+
+def _dequantize_rows(g: GroupedQuantized, dtype) -> torch.Tensor:
+    parts = [st.dequantize(dtype)[:m] for st, m in zip(g.rowwise, g.splits)]
+    return torch.cat(parts)
+
+
+class _QuantizedDispatch(torch.autograd.Function):
+    """Forward: quantized slots → experts (fills ``io["x_quantized"]``); returns their
+    dequantized values for the graph. Backward: high-precision dx back to the slots."""
+
+    @staticmethod
+    def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats):
+        g = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
+                               stats=stats, key="dispatch")
+        io["x_quantized"] = g
+        ctx.route, ctx.stats = route, stats
+        return _dequantize_rows(g, x_perm.dtype).reshape(-1, x_perm.shape[1])
+
+    @staticmethod
+    def backward(ctx, dx):
+        return _exchange(dx.contiguous(), ctx.route, False, ctx.stats, "dispatch_grad"), *([None] * 6)
+
+
+class _QuantizedCombine(torch.autograd.Function):
+    """Forward: high-precision expert outputs back to the slots. Backward: dy slots sent
+    in the experts' gradient format (fills ``io["dy_quantized"]`` before the experts'
+    backward runs); returns their dequantized values."""
+
+    @staticmethod
+    def forward(ctx, y_local, route, quantizer, multiple, io, stats):
+        ctx.route, ctx.q, ctx.multiple, ctx.io, ctx.stats = route, quantizer, multiple, io, stats
+        return _exchange(y_local, route, False, stats, "combine")
+
+    @staticmethod
+    def backward(ctx, dy):
+        g = quantized_exchange(dy.contiguous(), ctx.route, ctx.q, multiple=ctx.multiple, need_columnwise=True,
+                               stats=ctx.stats, key="combine_grad")
+        ctx.io["dy_quantized"] = g
+        return _dequantize_rows(g, dy.dtype).reshape(-1, dy.shape[1]), *([None] * 5)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"expert parallel: exchanging high precision and quantizing after, because {reason}",
+                      stacklevel=3)
+
+
+def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, stats=None):
+    """Slots → local experts (expert-major rows). With a quantized ``plan`` (the first
+    GroupedLinear's) whose input format allows it, the payload travels quantized; returns
+    ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP)."""
+    reason = _quantized_reason(plan, "input", need_columnwise)
+    if reason is None:
+        io: dict = {}
+        x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats)
+        return x, io
+    if plan is not None and reason != "identity":
+        _warn_once(reason)
+    return _Exchange.apply(x_perm, route, True, stats, "dispatch"), None
+
+
+def combine_io(plan) -> dict | None:
+    """The ``io`` dict to give the last GroupedLinear when its dy will arrive quantized."""
+    return {} if _quantized_reason(plan, "grad_output", True) is None else None
+
+
+def combine(y_local, route: Route, *, plan=None, io: dict | None = None, stats=None):
+    """Local expert outputs → slots (high precision). With ``io = combine_io(plan)`` (also
+    given to the last GroupedLinear's forward), the backward payload dy travels in that
+    GroupedLinear's gradient format and fills ``io["dy_quantized"]`` for its backward."""
+    if io is not None:
+        return _QuantizedCombine.apply(y_local, route, plan.grad_output, plan.multiple, io, stats)
+    reason = _quantized_reason(plan, "grad_output", True)
+    if plan is not None and reason not in (None, "identity"):
+        _warn_once(reason)
+    return _Exchange.apply(y_local, route, False, stats, "combine")
+
+
+def _quantized_reason(plan, tensor_type: str, need_columnwise: bool) -> str | None:
+    if plan is None:
+        return "no recipe"
+    q = getattr(plan, tensor_type)
+    if all(isinstance(q.direction_quantizer(d), _wire.IdentityQuantizer) for d in ("rowwise", "columnwise")):
+        return "identity"
+    reason = _wire.unsupported_reason(q, need_columnwise=need_columnwise)
+    return None if reason is None else f"the {tensor_type} format: {reason}"

@@ -1,0 +1,138 @@
+"""Expert parallel over gloo (EP = 2, 4): the MoE layer equals EP = 1, quantized and
+high-precision dispatch are bitwise equal, and the bytes on the wire are what the formats
+say.
+
+EP = 1 reference: one process holds all experts and runs the routed experts on the
+concatenation of every rank's tokens (so expert e sees the same rows, in the same order,
+as under EP); the router and the shared expert run per rank's tokens, as under EP (CPU
+matmul results depend on the row count, so equal shapes are what make bitwise equality
+meaningful). Every rank computes the same reference and checks its own slice.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hybrid_dist as hd
+from hybrid_dist.moe import MoE
+from tests_distributed._harness import run_ranks
+
+H, FFN, E, TOP_K, T = 64, 64, 8, 2, 32  # T tokens per rank
+# (recipe, training): fp8_current sends both payloads quantized; mxfp8/nvfp4 training fall
+# back to high precision (columnwise blocks span ranks / SR), mxfp8 inference sends MXFP8.
+CONFIGS = [("bf16", True), ("fp8_current", True), ("mxfp8", True), ("nvfp4", True), ("mxfp8", False)]
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16) if t.element_size() == 2 else t.contiguous().view(torch.int32)
+
+
+def _same(a, b, what):
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    n = int((_bits(a) != _bits(b)).sum())
+    assert n == 0, f"{what}: {n} of {a.numel()} elements differ bitwise"
+
+
+def _build(recipe, group, quantized):
+    torch.manual_seed(0)
+    return MoE(H, FFN, E, TOP_K, shared_ffn=FFN, recipe=recipe, ep_group=group, quantized_dispatch=quantized,
+               dtype=torch.bfloat16)
+
+
+def _load_slice(ep_moe, ref, rank, world):
+    e_l = E // world
+    with torch.no_grad():
+        for name in ("fc1", "fc2"):
+            getattr(ep_moe, name).weight.copy_(getattr(ref, name).weight[rank * e_l:(rank + 1) * e_l])
+        ep_moe.router.load_state_dict(ref.router.state_dict())
+        ep_moe.shared_expert.load_state_dict(ref.shared_expert.state_dict())
+
+
+def _reference(ref, xs, dys, training):
+    """EP = 1: per-rank router and shared expert, routed experts on all ranks' tokens. Each
+    rank's shared expert is a fresh copy, so its NVFP4 SR generator starts where an EP
+    rank's does."""
+    shared = [copy.deepcopy(ref.shared_expert) for _ in xs]
+    xs = [x.clone().requires_grad_(training) for x in xs]
+    routes = [ref.router(x) for x in xs]
+    routed = ref.routed(torch.cat(xs), torch.cat([r[0] for r in routes]), torch.cat([r[1] for r in routes]))
+    ys = [r + sh(x) for r, sh, x in zip(torch.split(routed, T), shared, xs)]
+    if training:
+        torch.cat(ys).backward(torch.cat(dys))
+    return ys, [x.grad for x in xs]
+
+
+def _run_ep(moe, x, dy, training):
+    x = x.clone().requires_grad_(training)
+    with torch.set_grad_enabled(training):
+        y, _ = moe(x)
+        if training:
+            y.backward(dy)
+    return y.detach(), x.grad
+
+
+def _expected_dispatch_bytes(ref, xs, rank, world, row_bytes):
+    """Rows this rank sends to other ranks × bytes per row."""
+    _, experts, _ = ref.router(xs[rank])
+    owner = experts.reshape(-1) // (E // world)
+    return int((owner != rank).sum()) * row_bytes
+
+
+def _worker(rank, world, configs):
+    group = dist.group.WORLD
+    torch.manual_seed(1234)
+    xs = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
+    dys = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
+    report = {}
+    for recipe_name, training in configs:
+        cfg = f"EP={world} rank={rank} recipe={recipe_name} training={training}"
+        recipe = hd.recipe_from_name(recipe_name)
+        ref = _build(recipe, None, True)
+        ys_ref, dxs_ref = _reference(ref, xs, dys, training)
+        runs = {}
+        for quantized in (True, False):
+            moe = _build(recipe, group, quantized)
+            _load_slice(moe, ref, rank, world)
+            y, dx = _run_ep(moe, xs[rank], dys[rank], training)
+            runs[quantized] = (y, dx, moe)
+            what = f"{cfg} quantized_dispatch={quantized}"
+            _same(y, ys_ref[rank], f"{what}: y vs EP=1")
+            if training:
+                e_l = E // world
+                _same(dx, dxs_ref[rank], f"{what}: dx vs EP=1")
+                for name in ("fc1", "fc2"):
+                    _same(getattr(moe, name).weight.grad, getattr(ref, name).weight.grad[rank * e_l:(rank + 1) * e_l],
+                          f"{what}: {name} dW vs EP=1")
+        for i, part in enumerate(("y", "dx")[:1 + training]):
+            _same(runs[True][i], runs[False][i], f"{cfg}: {part} quantized vs high-precision dispatch")
+        wire_q, wire_hp = runs[True][2].wire.bytes, runs[False][2].wire.bytes
+        hp_row = H * 2
+        assert wire_hp["dispatch"] == _expected_dispatch_bytes(ref, xs, rank, world, hp_row), f"{cfg}: HP dispatch bytes"
+        report[(recipe_name, training)] = (wire_q, wire_hp, _expected_dispatch_bytes(ref, xs, rank, world, 1))
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"EP={w}")
+def test_ep_equals_single_rank_and_counts_bytes(world):
+    reports = run_ranks(_worker, world, CONFIGS)
+    for rank, rep in enumerate(reports):
+        for (recipe_name, training), (wire_q, wire_hp, rows_out) in rep.items():
+            cfg = f"EP={world} rank={rank} recipe={recipe_name} training={training}"
+            # bytes per token row on the wire in each format (H = 64)
+            q_row = {"bf16": 2 * H, "fp8_current": H, "mxfp8": H + H // 32, "nvfp4": 2 * H}
+            hp_grad = wire_hp.get("combine_grad", 0)
+            if recipe_name == "fp8_current":
+                # E4M3 tokens forward, E5M2 gradients backward: 1 byte per element
+                assert wire_q["dispatch"] == rows_out * H, cfg
+                assert wire_q["combine_grad"] == rows_out * H and hp_grad == rows_out * 2 * H, cfg
+                assert wire_q["dispatch_amax"] == E * 4 and wire_q["combine_grad_amax"] == E * 4, cfg
+            elif recipe_name == "mxfp8" and not training:
+                assert wire_q["dispatch"] == rows_out * q_row["mxfp8"], cfg  # E4M3 + E8M0 per 32
+                assert "dispatch_amax" not in wire_q, cfg  # no per-tensor scale: no all-reduce
+            else:  # high precision on the wire (bf16, or a documented fallback)
+                assert wire_q["dispatch"] == rows_out * 2 * H, cfg
+            assert wire_hp["dispatch"] == rows_out * 2 * H, cfg
+            assert wire_q["combine"] == wire_hp["combine"], cfg  # combine forward is always high precision
+            assert wire_q["counts"] == (world - 1) * (E // world) * 8, cfg
