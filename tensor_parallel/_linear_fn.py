@@ -1,0 +1,232 @@
+"""Tensor-parallel Linear autograd functions (Megatron layout, local tensors).
+
+Shapes (``tp`` = group size, ``M`` = all rows, ``M/tp`` = a sequence-parallel shard):
+
+column-parallel, ``W_local [N/tp, K]``:
+    fprop  y [M, N/tp]  = x [M, K] · W_localᵀ          x gathered from [M/tp, K] under SP
+    dgrad  dx[M, K]     = dy [M, N/tp] · W_local        partial: reduce-scatter (SP) / all-reduce
+    wgrad  dW[N/tp, K]  = dyᵀ [N/tp, M] · x [M, K]      x re-gathered columnwise (``_inputs``)
+row-parallel, ``W_local [N, K/tp]``:
+    fprop  y [M, N]     = x [M, K/tp] · W_localᵀ        partial: reduce-scatter (SP) / all-reduce
+    dgrad  dx[M, K/tp]  = dy [M, N] · W_local           dy gathered from [M/tp, N] under SP
+    wgrad  dW[N, K/tp]  = dyᵀ [N, M] · x [M, K/tp]
+
+Per-tensor scales use the amax of the whole (unsharded) tensor: weights, inputs and output
+gradients whose sharded dim is a quantization dim reduce their amax over the group, so
+every GEMM operand equals the single-process one (bitwise, see ``gather``). Gradient
+reductions (reduce-scatter / all-reduce of dx and of the row-parallel output) run in high
+precision. Communication overlaps compute where backward allows: the wgrad input gather
+runs during the dgrad GEMM, the dgrad reduction during the wgrad GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from hybrid_dist import _saved, gemm
+from hybrid_dist.tensor_parallel import _comm
+from hybrid_dist.tensor_parallel._inputs import WgradInput, gather_input
+from hybrid_dist.tensor_parallel.gather import (
+    gather_along_first_dim,
+    quantize_with_group_amax,
+    reduce_scatter_along_first_dim,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TPConfig:
+    """How one ``hd.Linear`` is split. ``gather_path``: ``"auto"`` gathers quantized
+    where valid, ``"high_precision"`` always gathers high precision (for comparisons)."""
+
+    kind: str  # "colwise" | "rowwise"
+    group: Any  # the TP ProcessGroup
+    sequence_parallel: bool = False
+    gather_path: str = "auto"
+
+
+class SharedWgradInput:
+    """One prepared input's wgrad operand shared by ``uses`` consumers: the first one to
+    ask starts the gather, the last one drops it."""
+
+    def __init__(self, wgrad: WgradInput, uses: int):
+        self._wgrad, self._uses, self._handle = wgrad, uses, None
+
+    def start(self) -> _comm.CollectiveHandle:
+        if self._wgrad is None and self._handle is None:
+            raise AssertionError("prepared input has no wgrad operand (gathered with grad disabled?)")
+        if self._handle is None:
+            self._handle = self._wgrad.start()
+        handle = self._handle
+        self._uses -= 1
+        if self._uses <= 0:
+            self._handle = self._wgrad = None
+        return handle
+
+
+def _quantize_weight(weight, plan, group, *, need_dgrad: bool):
+    return quantize_with_group_amax(plan.weight, weight, group, rowwise=True, columnwise=need_dgrad,
+                                    state=plan.states["weight"])
+
+
+def _reduce(x: torch.Tensor, cfg: TPConfig, *, async_op: bool):
+    """Sum a partial result over the group: reduce-scatter along dim 0 under SP, else
+    all-reduce. Returns a handle when ``async_op``."""
+    if cfg.sequence_parallel:
+        return reduce_scatter_along_first_dim(x, cfg.group, async_op=async_op)
+    _comm.log_event("all_reduce", "partial_sum", str(x.dtype), x.numel() * x.element_size())
+    x = x.contiguous()
+    work = _comm.all_reduce_(x, cfg.group, async_op=async_op)
+    return _comm.finish_or_handle(work, lambda: x, async_op)
+
+
+class ColumnParallelFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan, cfg: TPConfig):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        k = x.shape[-1]
+        shared = getattr(x, "_hd_tp_prepared", None)
+        if shared is not None:  # PrepareHybridModuleInput gathered it once for all consumers
+            if x.quantizer != plan.input:
+                raise ValueError(
+                    f"prepared input was quantized with {x.quantizer}, but this layer's recipe "
+                    f"gives its input {plan.input}. Give all consumers the same input quantizer.")
+            x_row, wgrad_in, lead = x.rowwise, shared, x.shape[:-1]
+        elif cfg.sequence_parallel:
+            world = _comm.group_size(cfg.group)
+            x_row, wgrad_in = gather_input(x.reshape(-1, k), cfg.group, plan.input, plan.states["input"],
+                                           need_wgrad=need_wgrad, path=cfg.gather_path)
+            lead = (world * x.shape[0], *x.shape[1:-1])
+        else:
+            row, col = plan.input.quantize_storages(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
+                                                    state=plan.states["input"])
+            x_row, wgrad_in, lead = row, (WgradInput("local", col) if need_wgrad else None), x.shape[:-1]
+        w_row, w_col = _quantize_weight(weight, plan, cfg.group, need_dgrad=need_dgrad)
+        # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
+        y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.shared = shared if need_wgrad else None
+        wgrad_st = wgrad_in.storage if isinstance(wgrad_in, WgradInput) else None
+        ctx.wgrad_meta = wgrad_in.meta() if isinstance(wgrad_in, WgradInput) else None
+        _saved.pack(ctx, w_col if need_dgrad else None, wgrad_st)
+        ctx.plan, ctx.cfg, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, cfg, x.shape, x.dtype, weight.dtype
+        ctx.has_bias, ctx.prepared = bias is not None, shared is not None
+        return y.reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan, cfg = ctx.plan, ctx.cfg
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w_col, wgrad_st = _saved.unpack(ctx)
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        plan.grad_output.advance_state(plan.states["grad_output"])
+        # dy [M, N/tp]: N is sharded, so a per-tensor scale needs the group amax
+        dy_row, dy_col = quantize_with_group_amax(plan.grad_output, dy2d, cfg.group, rowwise=need_dgrad,
+                                                  columnwise=need_wgrad, state=plan.states["grad_output"])
+        x_handle = None
+        if need_wgrad:  # start the wgrad input gather; it overlaps the dgrad GEMM
+            src = ctx.shared if ctx.shared is not None else WgradInput.from_meta(ctx.wgrad_meta, wgrad_st)
+            x_handle = src.start()
+        dx = dw = db = dx_handle = None
+        if need_dgrad:
+            # dgrad: dx [M, K] (partial over N shards) = dy [M, N/tp] · W_local [N/tp, K]
+            dx = gemm.gemm_nt(dy_row, w_col, out_dtype=plan.recipe.dgrad.out_dtype or ctx.x_dtype,
+                              config=plan.recipe.dgrad)
+            lead = dy.shape[:-1]
+            dx = dx.reshape(*lead, dx.shape[-1])
+            if not ctx.prepared:  # a prepared input reduces the sum of all consumers once
+                dx_handle = _reduce(dx, cfg, async_op=True)
+        if need_wgrad:
+            # wgrad: dW [N/tp, K] = dyᵀ [N/tp, M] · x [M, K]   (x columnwise stored [K, M])
+            dw = gemm.gemm_nt(dy_col, x_handle.wait(), out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
+                              config=plan.recipe.wgrad)
+        if dx_handle is not None:
+            dx = dx_handle.wait().reshape(ctx.x_shape)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0)
+        return dx, dw, db, None, None
+
+
+class RowParallelFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan, cfg: TPConfig):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        k = x.shape[-1]
+        # x [M, K/tp]: K is sharded, so a per-tensor scale needs the group amax
+        x_row, x_col = quantize_with_group_amax(plan.input, x.reshape(-1, k), cfg.group, rowwise=True,
+                                                columnwise=need_wgrad, state=plan.states["input"])
+        w_row, w_col = _quantize_weight(weight, plan, cfg.group, need_dgrad=need_dgrad)
+        # fprop: y [M, N] (partial over K shards) = x [M, K/tp] · W_local [N, K/tp]ᵀ
+        y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
+        y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        _saved.pack(ctx, w_col if need_dgrad else None, x_col if need_wgrad else None)
+        ctx.plan, ctx.cfg, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, cfg, x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan, cfg = ctx.plan, ctx.cfg
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w_col, x_col = _saved.unpack(ctx)
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        plan.grad_output.advance_state(plan.states["grad_output"])
+        db = None
+        if cfg.sequence_parallel:
+            # dy [M/tp, N] → gathered [M, N] in the grad_output format (rows = sequence)
+            dy_q = gather_along_first_dim(dy2d, cfg.group, quantizer=plan.grad_output, rowwise=need_dgrad,
+                                          columnwise=need_wgrad, state=plan.states["grad_output"],
+                                          path=cfg.gather_path)
+            dy_row, dy_col = dy_q.rowwise, dy_q.columnwise
+            if ctx.has_bias and ctx.needs_input_grad[2]:  # the bias saw every row: sum over ranks
+                db = _reduce_bias(dy2d.sum(0), cfg)
+        else:
+            dy_row, dy_col = plan.grad_output.quantize_storages(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
+                                                                state=plan.states["grad_output"])
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy2d.sum(0)
+        dx = dw = None
+        if need_dgrad:
+            # dgrad: dx [M, K/tp] = dy [M, N] · W_local [N, K/tp]   (W columnwise stored [K/tp, N])
+            dx = gemm.gemm_nt(dy_row, w_col, out_dtype=plan.recipe.dgrad.out_dtype or ctx.x_dtype,
+                              config=plan.recipe.dgrad).reshape(ctx.x_shape)
+        if need_wgrad:
+            # wgrad: dW [N, K/tp] = dyᵀ [N, M] · x [M, K/tp]   (dy, x columnwise stored [N, M], [K/tp, M])
+            dw = gemm.gemm_nt(dy_col, x_col, out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
+                              config=plan.recipe.wgrad)
+        return dx, dw, db, None, None
+
+
+def _reduce_bias(db: torch.Tensor, cfg: TPConfig) -> torch.Tensor:
+    _comm.log_event("all_reduce", "bias_grad", str(db.dtype), db.numel() * db.element_size())
+    db = db.contiguous()
+    _comm.all_reduce_(db, cfg.group)
+    return db
+
+
+class PreparedGatherFn(torch.autograd.Function):
+    """Forward: all-gather a sequence-parallel input once, quantized rowwise, for several
+    column-parallel consumers (q/k/v, gate/up). Backward: one high-precision
+    reduce-scatter of the summed consumer gradients ``[M, K]`` → ``[M/tp, K]``."""
+
+    @staticmethod
+    def forward(ctx, x, quantizer, state, group, uses: int, path: str, need_wgrad: bool):
+        from hybrid_dist.quantized_tensor import QuantizedTensor
+
+        k = x.shape[-1]
+        world = _comm.group_size(group)
+        row, wgrad_in = gather_input(x.reshape(-1, k), group, quantizer, state, need_wgrad=need_wgrad, path=path)
+        out = QuantizedTensor((world * x.shape[0], *x.shape[1:]), x.dtype, row, None, quantizer)
+        out._hd_tp_prepared = SharedWgradInput(wgrad_in, uses)  # wgrad_in None: no consumer trains W
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along_first_dim(grad, ctx.group), None, None, None, None, None, None
+
