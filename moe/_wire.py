@@ -72,7 +72,7 @@ def template(q, k: int, amax: torch.Tensor, like: torch.Tensor) -> DirectionStor
 def pack(st: DirectionStorage) -> torch.Tensor:
     """``[m, bytes]`` uint8: the row fields of a rowwise storage side by side."""
     parts = [getattr(st, f).contiguous() for f in _row_fields(st)]
-    return torch.cat([p.reshape(p.shape[0], -1).view(torch.uint8) for p in parts], dim=1)
+    return torch.cat([p.reshape(p.shape[0], torch.Size(p.shape[1:]).numel()).view(torch.uint8) for p in parts], dim=1)
 
 
 def row_bytes(tmpl: DirectionStorage) -> int:

@@ -227,7 +227,10 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
 
 
 def combine_io(plan) -> dict | None:
-    """The ``io`` dict to give the last GroupedLinear when its dy will arrive quantized."""
+    """The ``io`` dict to give the last GroupedLinear when its dy will arrive quantized
+    (None: high precision; also for ``plan=None``)."""
+    if plan is None:
+        return None
     return {} if _quantized_reason(plan, "grad_output", True) is None else None
 
 

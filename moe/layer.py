@@ -101,10 +101,12 @@ class MoE(nn.Module):
     def _experts_parallel(self, x_perm, tokens_per_expert):
         route = ep.make_route(tokens_per_expert, self.ep_group, self.wire)
         recipe = self.recipe or current_recipe()
-        plan1 = self.fc1.plan(recipe) if (recipe is not None and self.quantized_dispatch) else None
-        plan2 = self.fc2.plan(recipe) if (recipe is not None and self.quantized_dispatch) else None
-        need_col = torch.is_grad_enabled() and self.fc1.weight.requires_grad
+        quantized = recipe is not None and self.quantized_dispatch
+        training = torch.is_grad_enabled()
+        plan1 = self.fc1.plan(recipe) if quantized else None
+        plan2 = self.fc2.plan(recipe) if quantized and training else None  # dy exists only in training
+        need_col = training and self.fc1.weight.requires_grad
         x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire)
-        io2 = ep.combine_io(plan2) if torch.is_grad_enabled() else None
+        io2 = ep.combine_io(plan2)
         y_local = self._experts(x_local, route.tokens_per_local_expert, io1, io2)
         return ep.combine(y_local, route, plan=plan2, io=io2, stats=self.wire)
