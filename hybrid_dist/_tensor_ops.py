@@ -135,6 +135,8 @@ def _split(func, args, kwargs):
     n = t.shape[0]
     if isinstance(sizes, int):
         sizes = [min(sizes, n - s) for s in range(0, n, sizes)] if n else [0]
+    if sum(sizes) != n:
+        raise ValueError(f"{func}: split sizes {list(sizes)} must sum to dim 0's size {n}")
     out, start = [], 0
     for s in sizes:
         out.append(_narrow0(t, start, s))
