@@ -392,3 +392,9 @@ def test_parameter_wrapping_keeps_the_subclass():
     fresh.weight = torch.nn.Parameter(_quantize("hybrid_mxfp8_nvfp4", _x("hybrid_mxfp8_nvfp4", seed=6)))
     fresh.load_state_dict(back)
     _assert_qt_equal(fresh.weight.detach(), t, "load_state_dict copies into the quantized parameter")
+
+
+def test_split_sizes_must_cover_dim0():
+    t = _quantize("mxfp8")
+    with pytest.raises(ValueError, match=r"split sizes \[32\] must sum to dim 0's size 64"):
+        t.split([32])
