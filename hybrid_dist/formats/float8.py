@@ -72,8 +72,10 @@ class DelayedScalingState:
         """Compute the scale for the next pass from the history, then open a new slot."""
         hist = self.amax_history
         amax = hist.amax() if quantizer.amax_compute == "max" else hist[0]
-        amax = torch.clamp(amax, min=quantizer.amax_epsilon)
-        new_scale = _scale_from_amax(amax, quantizer, margin=quantizer.margin)
+        floored = torch.clamp(amax, min=quantizer.amax_epsilon)
+        new_scale = _scale_from_amax(floored, quantizer, margin=quantizer.margin)
+        # nothing recorded (amax 0) or a non-finite amax: keep the scale (test the raw amax,
+        # not the epsilon-floored one, or an empty pass would set scale = fp8_max / eps)
         self.scale.copy_(torch.where(torch.isfinite(amax) & (amax > 0), new_scale, self.scale))
         self.amax_history.copy_(torch.roll(hist, 1))
         self.amax_history[0] = 0.0
