@@ -31,7 +31,7 @@ class LinearLoop:
         e, n, k = weight.shape
         self.linears = []
         for i in range(e):
-            lin = hd.Linear(k, n, bias=False, recipe=recipe, dtype=weight.dtype)
+            lin = hd.Linear(k, n, bias=False, recipe=recipe, dtype=weight.dtype, device=weight.device)
             lin.weight = expert_weight(weight, i)
             self.linears.append(lin)
         plan = self.linears[0]._plan(recipe)

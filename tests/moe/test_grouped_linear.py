@@ -20,39 +20,41 @@ E, K, N = 4, 128, 128  # 128: FP8 128x128 weight blocks
 SPLITS = [37, 0, 90, 73]
 
 
-def _run_both(recipe_name: str, *, quantized_init: bool, steps: int = 2):
+def run_both(recipe_name: str, *, quantized_init: bool, steps: int = 2, device: str = "cpu", check=None):
+    """GroupedLinear vs the hd.Linear loop; ``check(a, b, what)`` defaults to bitwise."""
+    check = check or assert_bitwise_equal
     recipe = hd.recipe_from_name(recipe_name)
     torch.manual_seed(0)
     if quantized_init:
         with hd.quantized_model_init(recipe):
-            g = GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16)
+            g = GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16, device=device)
     else:
-        g = GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16)
+        g = GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16, device=device)
     loop = LinearLoop(g.weight, recipe)
-    tpe = torch.tensor(SPLITS)
+    tpe = torch.tensor(SPLITS, device=device)
     for step in range(steps):
-        x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16) * (step + 1)
-        dy = torch.randn(sum(SPLITS), N, dtype=torch.bfloat16)
+        x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16, device=device) * (step + 1)
+        dy = torch.randn(sum(SPLITS), N, dtype=torch.bfloat16, device=device)
         xg = x.clone().requires_grad_(True)
         y = g(xg, tpe)
         y.backward(dy)
         y_ref, dx_ref, dw_ref = loop.run(x, SPLITS, dy)
-        what = f"{recipe_name} quantized_init={quantized_init} step={step}"
-        assert_bitwise_equal(y, y_ref, f"{what} y")
-        assert_bitwise_equal(xg.grad, dx_ref, f"{what} dx")
-        assert_bitwise_equal(g.weight.grad, dw_ref, f"{what} dW")
+        what = f"{recipe_name} quantized_init={quantized_init} step={step} device={device}"
+        check(y, y_ref, f"{what} y")
+        check(xg.grad, dx_ref, f"{what} dx")
+        check(g.weight.grad, dw_ref, f"{what} dW")
         assert torch.count_nonzero(g.weight.grad[1]) == 0, f"{what}: zero-token expert got a gradient"
         g.weight.grad = None
 
 
 @pytest.mark.parametrize("recipe_name", hd.RECIPE_NAMES)
 def test_matches_linear_loop(recipe_name):
-    _run_both(recipe_name, quantized_init=False)
+    run_both(recipe_name, quantized_init=False)
 
 
 @pytest.mark.parametrize("recipe_name", hd.RECIPE_NAMES)
 def test_matches_linear_loop_quantized_init(recipe_name):
-    _run_both(recipe_name, quantized_init=True, steps=1)
+    run_both(recipe_name, quantized_init=True, steps=1)
 
 
 def test_high_precision_without_recipe():
