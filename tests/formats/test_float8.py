@@ -208,3 +208,17 @@ def test_scale_is_one_correctly_rounded_division():
     got = torch.stack([Float8Quantizer().quantize(_x(float(a))).rowwise.scale_inv for a in amaxes])
     expected = torch.reciprocal(torch.full_like(amaxes, 448.0) / amaxes)
     assert_bitwise_equal(got, expected, "scale_inv")
+
+
+def test_delayed_empty_pass_keeps_the_scale_with_amax_epsilon():
+    # most_recent + epsilon: a pass that records nothing must not set scale = 448 / eps
+    q = Float8Quantizer(scaling="delayed", amax_compute="most_recent", amax_epsilon=1e-3)
+    st = q.make_state()
+    q.quantize(_x(2.0), state=st)
+    q.advance_state(st)
+    assert float(st.scale) == 224.0
+    q.advance_state(st)  # this tensor was not quantized in that pass
+    assert float(st.scale) == 224.0
+    q.quantize(_x(1e-4), state=st)  # a recorded amax below epsilon: epsilon is used
+    q.advance_state(st)
+    assert float(st.scale) == float(torch.tensor(448.0) / torch.tensor(1e-3))
