@@ -40,10 +40,10 @@ def main() -> None:
     bf16_ms = bench_ms(lambda: a_hp @ b_hp.t())
     rows = [["bf16 cuBLAS (a @ b.t())", "", bf16_ms, flop / bf16_ms / 1e9, 1.0]]
     for an, bn, fast in PAIRS:
-        sa = Q[an].quantize_storages(a_hp, rowwise=True, columnwise=False)[0]
-        sb = Q[bn].quantize_storages(b_hp, rowwise=True, columnwise=False)[0]
         cfg = GemmConfig(use_fast_accum=fast)
         try:
+            sa = Q[an].quantize_storages(a_hp, rowwise=True, columnwise=False)[0]
+            sb = Q[bn].quantize_storages(b_hp, rowwise=True, columnwise=False)[0]
             ms = bench_ms(lambda: gemm_nt(sa, sb, out_dtype=torch.bfloat16, config=cfg))
         except Exception as e:  # keep the table: report the failure in its row
             rows.append([f"{an} x {bn}", f"failed: {type(e).__name__}: {e}"[:120], "", "", ""])

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import e2m1_decode, exp2_int
+from hybrid_dist.kernels._jit_common import eager_or_op, e2m1_decode, exp2_int
 
 _BR, _BC = 64, 128
 
@@ -62,7 +62,7 @@ def _scale_cast_kernel(acc_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr,
 
 
 @torch.library.custom_op("hybrid_dist::mxfp8_dequantize", mutates_args=())
-def mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def mxfp8_dequantize_op(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """bf16 ``[R, C]`` of MXFP8 ``data [R, C]`` with E8M0 ``scale [R, C/32]``."""
     r, c = data.shape
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
@@ -72,13 +72,13 @@ def mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@mxfp8_dequantize.register_fake
+@mxfp8_dequantize_op.register_fake
 def _(data, scale):
     return data.new_empty(data.shape, dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("hybrid_dist::nvfp4_dequantize", mutates_args=())
-def nvfp4_dequantize(data: torch.Tensor, block_scale: torch.Tensor, block_rows: int) -> torch.Tensor:
+def nvfp4_dequantize_op(data: torch.Tensor, block_scale: torch.Tensor, block_rows: int) -> torch.Tensor:
     """bf16 ``[R, C]`` of packed NVFP4 ``data [R, C/2]`` with E4M3 ``block_scale``
     ``[R/block_rows, C/16]`` (global scale not applied)."""
     r, c = data.shape[0], data.shape[1] * 2
@@ -89,13 +89,13 @@ def nvfp4_dequantize(data: torch.Tensor, block_scale: torch.Tensor, block_rows: 
     return out
 
 
-@nvfp4_dequantize.register_fake
+@nvfp4_dequantize_op.register_fake
 def _(data, block_scale, block_rows):
     return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("hybrid_dist::scale_cast", mutates_args=())
-def scale_cast(acc: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
+def scale_cast_op(acc: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
                out_dtype: torch.dtype) -> torch.Tensor:
     """``((acc · scale_a) · scale_b).to(out_dtype)`` for a contiguous fp32 ``acc``."""
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
@@ -108,6 +108,15 @@ def scale_cast(acc: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.T
     return out
 
 
-@scale_cast.register_fake
+@scale_cast_op.register_fake
 def _(acc, scale_a, scale_b, out_dtype):
     return acc.new_empty(acc.shape, dtype=out_dtype)
+
+
+mxfp8_dequantize = eager_or_op(mxfp8_dequantize_op, mxfp8_dequantize_op._init_fn)
+
+
+nvfp4_dequantize = eager_or_op(nvfp4_dequantize_op, nvfp4_dequantize_op._init_fn)
+
+
+scale_cast = eager_or_op(scale_cast_op, scale_cast_op._init_fn)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8_block import BLOCK, Float8BlockQuantizer, Float8BlockStorage
-from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, per_block_scale
+from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, div_rn, per_block_scale
 
 
 @triton.jit
@@ -47,7 +47,11 @@ def _fp8_block_kernel(
             tl.store(row_ptr + rm * K + rk, q, mask=mask)
             tl.store(row_s_ptr + pid_m * nk + pid_k, s_inv)
         if COL:
-            tl.store(col_ptr + ck * M + cm, tl.trans(q), mask=cmask)
+            if x_ptr.dtype.element_ty == tl.float32:  # an 8-bit transpose of this layout miscompiled (Triton 3.6)
+                q_t = cast_fp8(tl.trans(x) * scale, FMAX, out_ty)
+            else:
+                q_t = tl.trans(q)
+            tl.store(col_ptr + ck * M + cm, q_t, mask=cmask)
             tl.store(col_s_ptr + pid_k * nm + pid_m, s_inv)
     else:
         if ROW:  # 1x128 along K: one scale per tile row
@@ -58,17 +62,19 @@ def _fp8_block_kernel(
             s_inv = div_rn(tl.zeros_like(scale) + 1.0, scale)
             tl.store(row_s_ptr + offs * tl.cdiv(K, B) + pid_k, s_inv, mask=offs < M)
         if COL:  # 128x1 along M: one scale per tile column, stored transposed
-            xt = tl.trans(x)  # [B(k), B(m)]
-            scale = per_block_scale(tl.max(tl.abs(xt), axis=1), FMAX, EPS, POW2)  # [B] per k
-            q = cast_fp8(xt * scale[:, None], FMAX, out_ty)
-            tl.store(col_ptr + ck * M + cm, q, mask=cmask)
+            scale = per_block_scale(tl.max(tl.abs(x), axis=0), FMAX, EPS, POW2)  # [B] per k
+            if x_ptr.dtype.element_ty == tl.float32:
+                q_t = cast_fp8(tl.trans(x * scale[None, :]), FMAX, out_ty)
+            else:
+                q_t = tl.trans(cast_fp8(x * scale[None, :], FMAX, out_ty))
+            tl.store(col_ptr + ck * M + cm, q_t, mask=cmask)
             offs = pid_k * B + tl.arange(0, B)
             s_inv = div_rn(tl.zeros_like(scale) + 1.0, scale)
             tl.store(col_s_ptr + offs * tl.cdiv(M, B) + pid_m, s_inv, mask=offs < K)
 
 
 @torch.library.custom_op("hybrid_dist::fp8_block_quantize", mutates_args=())
-def fp8_block_quantize(
+def fp8_block_quantize_op(
     x: torch.Tensor, dtype: torch.dtype, square: bool, power_of_2_scales: bool, amax_epsilon: float,
     rowwise: bool, columnwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +103,7 @@ def _fp8_block_fake(x, dtype, square, rowwise, columnwise):
             x.new_empty(col_s_shape if columnwise else (0, 0), dtype=f32))
 
 
-@fp8_block_quantize.register_fake
+@fp8_block_quantize_op.register_fake
 def _(x, dtype, square, power_of_2_scales, amax_epsilon, rowwise, columnwise):
     return _fp8_block_fake(x, dtype, square, rowwise, columnwise)
 
@@ -113,3 +119,6 @@ def quantize_fp8_block(q: Float8BlockQuantizer, x2d, *, rowwise, columnwise, sta
     row_st = Float8BlockStorage(data=row, scale_inv=row_s, block_rows=br, transposed=False) if rowwise else None
     col_st = Float8BlockStorage(data=col, scale_inv=col_s, block_rows=br, transposed=True) if columnwise else None
     return row_st, col_st
+
+
+fp8_block_quantize = eager_or_op(fp8_block_quantize_op, fp8_block_quantize_op._init_fn)

@@ -2,14 +2,14 @@
 
 Kernels (``torch.library`` ops in the ``hybrid_dist`` namespace):
 
-* ``hybrid_dist::amax``: fp32 ``max|x|`` of a 2D tensor (grid-stride tiles + atomic max).
+* ``hybrid_dist::amax``: fp32 ``max|x|`` of a 2D tensor (tiles + relaxed atomic max).
 * ``hybrid_dist::fp8_cast_transpose``: reads ``x [M, K]`` once and writes the rowwise
-  ``[M, K]`` and/or columnwise ``[K, M]`` (its transpose) fp8 data with one fp32 ``scale``
-  (``sat(x · scale)``, round to nearest even — bitwise ``Float8Quantizer._quantize_2d``).
-  With ``with_amax`` it also returns ``max|x|`` from the same pass (delayed scaling).
-
-The scale itself (``fp8_max / amax``, delayed history, ``1/scale``) is computed by the
-reference quantizer's own torch code on the device (a handful of scalar ops).
+  ``[M, K]`` and/or columnwise ``[K, M]`` (its transpose) fp8 data, bitwise
+  ``Float8Quantizer._quantize_2d``. The scale is computed in the kernel from an amax
+  (current: ``fp8_max / max(amax, eps)``, 1 if 0, clamped, optional power-of-two floor)
+  or read as given (delayed); program (0, 0) writes ``scale_inv = 1 / scale`` (IEEE).
+  With an ``amax_out`` buffer it also max-reduces ``max|x|`` into it in the same pass
+  (delayed scaling records straight into ``amax_history[0]``, a running max).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage
-from hybrid_dist.kernels._jit_common import cast_fp8
+from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 
 _BM, _BK = 64, 128
 
@@ -31,36 +31,45 @@ def _amax_kernel(x_ptr, amax_ptr, M, K, stride_m, BM: tl.constexpr, BK: tl.const
     rm = pid_m * BM + tl.arange(0, BM)[:, None]
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     x = tl.load(x_ptr + rm * stride_m + rk, mask=(rm < M) & (rk < K), other=0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.abs(x.to(tl.float32))))
+    tl.atomic_max(amax_ptr, sem="relaxed", val=tl.max(tl.abs(x.to(tl.float32))))
 
 
 @triton.jit
 def _cast_transpose_kernel(
-    x_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, M, K, stride_m,
-    FMAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, AMAX: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    x_ptr, amax_in_ptr, scale_ptr, scale_inv_ptr, row_ptr, col_ptr, amax_out_ptr, M, K, stride_m,
+    FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
+    ROW: tl.constexpr, COL: tl.constexpr, AMAX_OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)[:, None]
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     mask = (rm < M) & (rk < K)
-    x = tl.load(x_ptr + rm * stride_m + rk, mask=mask, other=0.0).to(tl.float32)
-    if AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.abs(x)))
-    scale = tl.load(scale_ptr)
+    x_in = tl.load(x_ptr + rm * stride_m + rk, mask=mask, other=0.0)
+    x = x_in.to(tl.float32)
+    if AMAX_OUT:
+        tl.atomic_max(amax_out_ptr, sem="relaxed", val=tl.max(tl.abs(x)))
+    if SCALE_FROM_AMAX:
+        scale = per_block_scale(tl.load(amax_in_ptr), FMAX, EPS, POW2)
+    else:
+        scale = tl.load(scale_ptr)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(scale_inv_ptr, div_rn(tl.zeros_like(scale) + 1.0, scale))
     out_ty = row_ptr.dtype.element_ty if ROW else col_ptr.dtype.element_ty
     q = cast_fp8(x * scale, FMAX, out_ty)
     if ROW:
         tl.store(row_ptr + rm * K + rk, q, mask=mask)
-    if COL:
-        # columnwise stored [K, M]: element (m, k) goes to col[k, m]
+    if COL:  # columnwise stored [K, M]: element (m, k) goes to col[k, m]
         rm_t = pid_m * BM + tl.arange(0, BM)[None, :]
         rk_t = pid_k * BK + tl.arange(0, BK)[:, None]
-        tl.store(col_ptr + rk_t * M + rm_t, tl.trans(q), mask=(rk_t < K) & (rm_t < M))
+        if x_ptr.dtype.element_ty == tl.float32:
+            # transpose in fp32: an 8-bit transpose of this layout miscompiled (Triton 3.6)
+            q_t = cast_fp8(tl.trans(x) * scale, FMAX, out_ty)
+        else:
+            q_t = tl.trans(q)
+        tl.store(col_ptr + rk_t * M + rm_t, q_t, mask=(rk_t < K) & (rm_t < M))
 
 
-@torch.library.custom_op("hybrid_dist::amax", mutates_args=())
-def amax_2d(x: torch.Tensor) -> torch.Tensor:
+def _amax_2d(x: torch.Tensor) -> torch.Tensor:
     """fp32 scalar ``max|x|`` of a 2D tensor with unit stride along dim 1."""
     m, k = x.shape
     out = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -70,54 +79,73 @@ def amax_2d(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@amax_2d.register_fake
-def _(x):
-    return x.new_empty((), dtype=torch.float32)
+amax_op = torch.library.custom_op("hybrid_dist::amax", mutates_args=())(_amax_2d)
+amax_op.register_fake(lambda x: x.new_empty((), dtype=torch.float32))
+amax_2d = eager_or_op(amax_op, _amax_2d)
 
 
-@torch.library.custom_op("hybrid_dist::fp8_cast_transpose", mutates_args=())
-def fp8_cast_transpose(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool,
-    with_amax: bool,
+def _fp8_cast_transpose(
+    x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, dtype: torch.dtype,
+    scale_from_amax: bool, eps: float, pow2: bool, rowwise: bool, columnwise: bool, record_amax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row [M, K] or empty, col [K, M] or empty, amax [] )`` fp8 of ``x · scale``."""
+    """``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. Scale from ``amax``
+    (``scale_from_amax``) or ``scale``; ``record_amax`` max-reduces ``max|x|`` into
+    ``amax_out`` (mutated)."""
     m, k = x.shape
     row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
-    amax_out = torch.zeros((), dtype=torch.float32, device=x.device)
-    if x.numel():
-        grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
-        _cast_transpose_kernel[grid](
-            x, scale, row, col, amax_out, m, k, x.stride(0), FMAX=FP8_MAX[dtype],
-            ROW=rowwise, COL=columnwise, AMAX=with_amax, BM=_BM, BK=_BK, num_warps=8,
-        )
-    return row, col, amax_out
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    grid = (max(triton.cdiv(m, _BM), 1), max(triton.cdiv(k, _BK), 1))
+    _cast_transpose_kernel[grid](
+        x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), FMAX=FP8_MAX[dtype],
+        EPS=eps, POW2=pow2, SCALE_FROM_AMAX=scale_from_amax, ROW=rowwise, COL=columnwise,
+        AMAX_OUT=record_amax, BM=_BM, BK=_BK, num_warps=8,
+    )
+    return row, col, scale_inv
 
 
-@fp8_cast_transpose.register_fake
-def _(x, scale, dtype, rowwise, columnwise, with_amax):
+def _cast_fake(x, amax, scale, amax_out, dtype, scale_from_amax, eps, pow2, rowwise, columnwise, record_amax):
     m, k = x.shape
     return (x.new_empty((m, k) if rowwise else (0, 0), dtype=dtype),
             x.new_empty((k, m) if columnwise else (0, 0), dtype=dtype),
             x.new_empty((), dtype=torch.float32))
 
 
+cast_op = torch.library.custom_op("hybrid_dist::fp8_cast_transpose", mutates_args=("amax_out",))(_fp8_cast_transpose)
+cast_op.register_fake(_cast_fake)
+fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
+
+
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused(device) -> torch.Tensor:
+    """A never-written placeholder for the ``amax_out`` argument."""
+    if device not in _UNUSED:
+        _UNUSED[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _UNUSED[device]
+
+
 def quantize_fp8_tensor(q: Float8Quantizer, x2d, *, rowwise, columnwise, state, amax):
     """Registry impl for :class:`Float8Quantizer` (bitwise the reference)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    if q.scaling == "delayed" and amax is None:
+    dev = x2d.device
+    if q.scaling == "delayed":
         if not isinstance(state, DelayedScalingState):
             return NotImplemented  # the reference raises the explanatory ValueError
-        scale = state.to(x2d.device).scale.clone()
-        row, col, seen = fp8_cast_transpose(x2d, scale, q.dtype, rowwise, columnwise, True)
-        state.record(seen)
+        state.to(dev)
+        record = amax is None
+        if not record:
+            state.record(amax.float().to(dev))
+        row, col, scale_inv = fp8_cast_transpose(
+            x2d, state.scale, state.scale, state.amax_history, q.dtype, False, 0.0, False,
+            rowwise, columnwise, record)
     else:
-        if amax is None and q.scaling == "current":
-            amax = amax_2d(x2d)
-        scale = q.compute_scale(x2d, state, amax)
-        row, col, _ = fp8_cast_transpose(x2d, scale, q.dtype, rowwise, columnwise, False)
-    scale_inv = torch.reciprocal(scale)
+        amax = amax_2d(x2d) if amax is None else amax.float().to(dev).reshape(())
+        row, col, scale_inv = fp8_cast_transpose(
+            x2d, amax, amax, _unused(dev), q.dtype, True, float(q.amax_epsilon), q.power_of_2_scales,
+            rowwise, columnwise, False)
     row_st = Float8Storage(data=row, scale_inv=scale_inv, transposed=False) if rowwise else None
     col_st = Float8Storage(data=col, scale_inv=scale_inv, transposed=True) if columnwise else None
     return row_st, col_st

@@ -6,7 +6,8 @@
 * FP8 block (1×128 A with 1×128 or 128×128 B): ``torch.nn.functional.scaled_mm``
   blockwise (scales passed outer-dim-major as cuBLAS wants); other block pairs or shapes
   cuBLAS refuses fall through.
-* Identity × identity (same dtype): a plain matmul in the native dtype.
+* Identity × identity (same dtype): a plain matmul in the native dtype (fp32 output from
+  the same bf16 operands when an fp32 result is asked for).
 * Everything else (MXFP8, NVFP4, mixed, E5M2×E5M2): each operand is dequantized by its
   block scales to bf16 (exact, see ``dequant``), cuBLAS multiplies with fp32 accumulation,
   per-tensor scales go on the fp32 accumulator. NVFP4 operands that share a Hadamard
@@ -99,9 +100,11 @@ def gemm_nt_cuda(a, b, *, out_dtype, config):
         if out is not None:
             return out
     if isinstance(a, IdentityStorage) and isinstance(b, IdentityStorage):
-        if a.data.dtype == b.data.dtype:
+        if a.data.dtype != b.data.dtype:
+            return NotImplemented
+        if out_dtype == a.data.dtype or a.data.dtype == torch.float32:
             return torch.mm(a.data, b.data.t()).to(out_dtype)
-        return NotImplemented
+        return _mm_fp32(a.data, b.data.t()).to(out_dtype)
     if isinstance(a, Float8BlockStorage) or isinstance(b, Float8BlockStorage):
         if isinstance(a, Float8BlockStorage) and isinstance(b, Float8BlockStorage):
             out = _scaled_mm_blockwise(a, b, out_dtype)

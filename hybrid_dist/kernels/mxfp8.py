@@ -14,7 +14,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
-from hybrid_dist.kernels._jit_common import cast_fp8, e8m0_from_amax, exp2_int
+from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, e8m0_from_amax, exp2_int
 
 _BM, _BK = 64, 64
 
@@ -37,21 +37,26 @@ def _mxfp8_kernel(
         tl.store(row_ptr + rm * K + rk, tl.reshape(q, (BM, BK)), mask=mask)
         sk = pid_k * (BK // 32) + tl.arange(0, BK // 32)[None, :]
         tl.store(row_s_ptr + rm * (K // 32) + sk, e.to(tl.uint8), mask=(rm < M) & (sk < K // 32))
-    if COL:
-        xt = tl.trans(x)  # [BK, BM], blocks of 32 along M
-        blocks = tl.reshape(xt, (BK, BM // 32, 32))
-        e = e8m0_from_amax(tl.max(tl.abs(blocks), axis=2), FMAX)  # [BK, BM/32]
-        inv = exp2_int(127 - e)
-        q = cast_fp8(blocks * inv[:, :, None], FMAX, col_ptr.dtype.element_ty)
+    if COL:  # blocks of 32 along M, computed in x's orientation, stored transposed
         ck = pid_k * BK + tl.arange(0, BK)[:, None]
         cm = pid_m * BM + tl.arange(0, BM)[None, :]
-        tl.store(col_ptr + ck * M + cm, tl.reshape(q, (BK, BM)), mask=(ck < K) & (cm < M))
+        blocks = tl.reshape(x, (BM // 32, 32, BK))
+        e = e8m0_from_amax(tl.max(tl.abs(blocks), axis=1), FMAX)  # [BM/32, BK]
+        inv = exp2_int(127 - e)
+        if x_ptr.dtype.element_ty == tl.float32:
+            # transpose in fp32: an 8-bit transpose of this layout miscompiled (Triton 3.6)
+            q_t = cast_fp8(tl.trans(tl.reshape(blocks * inv[:, None, :], (BM, BK))), FMAX,
+                           col_ptr.dtype.element_ty)
+        else:
+            q = cast_fp8(blocks * inv[:, None, :], FMAX, col_ptr.dtype.element_ty)
+            q_t = tl.trans(tl.reshape(q, (BM, BK)))
+        tl.store(col_ptr + ck * M + cm, q_t, mask=(ck < K) & (cm < M))
         sm = pid_m * (BM // 32) + tl.arange(0, BM // 32)[None, :]
-        tl.store(col_s_ptr + ck * (M // 32) + sm, e.to(tl.uint8), mask=(ck < K) & (sm < M // 32))
+        tl.store(col_s_ptr + ck * (M // 32) + sm, tl.trans(e).to(tl.uint8), mask=(ck < K) & (sm < M // 32))
 
 
 @torch.library.custom_op("hybrid_dist::mxfp8_quantize", mutates_args=())
-def mxfp8_quantize(
+def mxfp8_quantize_op(
     x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty."""
@@ -68,7 +73,7 @@ def mxfp8_quantize(
     return row, row_s, col, col_s
 
 
-@mxfp8_quantize.register_fake
+@mxfp8_quantize_op.register_fake
 def _(x, dtype, rowwise, columnwise):
     m, k = x.shape
     return (x.new_empty((m, k) if rowwise else (0, 0), dtype=dtype),
@@ -85,3 +90,6 @@ def quantize_mxfp8(q: MXFP8Quantizer, x2d, *, rowwise, columnwise, state, amax):
     row_st = MXFP8Storage(data=row, scale=row_s, transposed=False) if rowwise else None
     col_st = MXFP8Storage(data=col, scale=col_s, transposed=True) if columnwise else None
     return row_st, col_st
+
+
+mxfp8_quantize = eager_or_op(mxfp8_quantize_op, mxfp8_quantize_op._init_fn)

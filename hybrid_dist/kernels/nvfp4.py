@@ -4,10 +4,13 @@ reads each ``[BM, BK]`` tile once and writes every requested direction.
 Layouts (``formats.nvfp4``): rowwise ``data [M, K/2]`` uint8 + ``block_scale [M/br, K/16]``
 E4M3; columnwise ``data [K, M/2]`` + ``block_scale [K/br, M/16]``; ``br`` = 16 for 2D blocks.
 
-* Columnwise with ``rht``: the transposed tile ``[BK, BM]`` is cut into 16-chunks along M
-  and multiplied by ``Tᵀ`` with a 16×16 ``tl.dot`` in IEEE fp32 — same products as the
-  reference, different summation order, so codes may differ from the reference where a
-  value sits within an fp32 ulp of a rounding boundary (tested with a mismatch bound).
+* Columnwise blocks are computed in x's orientation (16 along M) and only the packed
+  bytes and scales are transposed (as 32-bit values) for the ``[K, M/2]`` store.
+* Columnwise with ``rht``: the tile is multiplied by ``blockdiag(T, ..., T)`` ``[BM, BM]``
+  with one ``tl.dot`` (bf16 operands for bf16 input — exact products, fp32 accumulation on
+  the tensor cores; IEEE fp32 otherwise). Same products as the reference, different
+  summation order, so a code may differ from the reference where a value sits within an
+  fp32 ulp of a rounding boundary (tested with a mismatch bound).
 * Stochastic rounding draws uniforms from Philox (``tl.rand``) seeded by one int64
   drawn from the state's generator per call, offset by the element's index: reproducible
   for a seeded state and unbiased, but not the reference's ``torch.rand`` stream.
@@ -23,55 +26,95 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage, nvfp4_global_scale
-from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
+from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
 
 _BM, _BK = 64, 64
 
 
 @triton.jit
-def _rht_t(x, t_ptr, BM: tl.constexpr, BK: tl.constexpr):
-    """Transposed tile ``[BK, BM]`` with each 16-chunk along M multiplied by ``Tᵀ``."""
-    r16 = tl.arange(0, 16)
-    tt = tl.load(t_ptr + r16[:, None] * 16 + r16[None, :])  # Tᵀ, row-major
-    chunks = tl.reshape(tl.trans(x), (BK * BM // 16, 16))
-    return tl.reshape(tl.dot(chunks, tt, input_precision="ieee"), (BK, BM))
+def _rht_cols(x, bd_ptr, BM: tl.constexpr):
+    """``x [BM, BK]`` with each 16-chunk along M multiplied by ``T``: ``blockdiag(T) @ x``.
+
+    bf16 input: bf16 operands (exact: x is bf16, T = ±1/4) with fp32 accumulation on the
+    tensor cores; fp32 input: an IEEE fp32 dot."""
+    r = tl.arange(0, BM)
+    if bd_ptr.dtype.element_ty == tl.bfloat16:
+        bd = tl.load(bd_ptr + r[:, None] * BM + r[None, :])
+        return tl.dot(bd, x.to(tl.bfloat16), out_dtype=tl.float32)
+    bd = tl.load(bd_ptr + r[:, None] * BM + r[None, :])
+    return tl.dot(bd, x, input_precision="ieee")
 
 
 @triton.jit
-def _nvfp4_amax_kernel(x_ptr, t_ptr, amax_ptr, M, K, stride_m, RHT: tl.constexpr,
+def _nvfp4_amax_kernel(x_ptr, bd_ptr, amax_ptr, M, K, stride_m, RHT: tl.constexpr,
                        BM: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)[:, None]
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     x = tl.load(x_ptr + rm * stride_m + rk, mask=(rm < M) & (rk < K), other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    tl.atomic_max(amax_ptr, sem="relaxed", val=tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     if RHT:
-        y = _rht_t(x, t_ptr, BM, BK)
-        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+        y = _rht_cols(x, bd_ptr, BM)
+        tl.atomic_max(amax_ptr + 1, sem="relaxed", val=tl.max(tl.max(tl.abs(y), axis=1), axis=0))
 
 
 @triton.jit
-def _quantize_tile(v, gs, seed, offs, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
-                   SR: tl.constexpr):
-    """Codes (int32 ``[R, C]``) and E4M3 block scales ``[R/BR, C/16]`` of fp32 ``v``."""
-    blocks = tl.reshape(v, (R // BR, BR, C // 16, 16))
-    bamax = tl.max(tl.max(tl.abs(blocks), axis=3), axis=1)
+def _codes(scaled, seed, offs_q, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+    """E2M1 codes; SR draws 4 uniforms per Philox call at offsets ``offs_q [R, C/4]``."""
+    scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
+    if SR:
+        u0, u1, u2, u3 = tl.rand4x(seed, offs_q)
+        rand = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (R, C))
+        return e2m1_stochastic(scaled, rand)
+    return e2m1_rne(scaled)
+
+
+@triton.jit
+def _block_scale(bamax, gs):
+    """E4M3 ``sat(amax_block / 6 / gs)`` and the fp32 encode multiplier ``1/(bs·gs)`` (0 if 0)."""
     bs = cast_fp8(div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), tl.zeros_like(bamax) + gs),
                   448.0, tl.float8e4nv)
     denom = bs.to(tl.float32) * gs
-    enc = tl.where(denom > 0, div_rn(tl.zeros_like(denom) + 1.0, denom), 0.0)
-    scaled = tl.reshape(blocks * enc[:, None, :, None], (R, C))
-    scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
-    if SR:
-        codes = e2m1_stochastic(scaled, tl.rand(seed, offs))
-    else:
-        codes = e2m1_rne(scaled)
-    return codes, bs
+    return bs, tl.where(denom > 0, div_rn(tl.zeros_like(denom) + 1.0, denom), 0.0)
+
+
+@triton.jit
+def _quantize_rows(v, gs, seed, offs, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
+                   SR: tl.constexpr):
+    """Blocks of (BR rows × 16 along C): codes int32 ``[R, C]``, scales ``[R/BR, C/16]``."""
+    blocks = tl.reshape(v, (R // BR, BR, C // 16, 16))
+    bs, enc = _block_scale(tl.max(tl.max(tl.abs(blocks), axis=3), axis=1), gs)
+    return _codes(tl.reshape(blocks * enc[:, None, :, None], (R, C)), seed, offs, R, C, SR), bs
+
+
+@triton.jit
+def _quantize_cols(v, gs, seed, offs, R: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                   SR: tl.constexpr):
+    """Blocks of (16 along R × BC cols): codes int32 ``[R, C]``, scales ``[R/16, C/BC]``."""
+    blocks = tl.reshape(v, (R // 16, 16, C // BC, BC))
+    bs, enc = _block_scale(tl.max(tl.max(tl.abs(blocks), axis=3), axis=1), gs)
+    return _codes(tl.reshape(blocks * enc[:, None, :, None], (R, C)), seed, offs, R, C, SR), bs
+
+
+@triton.jit
+def _store_cols(codes, bs, col_ptr, col_s_ptr, pid_m, pid_k, M, K, BR: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr):
+    """Store x-oriented codes ``[BM, BK]`` (blocks along M) as columnwise ``[K, M/2]``
+    packed bytes and their scales ``[BM/16, BK/BR]`` as ``[K/BR, M/16]`` (32-bit transposes)."""
+    lo, hi = tl.split(tl.permute(tl.reshape(codes, (BM // 2, 2, BK)), (0, 2, 1)))
+    packed_t = tl.trans(lo | (hi << 4)).to(tl.uint8)  # [BK, BM/2]
+    ck = pid_k * BK + tl.arange(0, BK)[:, None]
+    pm = pid_m * (BM // 2) + tl.arange(0, BM // 2)[None, :]
+    tl.store(col_ptr + ck * (M // 2) + pm, packed_t, mask=(ck < K) & (pm < M // 2))
+    sk = pid_k * (BK // BR) + tl.arange(0, BK // BR)[:, None]
+    sm = pid_m * (BM // 16) + tl.arange(0, BM // 16)[None, :]
+    bs_t = tl.trans(bs.to(tl.float32)).to(tl.float8e4nv)
+    tl.store(col_s_ptr + sk * (M // 16) + sm, bs_t, mask=(sk < K // BR) & (sm < M // 16))
 
 
 @triton.jit
 def _nvfp4_kernel(
-    x_ptr, t_ptr, gs_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
+    x_ptr, bd_ptr, gs_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
     ROW: tl.constexpr, COL: tl.constexpr, DERIVE_COL: tl.constexpr, RHT: tl.constexpr,
     SR: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
@@ -80,34 +123,26 @@ def _nvfp4_kernel(
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     x = tl.load(x_ptr + rm * stride_m + rk, mask=(rm < M) & (rk < K), other=0.0).to(tl.float32)
     seed = tl.load(seed_ptr) if SR else 0
-    ck = pid_k * BK + tl.arange(0, BK)[:, None]
-    cm = pid_m * BM + tl.arange(0, BM)[None, :]
+    # Philox offsets: one per 4 consecutive elements along K (rowwise, then columnwise)
+    kq = tl.cdiv(K, 4)
+    offs_q = rm * kq + pid_k * (BK // 4) + tl.arange(0, BK // 4)[None, :]
     if ROW or DERIVE_COL:
-        codes, bs = _quantize_tile(x, tl.load(gs_ptr), seed, rm * K + rk, BM, BK, BR, SR)
-        pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
-        sm = pid_m * (BM // BR) + tl.arange(0, BM // BR)[:, None]
-        sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
+        codes, bs = _quantize_rows(x, tl.load(gs_ptr), seed, offs_q, BM, BK, BR, SR)
         if ROW:
+            pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
+            sm = pid_m * (BM // BR) + tl.arange(0, BM // BR)[:, None]
+            sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
             tl.store(row_ptr + rm * (K // 2) + pk, pack_pairs(codes, BM, BK), mask=(rm < M) & (pk < K // 2))
             tl.store(row_s_ptr + sm * (K // 16) + sk, bs, mask=(sm < M // BR) & (sk < K // 16))
-        if DERIVE_COL:
-            pm = pid_m * (BM // 2) + tl.arange(0, BM // 2)[None, :]
-            tl.store(col_ptr + ck * (M // 2) + pm, pack_pairs(tl.trans(codes), BK, BM),
-                     mask=(ck < K) & (pm < M // 2))
-            tsk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[:, None]
-            tsm = pid_m * (BM // 16) + tl.arange(0, BM // 16)[None, :]
-            tl.store(col_s_ptr + tsk * (M // 16) + tsm, tl.trans(bs), mask=(tsk < K // 16) & (tsm < M // 16))
+        if DERIVE_COL:  # 2D blocks: columnwise is the exact transpose (16x16 blocks)
+            _store_cols(codes, bs, col_ptr, col_s_ptr, pid_m, pid_k, M, K, BR, BM, BK)
     if COL and not DERIVE_COL:
         if RHT:
-            y = _rht_t(x, t_ptr, BM, BK)
+            y = _rht_cols(x, bd_ptr, BM)
         else:
-            y = tl.trans(x)
-        codes, bs = _quantize_tile(y, tl.load(gs_ptr + 1), seed, M * K + ck * M + cm, BK, BM, BR, SR)
-        pm = pid_m * (BM // 2) + tl.arange(0, BM // 2)[None, :]
-        tl.store(col_ptr + ck * (M // 2) + pm, pack_pairs(codes, BK, BM), mask=(ck < K) & (pm < M // 2))
-        sk = pid_k * (BK // BR) + tl.arange(0, BK // BR)[:, None]
-        sm = pid_m * (BM // 16) + tl.arange(0, BM // 16)[None, :]
-        tl.store(col_s_ptr + sk * (M // 16) + sm, bs, mask=(sk < K // BR) & (sm < M // 16))
+            y = x
+        codes, bs = _quantize_cols(y, tl.load(gs_ptr + 1), seed, M * kq + offs_q, BM, BK, BR, SR)
+        _store_cols(codes, bs, col_ptr, col_s_ptr, pid_m, pid_k, M, K, BR, BM, BK)
 
 
 def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):
@@ -119,25 +154,25 @@ def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):
 
 
 @torch.library.custom_op("hybrid_dist::nvfp4_amax", mutates_args=())
-def nvfp4_amax(x: torch.Tensor, t_transposed: torch.Tensor, rht: bool) -> torch.Tensor:
-    """fp32 ``[2]``: ``max|x|`` and (if ``rht``) ``max|RHT(xᵀ)|`` (else 0)."""
+def nvfp4_amax_op(x: torch.Tensor, blockdiag_t: torch.Tensor, rht: bool) -> torch.Tensor:
+    """fp32 ``[2]``: ``max|x|`` and (if ``rht``) the max of the column-Hadamard transform (else 0)."""
     m, k = x.shape
     out = torch.zeros(2, dtype=torch.float32, device=x.device)
     if x.numel():
         grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
-        _nvfp4_amax_kernel[grid](x, t_transposed, out, m, k, x.stride(0), RHT=rht, BM=_BM, BK=_BK,
+        _nvfp4_amax_kernel[grid](x, blockdiag_t, out, m, k, x.stride(0), RHT=rht, BM=_BM, BK=_BK,
                                  num_warps=4)
     return out
 
 
-@nvfp4_amax.register_fake
-def _(x, t_transposed, rht):
+@nvfp4_amax_op.register_fake
+def _(x, blockdiag_t, rht):
     return x.new_empty(2, dtype=torch.float32)
 
 
 @torch.library.custom_op("hybrid_dist::nvfp4_quantize", mutates_args=())
-def nvfp4_quantize(
-    x: torch.Tensor, t_transposed: torch.Tensor, global_scales: torch.Tensor, seed: torch.Tensor,
+def nvfp4_quantize_op(
+    x: torch.Tensor, blockdiag_t: torch.Tensor, global_scales: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row_data, row_block_scale, col_data, col_block_scale)``; absent ones empty.
@@ -147,32 +182,40 @@ def nvfp4_quantize(
     if x.numel():
         grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
         _nvfp4_kernel[grid](
-            x, t_transposed, global_scales, seed, *outs, m, k, x.stride(0), ROW=rowwise,
+            x, blockdiag_t, global_scales, seed, *outs, m, k, x.stride(0), ROW=rowwise,
             COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr, BR=block_rows,
             BM=_BM, BK=_BK, num_warps=4,
         )
     return tuple(outs)
 
 
-@nvfp4_quantize.register_fake
-def _(x, t_transposed, global_scales, seed, rowwise, columnwise, derive_col, rht, sr, block_rows):
+@nvfp4_quantize_op.register_fake
+def _(x, blockdiag_t, global_scales, seed, rowwise, columnwise, derive_col, rht, sr, block_rows):
     m, k = x.shape
     return tuple(x.new_empty(s, dtype=d) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows))
 
 
-_T_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+_BD_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def _hadamard_t(seed: int, device: torch.device) -> torch.Tensor:
-    key = (seed, device)
-    if key not in _T_CACHE:
-        _T_CACHE[key] = hadamard16(seed, device).t().contiguous()
-    return _T_CACHE[key]
+def _blockdiag_t(seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``blockdiag(T, ..., T)`` ``[BM, BM]`` (bf16 for bf16 inputs: exact, T = ±1/4)."""
+    dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    key = (seed, device, dtype)
+    if key not in _BD_CACHE:
+        t = hadamard16(seed, device)
+        _BD_CACHE[key] = torch.block_diag(*[t] * (_BM // 16)).to(dtype).contiguous()
+    return _BD_CACHE[key]
+
+
+_NO_SEED: dict[torch.device, torch.Tensor] = {}
 
 
 def _seed_tensor(q: NVFP4Quantizer, state, device) -> torch.Tensor:
     if not q.stochastic_rounding:
-        return torch.zeros(1, dtype=torch.int64, device=device)
+        if device not in _NO_SEED:
+            _NO_SEED[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        return _NO_SEED[device]
     gen = state.generator(device) if isinstance(state, NVFP4State) else None
     return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device, generator=gen)
 
@@ -184,7 +227,7 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax):
     dev = x2d.device
     derive_col = q.block_2d and not q.rht
     col_rht = columnwise and not derive_col and q.rht
-    t = _hadamard_t(q.rht_seed, dev)
+    t = _blockdiag_t(q.rht_seed, dev, x2d.dtype)
     if amax is None or col_rht:
         amaxes = nvfp4_amax(x2d, t, col_rht)
         amax_row = amaxes[0] if amax is None else amax.float().to(dev).reshape(())
@@ -204,3 +247,9 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax):
         col_st = NVFP4Storage(data=col, block_scale=col_s, global_scale=(gs[0] if derive_col else gs[1]).clone(),
                               block_rows=br, rht_seed=q.rht_seed if col_rht else None, transposed=True)
     return row_st, col_st
+
+
+nvfp4_amax = eager_or_op(nvfp4_amax_op, nvfp4_amax_op._init_fn)
+
+
+nvfp4_quantize = eager_or_op(nvfp4_quantize_op, nvfp4_quantize_op._init_fn)

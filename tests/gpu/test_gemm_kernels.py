@@ -3,6 +3,9 @@
 The CUDA paths multiply the same exactly-dequantized operands with fp32 accumulation, so
 they differ from the reference only in summation order (fp32 output: rel. error < 1e-5)
 and in the final rounding (bf16 output: < 1e-2 of the norm, i.e. one bf16 rounding).
+Exception: FP8 × FP8 through cuBLAS (``_scaled_mm``, tensorwise and blockwise) — Hopper's
+FP8 tensor cores accumulate with fewer than fp32's mantissa bits between promotions,
+measured ~1.3e-4 relative at K=512, so those pairs get 5e-4.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ def _rel(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _check(sa, sb, what):
+def _check(sa, sb, what, fp32_tol=1e-5):
     assert kernels.gemm_impls_for(sa.device), "no CUDA GEMM registered"
-    for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    for out_dtype, tol in ((torch.float32, fp32_tol), (torch.bfloat16, 1e-2)):
         ref = reference_gemm_nt(sa, sb, out_dtype=torch.float32)
         out = gemm_nt(sa, sb, out_dtype=out_dtype, config=GemmConfig())
         assert out.dtype == out_dtype and out.shape == ref.shape, what
@@ -57,14 +60,15 @@ def _check(sa, sb, what):
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
 def test_gemm_pair_matches_reference(pair):
     sa, sb = _operands(FORMATS[pair[0]], FORMATS[pair[1]])
-    _check(sa, sb, f"A={pair[0]} B={pair[1]}")
+    fp8_fp8 = pair[0].startswith("fp8") and pair[1].startswith("fp8") and "fp8_e4m3" in pair
+    _check(sa, sb, f"A={pair[0]} B={pair[1]}", fp32_tol=5e-4 if fp8_fp8 else 1e-5)
 
 
 @pytest.mark.parametrize("blocks", BLOCK_PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
 def test_fp8_block_pairs_match_reference(blocks):
     qa, qb = (hd.Float8BlockQuantizer(block=b) for b in blocks)
     sa, sb = _operands(qa, qb)
-    _check(sa, sb, f"fp8_block A={blocks[0]} B={blocks[1]}")
+    _check(sa, sb, f"fp8_block A={blocks[0]} B={blocks[1]}", fp32_tol=5e-4)
 
 
 def test_nvfp4_shared_rht_multiplies_in_transformed_domain():
