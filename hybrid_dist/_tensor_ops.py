@@ -78,6 +78,9 @@ def _view(func, args, kwargs):
         for s in size:
             known *= s if s != -1 else 1
         size[size.index(-1)] = t.numel() // known if known else 0
+    if len(size) == 1 and size[0] == t.numel() and t.dim() >= 2:
+        # Flat alias (FSDP2 keeps one as ``_sharded_param_data``): same storages, 1D shape.
+        return _rewrap(t, lambda st: st, shape=torch.Size(size))
     if len(size) < 2 or size[-1] != t.shape[-1] or torch.Size(size).numel() != t.numel():
         raise NotImplementedError(
             f"{func}: a QuantizedTensor of shape {tuple(t.shape)} can only be viewed as a "

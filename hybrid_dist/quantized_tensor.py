@@ -86,6 +86,19 @@ class QuantizedTensor(torch.Tensor):
             f"device={self.device}, directions={dirs}, quantizer={self._quantizer})"
         )
 
+    # --- FSDP2 all-gather extension (implemented in hybrid_dist.fsdp2) ----------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2 hook: this shard's buffers of the direction(s) the pass needs."""
+        from hybrid_dist.fsdp2._hooks import pre_all_gather
+
+        return pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2 hook: build (or refresh ``out``) the unsharded QuantizedTensor."""
+        from hybrid_dist.fsdp2._hooks import post_all_gather
+
+        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+
     # --- flatten / unflatten ------------------------------------------------------
     def __tensor_flatten__(self):
         names, meta = [], {}

@@ -1,0 +1,166 @@
+"""FSDP2 all-gather hooks of :class:`hd.QuantizedTensor` (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` delegate here).
+
+[Note: what a pass gathers]
+``_pass.gather_pass`` says which directions this all-gather needs (forward: rowwise;
+backward after a forward reshard: columnwise; no reshard after forward: both). FSDP2
+allocates each parameter's all-gather outputs once, from the first call's input sizes and
+dtypes, and reuses them on every later gather, so the inputs of every pass must have the
+same count, numels and dtypes. Three modes keep that true:
+
+* ``"slots"`` — both directions' gather signatures (``DirectionGatherMeta.signature``) are
+  equal (every single-format quantizer: the columnwise transport layout has the rowwise
+  numels): each pass sends only its direction's buffers through the same slots. The
+  rowwise fields of the unsharded tensor alias the slots (zero copy); columnwise fields
+  are transposed back into owned buffers.
+* ``"both"`` — ``reshard_after_forward=False``: rowwise then columnwise buffers, once.
+* ``"packed"`` — a hybrid of two formats with different signatures: this pass's buffers
+  are packed into one uint8 buffer of ``max(rowwise bytes, columnwise bytes)`` per rank,
+  so the larger direction travels unpadded and the smaller one pays the padding.
+
+The unsharded tensor always holds both directions as storage objects: backward saved the
+columnwise storage in forward, FSDP frees it at the forward reshard and re-allocates it
+(``inner tensors``) before backward, where ``post_all_gather(out=...)`` refills it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hybrid_dist.fsdp2._accounting import record_all_gather
+from hybrid_dist.fsdp2._buffers import DirectionGatherMeta, fsdp_assign_gathered, fsdp_extract_buffers, fsdp_gather_meta
+from hybrid_dist.fsdp2._pass import BACKWARD, BOTH, FORWARD, gather_pass
+
+ROW, COL = "rowwise", "columnwise"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherMeta:
+    """Metadata FSDP hands from ``pre_all_gather`` to ``post_all_gather``."""
+
+    mode: str  # "slots" | "both" | "packed"
+    pass_: str  # see _pass
+    gathered: tuple[str, ...]  # directions whose data this all-gather carries
+    dirs: dict[str, DirectionGatherMeta]  # every direction the parameter has
+    world_size: int
+    shape: torch.Size  # unsharded logical shape
+    capacity: int  # "packed": bytes per rank
+
+
+def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
+    """``(all_gather_inputs, GatherMeta)`` for the local shard ``t`` (see the note)."""
+    world = mesh.size()
+    shape = torch.Size(outer_size) if outer_size is not None else torch.Size([t.shape[0] * world, *t.shape[1:]])
+    if t.shape[0] * world != shape[0]:
+        raise NotImplementedError(
+            f"hybrid_dist.fsdp2: quantized parameter of shape {tuple(shape)} is sharded unevenly "
+            f"over {world} ranks (local dim 0 = {t.shape[0]}); make dim 0 a multiple of the "
+            "world size times the format's block."
+        )
+    pass_ = gather_pass(module, t)
+    present = tuple(d for d in (ROW, COL) if t.storage_of(d) is not None)
+    wanted = present if pass_ == BOTH else ((ROW,) if pass_ == FORWARD else (COL,))
+    if any(d not in present for d in wanted):
+        raise ValueError(
+            f"hybrid_dist.fsdp2: the {pass_} all-gather needs the {wanted[0]} direction, but this "
+            f"quantized parameter has only {present}. Create parameters with both directions "
+            "(hd.quantized_model_init does)."
+        )
+    cast = getattr(mp_policy, "param_dtype", None)
+    metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast) for d in present}
+    bufs = {d: fsdp_extract_buffers(t.storage_of(d), cast=cast)[0] for d in wanted}
+    capacity = 0
+    if pass_ == BOTH:
+        mode, inputs = "both", [b for d in wanted for b in bufs[d]]
+    elif len({metas[d].signature() for d in present}) == 1:
+        mode, inputs = "slots", bufs[wanted[0]]
+    else:
+        capacity = max(m.nbytes() for m in metas.values())
+        mode, inputs = "packed", [_pack(bufs[wanted[0]], capacity)]
+    _check_stable(t, mode, inputs)
+    record_all_gather(
+        pass_, input_bytes=sum(b.numel() * b.element_size() for b in inputs),
+        payload_bytes=sum(metas[d].nbytes() for d in wanted), world_size=world,
+    )
+    return tuple(inputs), GatherMeta(mode, pass_, wanted, metas, world, shape, capacity)
+
+
+def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
+    """First call: ``(unsharded QuantizedTensor, owned inner tensors)``; later calls
+    refresh ``out`` in place (FSDP re-allocated the inner tensors before calling)."""
+    from hybrid_dist.quantized_tensor import QuantizedTensor
+
+    views = _gathered_views(outputs, meta)
+    if out is None:
+        storages, owned = {}, []
+        for d, dm in meta.dirs.items():
+            st, own = fsdp_assign_gathered(views.get(d), dm, meta.world_size, alias=meta.mode != "packed")
+            storages[d] = st
+            owned += own
+        qt = QuantizedTensor(meta.shape, param_dtype or t.dtype, storages.get(ROW), storages.get(COL), t.quantizer)
+        return qt, tuple(owned)
+    target = out._local_tensor if hasattr(out, "_local_tensor") else out
+    for d in meta.gathered:
+        fsdp_assign_gathered(views[d], meta.dirs[d], meta.world_size, out=target.storage_of(d))
+    return None
+
+
+def _gathered_views(outputs, meta: GatherMeta) -> dict[str, list[torch.Tensor]]:
+    """Per direction, its fields in transport layout at full size (views when possible)."""
+    w = meta.world_size
+
+    def as_fields(ts, d):
+        dm = meta.dirs[d]
+        return [o.reshape(-1).view(dm.full_transport_shape(f, w)) for o, f in zip(ts, dm.fields)]
+
+    if meta.mode == "packed":
+        return {d: _unpack(outputs[0], meta.dirs[d], w, meta.capacity) for d in meta.gathered}
+    if meta.mode == "both":
+        n_row = len(meta.dirs[ROW].fields) if ROW in meta.dirs else 0
+        split = {ROW: outputs[:n_row], COL: outputs[n_row:]}
+        return {d: as_fields(split[d], d) for d in meta.gathered}
+    views = {d: as_fields(outputs, d) for d in meta.gathered}
+    if ROW in meta.dirs and ROW not in views:
+        views[ROW] = as_fields(outputs, ROW)  # rowwise aliases the shared slots (zero copy)
+    return views
+
+
+def _pack(bufs: list[torch.Tensor], capacity: int) -> torch.Tensor:
+    flat = [b.reshape(-1).view(torch.uint8) for b in bufs]
+    used = sum(f.numel() for f in flat)
+    if used < capacity:
+        flat.append(torch.zeros(capacity - used, dtype=torch.uint8, device=bufs[0].device))
+    return torch.cat(flat)
+
+
+def _unpack(output: torch.Tensor, dm: DirectionGatherMeta, world: int, capacity: int) -> list[torch.Tensor]:
+    rows = output.reshape(-1).view(torch.uint8).view(world, capacity)
+    out, off = [], 0
+    for f in dm.fields:
+        shape = dm.shard_shapes[f]
+        nbytes = _numel(shape) * dm.dtypes[f].itemsize
+        field = rows[:, off:off + nbytes].clone(memory_format=torch.contiguous_format).view(dm.dtypes[f])
+        out.append(field.view(world * shape[0], *shape[1:]))
+        off += nbytes
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_stable(t, mode: str, inputs: list[torch.Tensor]) -> None:
+    sig = (mode, tuple((b.numel(), b.dtype) for b in inputs))
+    prev = getattr(t, "_hd_fsdp_signature", None)
+    if prev is not None and prev != sig:
+        raise NotImplementedError(
+            f"hybrid_dist.fsdp2: this parameter's all-gather changed from {prev} to {sig} "
+            "(FSDP2 reuses its all-gather buffers). Changing reshard_after_forward after the "
+            "first step is not supported for quantized parameters."
+        )
+    t._hd_fsdp_signature = sig

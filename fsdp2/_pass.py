@@ -1,0 +1,79 @@
+"""Which directions an FSDP2 all-gather needs, read from FSDP's own training state.
+
+FSDP2 calls ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)``
+with ``module`` = the module that owns the parameter (often a child of the module that
+``fully_shard`` was applied to). We find the ``FSDPParamGroup`` that manages that
+parameter (through ``torch.distributed._composable_state``, cached per module) and read:
+
+* ``group.post_forward_mesh_info is None`` (``reshard_after_forward=False``, the default
+  for the root): the forward gather must serve backward too → both directions;
+* ``group._training_state == TrainingState.PRE_BACKWARD`` (set by FSDP for the backward
+  unshard and for backward prefetches): columnwise (dgrad operand);
+* otherwise (forward, forward prefetch, explicit ``unshard()``): rowwise (fprop operand).
+
+Without an FSDP group (a hook called outside ``fully_shard``) both directions are
+gathered. Activation recompute inside backward needs the rowwise direction while FSDP is
+in ``PRE_BACKWARD``: use ``reshard_after_forward=False`` for recomputed modules.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+FORWARD, BACKWARD, BOTH = "forward", "backward", "forward_both"
+
+_GROUP_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: a list
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)  # torch 2.11
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def _find_group(module: nn.Module, local_tensor: torch.Tensor):
+    from torch.distributed import _composable_state as cs
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    cached = _GROUP_OF.get(module)
+    group = cached() if cached is not None else None
+    if group is not None:
+        return group
+    fallback = None
+    for ref in list(cs._module_state_mapping.values()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        for g in _param_groups(state):
+            for fp in g.fsdp_params:
+                info = fp._module_info
+                if info.module is module or any(m is module for m in info.shared_modules):
+                    if fp.sharded_param._local_tensor is local_tensor:
+                        _GROUP_OF[module] = weakref.ref(g)
+                        return g
+                    fallback = fallback or g
+    if fallback is not None:
+        _GROUP_OF[module] = weakref.ref(fallback)
+    return fallback
+
+
+def gather_pass(module: nn.Module | None, local_tensor: torch.Tensor) -> str:
+    """``"forward"`` (rowwise), ``"backward"`` (columnwise) or ``"forward_both"``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    group = None if module is None else _find_group(module, local_tensor)
+    if group is None or group.post_forward_mesh_info is None:
+        return BOTH
+    if group.post_forward_mesh_info != group.mesh_info:
+        raise NotImplementedError(
+            "hybrid_dist.fsdp2: reshard_after_forward=<int> (resharding to a smaller mesh after "
+            "forward) is not supported for quantized parameters; use True or False."
+        )
+    if group._training_state == TrainingState.PRE_BACKWARD:
+        return BACKWARD
+    return FORWARD
