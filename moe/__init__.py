@@ -1,6 +1,7 @@
 """hybrid_dist.moe: grouped expert GEMMs with per-expert quantization, a dropless top-k
 MoE layer and expert-parallel token exchange (see DESIGN §3)."""
 
+from hybrid_dist.moe.device_split import PackedSplit, split_quantize_packed
 from hybrid_dist.moe.expert_parallel import WireStats
 from hybrid_dist.moe.grouped_linear import GroupedLinear
 from hybrid_dist.moe.layer import MoE
@@ -9,6 +10,6 @@ from hybrid_dist.moe.router import TopKRouter, load_balancing_loss
 from hybrid_dist.moe.split_quantize import GroupedQuantized, split_quantize, token_multiple
 
 __all__ = [
-    "GroupedLinear", "GroupedQuantized", "MoE", "TopKRouter", "WireStats", "load_balancing_loss",
-    "permute", "split_quantize", "token_multiple", "unpermute",
+    "GroupedLinear", "GroupedQuantized", "MoE", "PackedSplit", "TopKRouter", "WireStats",
+    "load_balancing_loss", "permute", "split_quantize", "split_quantize_packed", "token_multiple", "unpermute",
 ]

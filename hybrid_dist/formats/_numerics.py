@@ -61,7 +61,9 @@ def e8m0_from_amax(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     ``amax / elem_max`` is rounded up to a power of two (RCEIL). NaN/Inf amax gives 255
     (the E8M0 NaN); zero amax gives 0 (scale 2**-127, every element quantizes to 0).
     """
-    ratio = amax.float() / elem_max
+    amax = amax.float()
+    # a tensor divisor: CUDA computes ``tensor / python_scalar`` as a * (1/b) (2 roundings)
+    ratio = amax / torch.full_like(amax, elem_max)
     bits = ratio.view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF

@@ -118,7 +118,9 @@ def nvfp4_quantize_rows(
     br = block_rows
     blocks = x.float().reshape(r // br, br, c // NV_BLOCK, NV_BLOCK)
     block_amax = blocks.abs().amax(dim=(1, 3))
-    block_scale = cast_to_fp8((block_amax / E2M1_MAX) / global_scale, torch.float8_e4m3fn)
+    # a tensor divisor: CUDA computes ``tensor / python_scalar`` as a * (1/b) (2 roundings)
+    per_element = block_amax / torch.full_like(block_amax, E2M1_MAX)
+    block_scale = cast_to_fp8(per_element / global_scale, torch.float8_e4m3fn)
     denom = block_scale.float() * global_scale
     encode = torch.where(denom > 0, torch.reciprocal(denom), torch.zeros_like(denom))
     scaled = (blocks * encode[:, None, :, None]).clamp(-E2M1_MAX, E2M1_MAX).reshape(r, c)

@@ -1,0 +1,131 @@
+"""``split_quantize_packed``: the sync-free form of ``split_quantize`` (packed layout).
+
+Everything is sized from shapes known on the host — ``T``, ``E`` and the padding multiple
+``b`` — never from ``tokens_per_expert``'s values, so no device-to-host sync:
+
+    capacity  C = ceil((T + E·(b-1)) / b) · b          static bound on Σ p_e
+    eid  [T]    = repeat_interleave(arange(E), m, output_size=T)      expert of each row
+    dest [T]    = arange(T) - off[eid] + poff[eid]                    padded row of each row
+    x_pad [C, K]: x scattered to ``dest``; rows ≥ poff[-1] and padding rows are zero
+
+Every expert's segment starts at a multiple of b, so quantizing ``x_pad`` as one tensor
+gives, per expert, exactly the blocks of quantizing its padded slice alone (the packed
+form of ``split_quantize``, which the tests check bitwise). Per-tensor formats (FP8)
+need a scale per expert: amax per expert by ``scatter_reduce`` (amax), the quantizer's
+own ``compute_scale`` on the ``[E]`` vector, applied per row through ``eid``.
+
+Supported: identity, MXFP8, FP8 block (1x128, 128x128) and per-tensor FP8 (current or
+delayed), alone or paired in a ``HybridQuantizer``. NVFP4 (a per-expert global scale
+inside its block-scale encoding, RHT amax, per-expert SR streams) raises
+``NotImplementedError``: use ``split_quantize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from hybrid_dist.formats._numerics import cast_to_fp8
+from hybrid_dist.formats.float8 import Float8Quantizer
+from hybrid_dist.formats.float8_block import Float8BlockQuantizer
+from hybrid_dist.formats.identity import IdentityQuantizer
+from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
+from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
+
+__all__ = ["PackedSplit", "split_quantize_packed"]
+
+_BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackedSplit:
+    """Packed per-expert quantization (see module doc); all tensors on x's device.
+
+    ``rowwise`` / ``columnwise``: field name → tensor, laid out as the stored forms of the
+    ``[C, K]`` padded buffer (rowwise ``[C, ...]``, columnwise ``[K, C/...]``), with
+    per-tensor fields (FP8 ``scale_inv``) as ``[E]``. ``dest [T]`` maps each input row to
+    its padded row (gather GEMM outputs with it); ``row_expert [C]`` is each padded row's
+    expert (E for rows past the last expert).
+    """
+
+    rowwise: dict[str, torch.Tensor] | None
+    columnwise: dict[str, torch.Tensor] | None
+    offsets: torch.Tensor
+    padded_offsets: torch.Tensor
+    dest: torch.Tensor
+    row_expert: torch.Tensor
+    capacity: int
+    multiple: int
+
+
+def _layout(x, tokens_per_expert, multiple):
+    t, e = x.shape[0], tokens_per_expert.numel()
+    cap = -(-(t + e * (multiple - 1)) // multiple) * multiple
+    off, poff = padded_offsets(tokens_per_expert, multiple)
+    dev = x.device
+    eid = torch.repeat_interleave(torch.arange(e, device=dev), tokens_per_expert, output_size=t)
+    dest = torch.arange(t, device=dev) - off[eid] + poff[eid]
+    x_pad = x.new_zeros(cap, x.shape[1]).index_copy_(0, dest, x)
+    row_expert = torch.searchsorted(poff[1:], torch.arange(cap, device=dev), right=True)
+    return x_pad, off, poff, dest, row_expert, cap
+
+
+def _per_expert_fp8(q: Float8Quantizer, x, x_pad, eid_rows, row_expert, states, e, *, direction):
+    """FP8 with one scale per expert; returns this direction's fields."""
+    row_amax = x.abs().amax(dim=1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
+    amax = torch.zeros(e, dtype=torch.float32, device=x.device).scatter_reduce(
+        0, eid_rows, row_amax, reduce="amax", include_self=True)
+    if q.scaling == "delayed":
+        scale = torch.stack([q.compute_scale(x_pad, states[i], amax[i]) for i in range(e)])
+    else:
+        scale = q.compute_scale(x_pad, None, amax)
+    scale_rows = torch.cat([scale, scale.new_ones(1)])[row_expert]  # rows past the experts: zeros anyway
+    data = cast_to_fp8(x_pad.float() * scale_rows[:, None], q.dtype)
+    data = data if direction == "rowwise" else data.t().contiguous()
+    return {"data": data, "scale_inv": torch.reciprocal(scale)}
+
+
+def _direction_fields(q, x, x_pad, eid_rows, row_expert, states, e, direction):
+    dq = q.direction_quantizer(direction)
+    if isinstance(dq, Float8Quantizer):
+        st = [q.direction_state(s, direction) for s in states]
+        return _per_expert_fp8(dq, x, x_pad, eid_rows, row_expert, st, e, direction=direction)
+    if isinstance(dq, _BLOCK_ONLY):
+        row, col = dq.quantize_storages(x_pad, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+        return (row or col).tensors()
+    raise NotImplementedError(
+        f"split_quantize_packed does not support {type(dq).__name__} ({direction}): its scale encoding "
+        "is per expert inside the format. Use hybrid_dist.moe.split_quantize (reference, reads the "
+        "split sizes on the host)."
+    )
+
+
+def split_quantize_packed(
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    quantizer,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    states: Sequence[Any] | None = None,
+    multiple: int | None = None,
+) -> PackedSplit:
+    """Quantize expert e's rows of ``x [T, K]`` (one quantizer for all experts, one state
+    per expert) into the packed padded layout, with no device-to-host sync."""
+    if x.dim() != 2 or tokens_per_expert.dim() != 1 or tokens_per_expert.device != x.device:
+        raise ValueError(
+            f"split_quantize_packed expects x [T, K] and tokens_per_expert [E] on x's device; got "
+            f"{tuple(x.shape)} and {tuple(tokens_per_expert.shape)} on {tokens_per_expert.device}"
+        )
+    e = tokens_per_expert.numel()
+    states = list(states) if states is not None else [None] * e
+    mult = multiple or token_multiple(quantizer)
+    x = x.detach()
+    x_pad, off, poff, dest, row_expert, cap = _layout(x, tokens_per_expert, mult)
+    eid_rows = torch.repeat_interleave(torch.arange(e, device=x.device), tokens_per_expert, output_size=x.shape[0])
+    fields = {d: _direction_fields(quantizer, x, x_pad, eid_rows, row_expert, states, e, d) if want else None
+              for d, want in (("rowwise", rowwise), ("columnwise", columnwise))}
+    return PackedSplit(rowwise=fields["rowwise"], columnwise=fields["columnwise"], offsets=off,
+                       padded_offsets=poff, dest=dest, row_expert=row_expert, capacity=cap, multiple=mult)
