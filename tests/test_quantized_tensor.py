@@ -398,3 +398,12 @@ def test_split_sizes_must_cover_dim0():
     t = _quantize("mxfp8")
     with pytest.raises(ValueError, match=r"split sizes \[32\] must sum to dim 0's size 64"):
         t.split([32])
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4_2d", "fp8_block_1x128"])
+def test_save_load_of_a_dim0_shard(name):
+    t = _quantize(name)
+    shard = t.chunk(2)[1]  # storages are views into the parent's buffers
+    back = _save_load(shard)
+    _assert_qt_equal(back, shard, f"{name} shard torch.load")
+    assert_bitwise_equal(back.dequantize(), t.dequantize()[t.shape[0] // 2:], f"{name} shard values")

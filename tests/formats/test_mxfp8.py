@@ -82,3 +82,15 @@ def test_layout_and_columnwise_is_rowwise_of_transpose():
     assert not torch.equal(t.dequantize("rowwise"), t.dequantize("columnwise"))
     assert not torch.equal(col.data.view(torch.uint8), row.data.t().contiguous().view(torch.uint8))
     assert row.nbytes() == 64 * 96 + 64 * 3
+
+
+def test_e8m0_exponent_is_ceil_log2_of_amax_over_448():
+    # independent float64 reference: e = 127 + ceil(log2(amax / 448)) for blocks whose amax
+    # spans 2**-40 .. 2**40 (including exact powers of two times 448)
+    g = torch.Generator().manual_seed(3)
+    amax = torch.cat([2.0 ** (torch.rand(200, generator=g) * 80 - 40), 448.0 * 2.0 ** torch.arange(-20.0, 21.0)])
+    x = (torch.rand(len(amax), 32, generator=g) * 2 - 1) * amax[:, None]
+    x[:, 7] = amax
+    st = MXFP8Quantizer().quantize(x.reshape(1, -1), columnwise=False).rowwise
+    expected = 127 + torch.ceil(torch.log2(amax.double() / 448.0)).long()
+    assert torch.equal(st.scale.reshape(-1).long(), expected)

@@ -179,3 +179,20 @@ def test_apply_hadamard16_inverse_recovers_input_and_preserves_dots():
     # the transform is per 16-chunk of the last dim and preserves dot products along it
     assert torch.allclose(y @ N.apply_hadamard16(w, t).t(), x @ w.t(), atol=1e-4, rtol=1e-5)
     assert torch.allclose(y[:, :16], x[:, :16] @ t.t(), atol=1e-6, rtol=0)
+
+
+def test_e2m1_encode_matches_a_brute_force_nearest_even_reference():
+    # 200k random magnitudes in [0, 7) plus every tie: nearest grid point, ties to the even code
+    g = torch.Generator().manual_seed(0)
+    v = torch.cat([torch.rand(200_000, generator=g) * 7, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])])
+    v = torch.cat([v, -v])
+    grid = torch.tensor(N.E2M1_GRID, dtype=torch.float64)
+    dist = (v.double().abs().clamp(max=6.0)[:, None] - grid[None, :]).abs()
+    best = dist.min(1, keepdim=True).values
+    candidates = dist == best  # one code, or two at a tie
+    codes = torch.arange(8)[None, :].expand_as(candidates)
+    even = torch.where(candidates & (codes % 2 == 0), codes, 99).min(1).values
+    expected_mag = torch.where(candidates.sum(1) > 1, even, dist.argmin(1))
+    got = N.e2m1_encode(v)
+    assert torch.equal((got & 0x7).long(), expected_mag)
+    assert torch.equal((got >> 3).bool(), v < 0)
