@@ -16,7 +16,16 @@ from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 
+def _is_sharded_quantized(p: torch.Tensor) -> bool:
+    # FSDP2 parameter: a DTensor whose local shard is a QuantizedTensor (hybrid_dist.fsdp2)
+    return isinstance(getattr(p, "_local_tensor", None), QuantizedTensor)
+
+
 def _master_of(p: torch.Tensor) -> torch.Tensor:
+    if _is_sharded_quantized(p):
+        from hybrid_dist.fsdp2._amax import master_shard
+
+        return master_shard(p)  # fp32 master shard (a DTensor like p)
     hp = getattr(p, "_hd_hp_init", None)
     if hp is not None:
         del p._hd_hp_init  # the master takes over; don't keep two copies
@@ -42,7 +51,8 @@ class MasterWeightOptimizer:
         for g in groups:
             masters = []
             for p in g["params"]:
-                m = p if (p.dtype == torch.float32 and not isinstance(p, QuantizedTensor)) else _master_of(p)
+                plain_fp32 = p.dtype == torch.float32 and not isinstance(p, QuantizedTensor)
+                m = p if (plain_fp32 and not _is_sharded_quantized(p)) else _master_of(p)
                 m.requires_grad_(p.requires_grad)
                 self._pairs.append((p, m))
                 masters.append(m)
@@ -69,14 +79,23 @@ class MasterWeightOptimizer:
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.to(torch.float32)
         loss = self.optimizer.step(closure)
-        for p, m in self._pairs:
-            if m is p:
+        self._write_back(self._pairs)
+        return loss
+
+    @staticmethod
+    def _write_back(pairs) -> None:
+        sharded = [(p, m) for p, m in pairs if m is not p and _is_sharded_quantized(p)]
+        if sharded:  # one amax all-reduce for all per-tensor shards, then in-place requantize
+            from hybrid_dist.fsdp2._amax import sync_amax_and_requantize
+
+            sync_amax_and_requantize(sharded)
+        for p, m in pairs:
+            if m is p or _is_sharded_quantized(p):
                 continue
             if isinstance(p, QuantizedTensor):
                 requantize_(p, m)
             else:
                 p.copy_(m)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, m in self._pairs:
@@ -99,7 +118,4 @@ class MasterWeightOptimizer:
         with torch.no_grad():
             for (p, m), saved in zip(owned, sd["masters"]):
                 m.copy_(saved)
-                if isinstance(p, QuantizedTensor):
-                    requantize_(p, m)
-                else:
-                    p.copy_(m)
+            self._write_back(owned)

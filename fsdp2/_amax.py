@@ -1,0 +1,85 @@
+"""Per-tensor scales under FSDP2: one global amax per parameter, one all-reduce per step.
+
+A per-tensor format (FP8 per-tensor, NVFP4's global scale) is valid to all-gather only if
+every shard was quantized with the same scale. After the optimizer step each rank holds
+fp32 master *shards*; ``sync_amax_and_requantize`` takes ``amax(|master shard|)`` of every
+per-tensor parameter, stacks them and runs **one** ``all_reduce(MAX)`` per mesh dim of the
+parameters' mesh (one in total for plain FSDP), then re-quantizes each local shard in place
+with its global amax (``quantize(..., amax=global_amax)``). For shards aligned to the
+format's blocks the result is bitwise the slice of quantizing the full master tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybrid_dist._tensor_ops import requantize_
+from hybrid_dist.formats._quantizer import tensor_amax
+from hybrid_dist.quantized_tensor import QuantizedTensor
+
+
+def is_sharded_quantized(p: torch.Tensor) -> bool:
+    """True for a DTensor whose local tensor is a QuantizedTensor (an FSDP2 parameter)."""
+    return isinstance(getattr(p, "_local_tensor", None), QuantizedTensor)
+
+
+def master_shard(p: torch.Tensor) -> torch.Tensor:
+    """fp32 DTensor master of a sharded quantized parameter (dequantized local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    local = p._local_tensor.dequantize(dtype=torch.float32).detach().clone()
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _check_supported(q, name: str) -> None:
+    for d in ("rowwise", "columnwise"):
+        sub = q.direction_quantizer(d)
+        if getattr(sub, "rht", False) and d == "columnwise" and sub.is_per_tensor:
+            raise NotImplementedError(
+                f"sync_amax_and_requantize: parameter {name} uses NVFP4 with RHT on its columnwise "
+                "direction, whose global scale comes from the transformed tensor's amax; sharded "
+                "RHT weights are not supported. Use NVFP4Quantizer(rht=False) for weights."
+            )
+
+
+@torch.no_grad()
+def sync_amax_and_requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write fp32 master shards back into sharded quantized parameters.
+
+    ``pairs``: ``(param, master)`` with ``param`` a DTensor of a QuantizedTensor shard and
+    ``master`` an fp32 DTensor (or plain tensor) of the same local shape. Per-tensor formats
+    get the amax over the whole parameter: one all-reduce (MAX) per mesh dim for all of them.
+    """
+    per_tensor = [(p, m) for p, m in pairs if p._local_tensor.quantizer.is_per_tensor]
+    for i, (p, _) in enumerate(per_tensor):
+        _check_supported(p._local_tensor.quantizer, f"#{i} of shape {tuple(p.shape)}")
+    global_amax = _global_amaxes(per_tensor)
+    for i, (p, m) in enumerate(per_tensor):
+        requantize_(p._local_tensor, _local(m), amax=global_amax[i])
+    for p, m in pairs:
+        if not p._local_tensor.quantizer.is_per_tensor:
+            requantize_(p._local_tensor, _local(m))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _global_amaxes(pairs) -> list[torch.Tensor]:
+    if not pairs:
+        return []
+    by_mesh: dict[int, list[int]] = {}
+    for i, (p, _) in enumerate(pairs):
+        by_mesh.setdefault(id(p.device_mesh), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(pairs)
+    for idx in by_mesh.values():
+        mesh = pairs[idx[0]][0].device_mesh
+        amax = torch.stack([tensor_amax(_local(pairs[i][1])) for i in idx])
+        for dim in range(mesh.ndim):
+            if mesh.size(dim) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for j, i in enumerate(idx):
+            out[i] = amax[j]
+    return out

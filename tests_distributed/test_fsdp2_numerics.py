@@ -1,0 +1,168 @@
+"""FSDP2 of quantized models on gloo CPU ranks: numerics equal the unsharded model.
+
+Every rank runs the same batch, so each rank's unsharded gradients equal the reference's
+and FSDP's reduce-scatter averages identical values: with 2 ranks ``(g + g) / 2 == g``
+exactly, so training is **bitwise** the unsharded run (losses, fp32 master weights, and
+every quantized byte of every parameter shard). With 4 ranks the sum of four equal fp32
+values can round, so masters are compared within 1e-6 relative and losses within 1e-6.
+All-gather bytes per pass are asserted per recipe from the format layouts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hybrid_dist as hd
+from tests_distributed._harness import run_ranks
+
+# (out_features, in_features, bias): every dim-0 shard is a multiple of 128 rows up to 4 ranks
+LAYERS = ((512, 128, True), (512, 512, False), (512, 512, False))
+TOKENS, STEPS = 128, 3
+
+
+def build(recipe, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    with hd.quantized_model_init(recipe, keep_high_precision_init=False):
+        return torch.nn.Sequential(*[hd.Linear(i, o, bias=b) for o, i, b in LAYERS])
+
+
+def shard(model, *, reshard: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model)
+    return model
+
+
+def loss_fn(model, x):
+    return model(x).square().mean()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _diff_count(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return -1
+    return int((_bits(a) != _bits(b)).sum())
+
+
+def _shard_mismatches(ref_param, sharded_param, rank: int) -> dict[str, int]:
+    """Bitwise mismatches between this rank's shard and the reference's rows."""
+    local = sharded_param._local_tensor
+    rows = local.shape[0]
+    ref_rows = ref_param.detach()[rank * rows:(rank + 1) * rows]
+    if not isinstance(local, hd.QuantizedTensor):
+        return {"data": _diff_count(local, ref_rows)}
+    out = {}
+    for d in ("rowwise", "columnwise"):
+        a, b = local.storage_of(d), ref_rows.storage_of(d)
+        for f in a.TENSOR_FIELDS:
+            out[f"{d}.{f}"] = _diff_count(getattr(a, f), getattr(b, f))
+    return out
+
+
+def train_and_compare(rank, world, names, reshard):
+    """Per recipe: losses, master and quantized-shard mismatches, all-gather bytes."""
+    from hybrid_dist.fsdp2 import track_all_gather
+
+    torch.set_num_threads(1)
+    results = {}
+    for name in names:
+        recipe = hd.recipe_from_name(name)
+        ref, model = build(recipe), shard(build(recipe), reshard=reshard)
+        opt_ref = hd.MasterWeightOptimizer(torch.optim.AdamW, ref.parameters(), lr=1e-2)
+        opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        losses, acct_steps = [], []
+        for _ in range(STEPS):
+            x = torch.randn(TOKENS, LAYERS[0][1], generator=gen)
+            with hd.autocast(recipe):
+                l_ref = loss_fn(ref, x)
+                l_ref.backward()
+                with track_all_gather() as acct:
+                    l_sh = loss_fn(model, x)
+                    l_sh.backward()
+            for o in (opt_ref, opt):
+                o.step()
+                o.zero_grad()
+            losses.append((l_ref.item(), l_sh.item()))
+            acct_steps.append((dict(acct.output_bytes), dict(acct.payload_bytes)))
+        params = {}
+        for (fqn, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+            rows = p._local_tensor.shape[0]
+            m_ref = opt_ref.master_of(p_ref)[rank * rows:(rank + 1) * rows]
+            m_sh = opt.master_of(p)._local_tensor
+            params[fqn] = {
+                "shard": _shard_mismatches(p_ref, p, rank),
+                "master_maxrel": float(((m_ref - m_sh).abs().max() / m_ref.abs().max()).item()),
+                "master_bits": _diff_count(m_ref, m_sh),
+            }
+        results[name] = {"losses": losses, "bytes": acct_steps, "params": params}
+    return results
+
+
+# --- expected bytes per element of the gathered direction (fp32 model) ---------------------
+_FP32, _FP8, _MX, _NV1D = 4.0, 1.0, 1 + 1 / 32, 0.5 + 1 / 16
+_NV2D, _FB2D = 0.5 + 1 / 256, 1 + 4 / (128 * 128)
+# recipe -> (forward wire, forward payload, backward wire, backward payload) bytes/element
+BYTES_PER_ELEMENT = {
+    "bf16": (_FP32, _FP32, _FP32, _FP32),
+    "fp8_current": (_FP8, _FP8, _FP8, _FP8),
+    "fp8_delayed": (_FP8, _FP8, _FP8, _FP8),
+    "fp8_block": (_FB2D, _FB2D, _FB2D, _FB2D),
+    "mxfp8": (_MX, _MX, _MX, _MX),
+    "nvfp4": (_NV2D, _NV2D, _NV2D, _NV2D),
+    # hybrids of two formats: packed into max(rowwise, columnwise) bytes per pass
+    "mxfp8_fwd_nvfp4_bwd": (_MX, _MX, _MX, _NV1D),
+    "fp8_fwd_bf16_bwd": (_FP32, _FP8, _FP32, _FP32),
+    "bf16_fwd_mxfp8_bwd": (_FP32, _FP32, _FP32, _MX),
+}
+_WEIGHT_ELEMS = sum(o * i for o, i, _ in LAYERS)
+
+
+def _check(results, world, exact: bool, reshard: bool):
+    for name, r in results.items():
+        for step, (l_ref, l_sh) in enumerate(r["losses"]):
+            if exact:
+                assert l_ref == l_sh, f"{name} world={world}: step {step} loss {l_sh} != unsharded {l_ref}"
+            else:
+                assert abs(l_ref - l_sh) <= 1e-6 * abs(l_ref), f"{name} world={world}: step {step} loss"
+        for fqn, p in r["params"].items():
+            if exact:
+                assert p["master_bits"] == 0, f"{name} world={world}: master of {fqn} differs ({p})"
+                bad = {k: v for k, v in p["shard"].items() if v != 0}
+                assert not bad, f"{name} world={world}: shard of {fqn} differs from the unsharded bytes: {bad}"
+            else:
+                assert p["master_maxrel"] <= 1e-6, f"{name} world={world}: master of {fqn}: {p}"
+        fw, fp, bw, bp = BYTES_PER_ELEMENT[name]
+        for step, (wire, payload) in enumerate(r["bytes"]):
+            if reshard:
+                exp = {"forward": fw, "backward": bw}
+                exp_payload = {"forward": fp, "backward": bp}
+            else:
+                exp = {"forward_both": fp + bp if fw == fp and bw == bp else fp + bp}
+                exp_payload = exp
+            got = {k: v / _WEIGHT_ELEMS for k, v in wire.items()}
+            got_payload = {k: v / (_WEIGHT_ELEMS) for k, v in payload.items()}
+            assert got == pytest.approx(exp), f"{name} world={world} step {step}: wire bytes/elem {got} != {exp}"
+            assert got_payload == pytest.approx({k: v / world for k, v in exp_payload.items()}), (
+                f"{name} world={world} step {step}: payload bytes/elem {got_payload}")
+
+
+def test_fsdp2_trains_bitwise_like_unsharded_2_ranks_every_recipe():
+    results = run_ranks(train_and_compare, 2, list(hd.RECIPE_NAMES), True)
+    _check(results[0], 2, exact=True, reshard=True)
+    _check(results[1], 2, exact=True, reshard=True)
+
+
+def test_fsdp2_trains_like_unsharded_4_ranks_no_reshard():
+    names = ["fp8_current", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+    results = run_ranks(train_and_compare, 4, names, False)
+    for r in results:
+        _check(r, 4, exact=False, reshard=False)
