@@ -110,7 +110,7 @@ def _to_source_major(x, route: Route):
 
 
 class _Exchange(torch.autograd.Function):
-    """High-precision exchange: dispatch (``forward=True``: slots → experts) or combine."""
+    """High-precision exchange: dispatch (``to_experts=True``: slots → experts) or combine."""
 
     @staticmethod
     def forward(ctx, x, route: Route, to_experts: bool, stats, key: str):

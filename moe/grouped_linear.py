@@ -37,7 +37,7 @@ from hybrid_dist.linear import LinearPlan, in_backward
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe
 from hybrid_dist.moe import _grouped_mm
-from hybrid_dist.moe.split_quantize import GroupedQuantized, split_quantize, token_multiple
+from hybrid_dist.moe.split_quantize import split_quantize, token_multiple
 
 __all__ = ["GroupedLinear", "GroupedPlan"]
 
@@ -104,7 +104,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         ctx.plan, ctx.io, ctx.num_experts = plan, io, e
         ctx.splits, ctx.padded = x_q.splits, x_q.padded_splits
         ctx.x_dtype, ctx.w_dtype, ctx.k = x.dtype, weight.dtype, x.shape[1]
-        ctx.save_tpe = tokens_per_expert
+        ctx.tokens_per_expert = tokens_per_expert  # device [E]; not differentiable
         return y
 
     @staticmethod
@@ -116,7 +116,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         dy_q = ctx.io.get("dy_quantized") if ctx.io else None
         if dy_q is None:
             plan.advance("grad_output")
-            dy_q = split_quantize(dy.contiguous(), ctx.save_tpe, [plan.grad_output] * e, rowwise=need_dgrad,
+            dy_q = split_quantize(dy.contiguous(), ctx.tokens_per_expert, [plan.grad_output] * e, rowwise=need_dgrad,
                                   columnwise=need_wgrad, states=plan.states["grad_output"], multiple=plan.multiple)
         dx = dw = None
         if need_dgrad:
@@ -211,6 +211,3 @@ class GroupedLinear(nn.Module):
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, recipe={recipe}")
 
-
-# GroupedQuantized is part of the io protocol above
-_ = GroupedQuantized
