@@ -49,6 +49,8 @@ def main() -> None:
             rows.append([f"{an} x {bn}", f"failed: {type(e).__name__}: {e}"[:120], "", "", ""])
             continue
         rows.append([f"{an} x {bn}", "fast" if fast else "", ms, flop / ms / 1e9, bf16_ms / ms])
+    again = bench_ms(lambda: a_hp @ b_hp.t())  # clocks drift under sustained load: bracket the run
+    rows.append(["bf16 cuBLAS again (end of run)", "", again, flop / again / 1e9, bf16_ms / again])
     print_table(["A x B", "accum", "ms", "TFLOP/s", "x bf16"], rows,
                 f"gemm_nt {S}^3, bf16 out, on {torch.cuda.get_device_name()}")
 

@@ -23,6 +23,8 @@ from hybrid_dist.formats.float8_block import BLOCK, Float8BlockQuantizer, Float8
 from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, div_rn, per_block_scale
 
 
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
+                 key=["M", "K", "SQUARE", "ROW", "COL"])
 @triton.jit
 def _fp8_block_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
@@ -47,11 +49,7 @@ def _fp8_block_kernel(
             tl.store(row_ptr + rm * K + rk, q, mask=mask)
             tl.store(row_s_ptr + pid_m * nk + pid_k, s_inv)
         if COL:
-            if x_ptr.dtype.element_ty == tl.float32:  # an 8-bit transpose of this layout miscompiled (Triton 3.6)
-                q_t = cast_fp8(tl.trans(x) * scale, FMAX, out_ty)
-            else:
-                q_t = tl.trans(q)
-            tl.store(col_ptr + ck * M + cm, q_t, mask=cmask)
+            tl.store(col_ptr + ck * M + cm, tl.trans(q), mask=cmask)
             tl.store(col_s_ptr + pid_k * nm + pid_m, s_inv)
     else:
         if ROW:  # 1x128 along K: one scale per tile row
@@ -63,10 +61,7 @@ def _fp8_block_kernel(
             tl.store(row_s_ptr + offs * tl.cdiv(K, B) + pid_k, s_inv, mask=offs < M)
         if COL:  # 128x1 along M: one scale per tile column, stored transposed
             scale = per_block_scale(tl.max(tl.abs(x), axis=0), FMAX, EPS, POW2)  # [B] per k
-            if x_ptr.dtype.element_ty == tl.float32:
-                q_t = cast_fp8(tl.trans(x * scale[None, :]), FMAX, out_ty)
-            else:
-                q_t = tl.trans(cast_fp8(x * scale[None, :], FMAX, out_ty))
+            q_t = tl.trans(cast_fp8(x * scale[None, :], FMAX, out_ty))
             tl.store(col_ptr + ck * M + cm, q_t, mask=cmask)
             offs = pid_k * B + tl.arange(0, B)
             s_inv = div_rn(tl.zeros_like(scale) + 1.0, scale)
@@ -86,7 +81,6 @@ def fp8_block_quantize_op(
         _fp8_block_kernel[grid](
             x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype], EPS=amax_epsilon,
             POW2=power_of_2_scales, SQUARE=square, ROW=rowwise, COL=columnwise, B=BLOCK,
-            num_warps=8,
         )
     return row, row_s, col, col_s
 
@@ -109,7 +103,11 @@ def _(x, dtype, square, power_of_2_scales, amax_epsilon, rowwise, columnwise):
 
 
 def quantize_fp8_block(q: Float8BlockQuantizer, x2d, *, rowwise, columnwise, state, amax):
-    """Registry impl for :class:`Float8BlockQuantizer` (bitwise the reference)."""
+    """Registry impl for :class:`Float8BlockQuantizer` (bitwise the reference). Columnwise
+    from non-bf16 inputs defers to the reference (see ``fp8_tensor``: 8-bit in-register
+    transposes of fp32-derived tiles gave wrong bytes on Triton 3.6 / H100)."""
+    if columnwise and x2d.dtype != torch.bfloat16:
+        return NotImplemented
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     square = q.block == "128x128"

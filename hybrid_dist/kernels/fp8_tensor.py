@@ -61,12 +61,7 @@ def _cast_transpose_kernel(
     if COL:  # columnwise stored [K, M]: element (m, k) goes to col[k, m]
         rm_t = pid_m * BM + tl.arange(0, BM)[None, :]
         rk_t = pid_k * BK + tl.arange(0, BK)[:, None]
-        if x_ptr.dtype.element_ty == tl.float32:
-            # transpose in fp32: an 8-bit transpose of this layout miscompiled (Triton 3.6)
-            q_t = cast_fp8(tl.trans(x) * scale, FMAX, out_ty)
-        else:
-            q_t = tl.trans(q)
-        tl.store(col_ptr + rk_t * M + rm_t, q_t, mask=(rk_t < K) & (rm_t < M))
+        tl.store(col_ptr + rk_t * M + rm_t, tl.trans(q), mask=(rk_t < K) & (rm_t < M))
 
 
 def _amax_2d(x: torch.Tensor) -> torch.Tensor:
@@ -127,9 +122,17 @@ def _unused(device) -> torch.Tensor:
 
 
 def quantize_fp8_tensor(q: Float8Quantizer, x2d, *, rowwise, columnwise, state, amax):
-    """Registry impl for :class:`Float8Quantizer` (bitwise the reference)."""
+    """Registry impl for :class:`Float8Quantizer` (bitwise the reference).
+
+    The in-register transpose is used for bf16 inputs only: for fp32 inputs it gave wrong
+    columnwise bytes on Triton 3.6 / H100 (cause not established), so there the kernel
+    writes rowwise and torch transposes it (bitwise the same, one more pass)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
+    if columnwise and x2d.dtype != torch.bfloat16:
+        row_st, _ = quantize_fp8_tensor(q, x2d, rowwise=True, columnwise=False, state=state, amax=amax)
+        col_st = Float8Storage(data=row_st.data.t().contiguous(), scale_inv=row_st.scale_inv, transposed=True)
+        return (row_st if rowwise else None), col_st
     dev = x2d.device
     if q.scaling == "delayed":
         if not isinstance(state, DelayedScalingState):

@@ -16,9 +16,11 @@ from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
 from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, e8m0_from_amax, exp2_int
 
-_BM, _BK = 64, 64
+_CONFIGS = [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
+            for bm, bk, w in ((64, 64, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8))]
 
 
+@triton.autotune(configs=_CONFIGS, key=["M", "K", "ROW", "COL"])
 @triton.jit
 def _mxfp8_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
@@ -43,13 +45,8 @@ def _mxfp8_kernel(
         blocks = tl.reshape(x, (BM // 32, 32, BK))
         e = e8m0_from_amax(tl.max(tl.abs(blocks), axis=1), FMAX)  # [BM/32, BK]
         inv = exp2_int(127 - e)
-        if x_ptr.dtype.element_ty == tl.float32:
-            # transpose in fp32: an 8-bit transpose of this layout miscompiled (Triton 3.6)
-            q_t = cast_fp8(tl.trans(tl.reshape(blocks * inv[:, None, :], (BM, BK))), FMAX,
-                           col_ptr.dtype.element_ty)
-        else:
-            q = cast_fp8(blocks * inv[:, None, :], FMAX, col_ptr.dtype.element_ty)
-            q_t = tl.trans(tl.reshape(q, (BM, BK)))
+        q = cast_fp8(blocks * inv[:, None, :], FMAX, col_ptr.dtype.element_ty)
+        q_t = tl.trans(tl.reshape(q, (BM, BK)))
         tl.store(col_ptr + ck * M + cm, q_t, mask=(ck < K) & (cm < M))
         sm = pid_m * (BM // 32) + tl.arange(0, BM // 32)[None, :]
         tl.store(col_s_ptr + ck * (M // 32) + sm, tl.trans(e).to(tl.uint8), mask=(ck < K) & (sm < M // 32))
@@ -67,9 +64,9 @@ def mxfp8_quantize_op(
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=dev)
     col_s = torch.empty((k, m // MX_BLOCK) if columnwise else (0, 0), dtype=torch.uint8, device=dev)
     if x.numel():
-        grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
+        grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
         _mxfp8_kernel[grid](x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype],
-                            ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=4)
+                            ROW=rowwise, COL=columnwise)
     return row, row_s, col, col_s
 
 
@@ -83,7 +80,15 @@ def _(x, dtype, rowwise, columnwise):
 
 
 def quantize_mxfp8(q: MXFP8Quantizer, x2d, *, rowwise, columnwise, state, amax):
-    """Registry impl for :class:`MXFP8Quantizer` (bitwise the reference)."""
+    """Registry impl for :class:`MXFP8Quantizer` (bitwise the reference).
+
+    The fused in-register transpose is used for bf16 inputs; other inputs quantize
+    ``x`` and ``x.T`` (a torch transpose) rowwise, since an 8-bit in-register transpose
+    gave wrong bytes for fp32 inputs in the FP8 kernel on Triton 3.6 / H100."""
+    if columnwise and x2d.dtype != torch.bfloat16:
+        row_st = quantize_mxfp8(q, x2d, rowwise=True, columnwise=False, state=state, amax=amax)[0] if rowwise else None
+        col = quantize_mxfp8(q, x2d.t().contiguous(), rowwise=True, columnwise=False, state=state, amax=amax)[0]
+        return row_st, MXFP8Storage(data=col.data, scale=col.scale, transposed=True)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     row, row_s, col, col_s = mxfp8_quantize(x2d, q.dtype, rowwise, columnwise)

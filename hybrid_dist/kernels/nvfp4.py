@@ -38,11 +38,12 @@ def _rht_cols(x, bd_ptr, BM: tl.constexpr):
     bf16 input: bf16 operands (exact: x is bf16, T = ±1/4) with fp32 accumulation on the
     tensor cores; fp32 input: an IEEE fp32 dot."""
     r = tl.arange(0, BM)
-    if bd_ptr.dtype.element_ty == tl.bfloat16:
-        bd = tl.load(bd_ptr + r[:, None] * BM + r[None, :])
-        return tl.dot(bd, x.to(tl.bfloat16), out_dtype=tl.float32)
     bd = tl.load(bd_ptr + r[:, None] * BM + r[None, :])
-    return tl.dot(bd, x, input_precision="ieee")
+    if bd_ptr.dtype.element_ty == tl.bfloat16:
+        y = tl.dot(bd, x.to(tl.bfloat16), out_dtype=tl.float32)
+    else:
+        y = tl.dot(bd, x, input_precision="ieee")
+    return y
 
 
 @triton.jit
@@ -65,8 +66,10 @@ def _codes(scaled, seed, offs_q, R: tl.constexpr, C: tl.constexpr, SR: tl.conste
     if SR:
         u0, u1, u2, u3 = tl.rand4x(seed, offs_q)
         rand = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (R, C))
-        return e2m1_stochastic(scaled, rand)
-    return e2m1_rne(scaled)
+        codes = e2m1_stochastic(scaled, rand)
+    else:
+        codes = e2m1_rne(scaled)
+    return codes
 
 
 @triton.jit
@@ -112,6 +115,11 @@ def _store_cols(codes, bs, col_ptr, col_s_ptr, pid_m, pid_k, M, K, BR: tl.conste
     tl.store(col_s_ptr + sk * (M // 16) + sm, bs_t, mask=(sk < K // BR) & (sm < M // 16))
 
 
+# BM is fixed at 64: the Hadamard block-diagonal matrix is [64, 64]
+_CONFIGS = [triton.Config({"BK": bk}, num_warps=w) for bk, w in ((64, 4), (32, 4), (128, 4), (128, 8), (64, 8))]
+
+
+@triton.autotune(configs=_CONFIGS, key=["M", "K", "ROW", "COL", "RHT", "SR", "BR"])
 @triton.jit
 def _nvfp4_kernel(
     x_ptr, bd_ptr, gs_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
@@ -180,11 +188,11 @@ def nvfp4_quantize_op(
     m, k = x.shape
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     if x.numel():
-        grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
+        grid = lambda meta: (triton.cdiv(m, _BM), triton.cdiv(k, meta["BK"]))  # noqa: E731
         _nvfp4_kernel[grid](
             x, blockdiag_t, global_scales, seed, *outs, m, k, x.stride(0), ROW=rowwise,
             COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr, BR=block_rows,
-            BM=_BM, BK=_BK, num_warps=4,
+            BM=_BM,
         )
     return tuple(outs)
 
@@ -221,7 +229,11 @@ def _seed_tensor(q: NVFP4Quantizer, state, device) -> torch.Tensor:
 
 
 def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax):
-    """Registry impl for :class:`NVFP4Quantizer` (see module doc for the exactness)."""
+    """Registry impl for :class:`NVFP4Quantizer` (see module doc for the exactness).
+    Columnwise from non-bf16 inputs defers to the reference (only bf16 tiles are tested
+    with the in-register transposes, see ``fp8_tensor``)."""
+    if columnwise and x2d.dtype != torch.bfloat16:
+        return NotImplemented
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     dev = x2d.device
