@@ -16,6 +16,16 @@ an ``[E]`` amax vector when their format has a per-tensor scale, then one
 ``all_to_all_single`` of packed bytes (``_wire``); the combine forward and the dispatch
 backward exchange high precision (they are summed, not multiplied).
 
+Which payloads travel quantized (``_wire.unsupported_reason``): the rowwise direction of
+formats whose blocks run along K (per token), with a per-tensor scale from the all-reduced
+amax; the columnwise (wgrad) direction only where it is derived exactly from the rowwise
+bits (per-tensor FP8: a transpose). MXFP8 / FP8-block / NVFP4 columnwise blocks span
+tokens from several source ranks, so in training those recipes exchange high precision
+and quantize after (warned once). Sending both directions instead would cost about as
+many bytes as bf16 (1 byte per element per direction plus scales) for a more complex
+layout (per-source padding), so it is not done. Delayed scaling (history on the expert's
+rank) and NVFP4 stochastic rounding (the expert's generator) also fall back.
+
 Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes, so the counts are
 read on the host once per step (``make_route``); a static-capacity variant would avoid it.
 """

@@ -85,3 +85,25 @@ def test_bad_input_errors():
         g(torch.randn(4, 3), torch.tensor([1, 1, 1, 1]))
     with pytest.raises(NotImplementedError, match="bias"):
         GroupedLinear(E, K, N, bias=True)
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_delayed", "nvfp4"])
+def test_activation_recompute_is_bitwise(recipe_name):
+    """torch.utils.checkpoint reruns the forward in backward: same outputs and gradients
+    (delayed-scaling states are not advanced twice, amax recording is idempotent)."""
+    from torch.utils.checkpoint import checkpoint
+
+    recipe = hd.recipe_from_name(recipe_name)
+    tpe = torch.tensor(SPLITS)
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        g = GroupedLinear(E, K, N, recipe=recipe)
+        for step in range(2):
+            torch.manual_seed(10 + step)
+            x = torch.randn(sum(SPLITS), K, requires_grad=True)
+            y = checkpoint(g, x, tpe, use_reentrant=False) if recompute else g(x, tpe)
+            y.backward(torch.randn_like(y))
+        grads.append((y.detach(), x.grad, g.weight.grad))
+    for what, a, b in zip(("y", "dx", "dW"), *grads):
+        assert_bitwise_equal(a, b, f"{recipe_name} recompute {what}")
