@@ -1,6 +1,6 @@
 """Stored layouts of every format, per direction, exactly as the format files' docstrings
-state them, for a logical ``[M, K] = [256, 384]`` tensor given as ``[2, 128, 384]``
-(M = 256 is the product of the leading dims).
+state them, for a logical ``[M, K] = [128, 256]`` tensor given as ``[2, 64, 256]``
+(M = 128 is the product of the leading dims).
 
 Also: asking for one direction makes only that one (bitwise the same as from a
 both-direction call); the columnwise direction is the exact transpose of the rowwise one
@@ -23,7 +23,7 @@ from hybrid_dist.formats import (
 from hybrid_dist.formats._numerics import unpack_fp4
 from tests._helpers import assert_bitwise_equal, assert_storage_equal
 
-M, K = 256, 384
+M, K = 128, 256
 F32, U8, E4M3, E5M2, BF16 = torch.float32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 
 # id -> (quantizer, {direction: {field: (shape, dtype)}})
@@ -71,7 +71,7 @@ DIRECTIONS = ("rowwise", "columnwise")
 
 @pytest.fixture(scope="module")
 def x():
-    return torch.randn(2, 128, K, generator=torch.Generator().manual_seed(0))
+    return torch.randn(2, M // 2, K, generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -132,7 +132,12 @@ def test_columnwise_is_the_exact_transpose(name, x):
 
 @pytest.mark.parametrize("name", INDEPENDENT)
 def test_columnwise_is_an_independent_quantization(name, x):
+    # With power-of-two block scales (1x128, MXFP8) the two directions agree on every value
+    # that stays in E4M3's normal range; a loud row (x1e4) pushes the quiet values of every
+    # column block it touches into the subnormal range, and only columnwise sees that.
     q, _ = LAYOUTS[name]
+    x = x.clone()
+    x[0, 0] *= 1e4
     t = q.quantize(x, state=q.make_state())
     assert not torch.equal(_codes(t.columnwise), _codes(t.rowwise).t().contiguous()), name
     assert not torch.equal(t.dequantize("rowwise"), t.dequantize("columnwise")), name
