@@ -3,8 +3,8 @@
 A per-tensor format (FP8 per-tensor, NVFP4's global scale) is valid to all-gather only if
 every shard was quantized with the same scale. After the optimizer step each rank holds
 fp32 master *shards*; ``sync_amax_and_requantize`` takes ``amax(|master shard|)`` of every
-per-tensor parameter, stacks them and runs **one** ``all_reduce(MAX)`` per mesh dim of the
-parameters' mesh (one in total for plain FSDP), then re-quantizes each local shard in place
+per-tensor parameter, stacks them and runs **one** ``all_reduce(MAX)`` per *sharded* mesh dim
+(one in total for FSDP and HSDP), then re-quantizes each local shard in place
 with its global amax (``quantize(..., amax=global_amax)``). For shards aligned to the
 format's blocks the result is bitwise the slice of quantizing the full master tensor.
 """
@@ -67,19 +67,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def _shard_dims(p) -> tuple[int, ...]:
+    """Mesh dims over which ``p`` is sharded (replicated dims already agree)."""
+    return tuple(i for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1)
+
+
 def _global_amaxes(pairs) -> list[torch.Tensor]:
     if not pairs:
         return []
-    by_mesh: dict[int, list[int]] = {}
+    by_group: dict[tuple, list[int]] = {}
     for i, (p, _) in enumerate(pairs):
-        by_mesh.setdefault(id(p.device_mesh), []).append(i)
+        by_group.setdefault((id(p.device_mesh), _shard_dims(p)), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(pairs)
-    for idx in by_mesh.values():
+    for (_, dims), idx in by_group.items():
         mesh = pairs[idx[0]][0].device_mesh
         amax = torch.stack([tensor_amax(_local(pairs[i][1])) for i in idx])
-        for dim in range(mesh.ndim):
-            if mesh.size(dim) > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for dim in dims:  # one all-reduce per sharded mesh dim, for all parameters at once
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         for j, i in enumerate(idx):
             out[i] = amax[j]
     return out
