@@ -22,6 +22,7 @@ runs during the dgrad GEMM, the dgrad reduction during the wgrad GEMM.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -45,6 +46,29 @@ class TPConfig:
     group: Any  # the TP ProcessGroup
     sequence_parallel: bool = False
     gather_path: str = "auto"
+
+
+# id(rowwise data tensor of a prepared, gathered-once input) -> (weakref to it, its
+# SharedWgradInput). Keyed by the storage's tensor, not the wrapper: dispatch modes
+# (CommDebugMode) may hand consumers an alias of the wrapper, which shares the storages.
+# An entry is removed when its tensor dies.
+_PREPARED: dict[int, tuple[weakref.ref, "SharedWgradInput"]] = {}
+
+
+def _register_prepared(key: torch.Tensor, holder: "SharedWgradInput") -> None:
+    k = id(key)
+    _PREPARED[k] = (weakref.ref(key, lambda _: _PREPARED.pop(k, None)), holder)
+
+
+def prepared_holder(x) -> "SharedWgradInput | None":
+    """The shared wgrad operand if ``x`` came out of ``PreparedGatherFn``, else None."""
+    from hybrid_dist.quantized_tensor import QuantizedTensor
+
+    if not isinstance(x, QuantizedTensor) or x.rowwise is None:
+        return None
+    key = next(iter(x.rowwise.tensors().values()))
+    entry = _PREPARED.get(id(key))
+    return entry[1] if entry is not None and entry[0]() is key else None
 
 
 class SharedWgradInput:
@@ -87,7 +111,7 @@ class ColumnParallelFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan, cfg: TPConfig):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
-        shared = getattr(x, "_hd_tp_prepared", None)
+        shared = prepared_holder(x)
         if shared is not None:  # PrepareHybridModuleInput gathered it once for all consumers
             if x.quantizer != plan.input:
                 raise ValueError(
@@ -222,7 +246,7 @@ class PreparedGatherFn(torch.autograd.Function):
         world = _comm.group_size(group)
         row, wgrad_in = gather_input(x.reshape(-1, k), group, quantizer, state, need_wgrad=need_wgrad, path=path)
         out = QuantizedTensor((world * x.shape[0], *x.shape[1:]), x.dtype, row, None, quantizer)
-        out._hd_tp_prepared = SharedWgradInput(wgrad_in, uses)  # wgrad_in None: no consumer trains W
+        _register_prepared(next(iter(row.tensors().values())), SharedWgradInput(wgrad_in, uses))
         ctx.group = group
         return out
 

@@ -35,6 +35,7 @@ import warnings
 import torch
 
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
+from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -143,7 +144,8 @@ def gather_along_first_dim(x: torch.Tensor, group, *, quantizer: Quantizer | Non
     Without ``quantizer``: a plain tensor. With one: a :class:`QuantizedTensor` holding the
     requested directions, bitwise equal to quantizing the gathered tensor (module note).
     ``path``: ``"auto"`` (quantized where valid, else high precision with a one-time
-    warning), ``"quantized"`` (raise where invalid) or ``"high_precision"``. ``state``:
+    warning; high precision also when every requested direction is an identity format,
+    which would otherwise send the same bytes once per direction), ``"quantized"`` (raise where invalid) or ``"high_precision"``. ``state``:
     the quantizer state (delayed scaling, SR generator). ``async_op=True`` returns a
     :class:`CollectiveHandle` whose ``wait()`` returns the result.
     """
@@ -166,7 +168,9 @@ def gather_along_first_dim(x: torch.Tensor, group, *, quantizer: Quantizer | Non
     if path == "auto" and blocker:
         _warn_once(blocker)
     x2d = x.detach().reshape(m_local, k)
-    if path == "high_precision" or blocker:
+    # all directions high precision: (b) would send the same bytes once per direction
+    all_identity = all(isinstance(quantizer.direction_quantizer(d), IdentityQuantizer) for d in dirs)
+    if path == "high_precision" or blocker or (path == "auto" and all_identity):
         return _gather_then_quantize(x2d, group, quantizer, full_shape, x.dtype, rowwise, columnwise,
                                      state, async_op)
     row, col = quantize_with_group_amax(quantizer, x2d, group, rowwise=rowwise, columnwise=columnwise,

@@ -31,7 +31,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from hybrid_dist.linear import Linear, in_backward
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import bf16 as _bf16_recipe
-from hybrid_dist.tensor_parallel._linear_fn import ColumnParallelFn, PreparedGatherFn, RowParallelFn, TPConfig
+from hybrid_dist.tensor_parallel._linear_fn import (
+    ColumnParallelFn,
+    PreparedGatherFn,
+    RowParallelFn,
+    TPConfig,
+    prepared_holder,
+)
 
 _HP_RECIPE = _bf16_recipe()  # modules without a recipe run high precision through the same path
 _TP_CLASSES: dict[type, type] = {}  # hd.Linear subclass -> its TP subclass
@@ -46,7 +52,7 @@ class _TensorParallelLinear:
         recipe = self.active_recipe() or _HP_RECIPE
         plan = self._plan(recipe)
         if not in_backward():
-            if hasattr(x, "_hd_tp_prepared"):  # its input state was advanced by the preparing hook
+            if prepared_holder(x) is not None:  # its input state was advanced by the preparing hook
                 plan.weight.advance_state(plan.states["weight"])
             else:
                 plan.start_forward_pass()

@@ -1,0 +1,158 @@
+"""Collectives per TP/SP step at TP=8 × DP=8 (64 ranks) on the fake process group.
+
+One process plays rank 3 of 64 with ``FakeStore`` (collectives run no communication), so
+values are meaningless and only the communication pattern is checked: ``CommDebugMode``
+counts the c10d collectives of one training step (after a warm-up step) and
+``record_wire_bytes`` their payloads. Expected per MLP step (fc1 colwise, fc2 rowwise):
+
+* SP on:  all-gathers 3 (fc1 input rowwise; fc2 output-grad rowwise+columnwise in one;
+  fc1 input columnwise for wgrad), reduce-scatters 2 (fc2 output, fc1 input grad),
+  all-reduces 1 (fc2 bias grad) + 1 per quantizer slot with a per-tensor scale whose
+  tensor is sharded (fc1 input, fc1/fc2 weights, fc2 input, both output grads);
+* SP off: all-reduces 2 (fc1 input grad, fc2 output) + the per-tensor amax slots whose
+  tensor is sharded (fc1 weight and output grad, fc2 input and weight);
+* FSDP2 on the dp axis adds 4 all-gathers (fc1, fc2 × forward, backward) and 2
+  reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import hybrid_dist as hd
+from hybrid_dist.recipes import Role
+from hybrid_dist.tensor_parallel import (
+    HybridColwiseParallel,
+    HybridRowwiseParallel,
+    PrepareHybridModuleInput,
+    record_wire_bytes,
+)
+from tests_distributed.test_tp_linear import MLP, GateUp
+
+TP = DP = 8
+S_LOCAL, B, H, F = 16, 2, 128, 1024
+M = S_LOCAL * TP * B  # rows of the gathered [S, B, H] activation
+
+AG, RS, AR = "c10d._allgather_base_", "c10d._reduce_scatter_base_", "c10d.allreduce_"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=TP * DP)
+    try:
+        yield init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _per_tensor(recipe, tensor_type: str) -> int:
+    return int(recipe.quantizer(Role(tensor_type=tensor_type)).is_per_tensor)
+
+
+def expected_mlp_counts(recipe, sp: bool, fsdp: bool = False) -> dict[str, int]:
+    pt = {t: _per_tensor(recipe, t) for t in ("input", "weight", "grad_output")}
+    if sp:
+        counts = {AG: 3, RS: 2, AR: 1 + 2 * (pt["input"] + pt["weight"] + pt["grad_output"])}
+    else:
+        counts = {AG: 0, RS: 0, AR: 2 + 2 * pt["weight"] + pt["grad_output"] + pt["input"]}
+    if fsdp:
+        counts[AG] += 4
+        counts[RS] += 2
+    return {k: v for k, v in counts.items() if v}
+
+
+def _step_counts(model, x, *, steps: int = 2):
+    for _ in range(steps):
+        with CommDebugMode() as cm, record_wire_bytes() as log:
+            model(x).sum().backward()
+    return {str(k): v for k, v in cm.get_comm_counts().items() if v}, log
+
+
+def _mlp(recipe, mesh, *, sp: bool, quantized_gather: bool = True):
+    m = MLP(H, F, recipe)
+    parallelize_module(m, mesh["tp"], {
+        "fc1": HybridColwiseParallel(sequence_parallel=sp, quantized_gather=quantized_gather),
+        "fc2": HybridRowwiseParallel(sequence_parallel=sp, quantized_gather=quantized_gather)})
+    return m
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
+def test_collectives_per_step_every_recipe(mesh, sp):
+    warnings.simplefilter("ignore")
+    fails = []
+    for name in hd.RECIPE_NAMES:
+        recipe = hd.recipe_from_name(name)
+        x = torch.randn(S_LOCAL if sp else S_LOCAL * TP, B, H, requires_grad=True)
+        got, _ = _step_counts(_mlp(recipe, mesh, sp=sp), x, steps=1)
+        want = expected_mlp_counts(recipe, sp)
+        if got != want:
+            fails.append(f"[{name} TP={TP} DP={DP} SP={sp}] collectives {got}, expected {want}")
+    assert not fails, "\n".join(fails)
+
+
+# bytes of all all-gathers of one SP MLP step, per element of the gathered [M, H]
+# activation: fc1 input rowwise + fc1 input columnwise + fc2 output grad (both ways)
+GATHER_BYTES_PER_ELEM = {
+    "fp8_current": 4 * 1,
+    "mxfp8": 4 * (1 + 1 / 32),
+    "nvfp4": 4 * (1 / 2 + 1 / 16),
+    "bf16": 3 * 4,  # identity: fp32 gathered once per use (fc2 grad once for both ways)
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATHER_BYTES_PER_ELEM))
+def test_all_gather_bytes_per_step(mesh, name):
+    warnings.simplefilter("ignore")
+    recipe = hd.recipe_from_name(name)
+    x = torch.randn(S_LOCAL, B, H, requires_grad=True)
+    _, log = _step_counts(_mlp(recipe, mesh, sp=True), x)
+    want = GATHER_BYTES_PER_ELEM[name] * M * H
+    assert log.total("all_gather") == want, f"[{name} SP] all-gather bytes {log.total('all_gather')} != {want}"
+    _, log_hp = _step_counts(_mlp(recipe, mesh, sp=True, quantized_gather=False), x)
+    assert log_hp.total("all_gather") == 3 * 4 * M * H, f"[{name} SP high-precision gathers]"
+    assert log.total("reduce_scatter") == log_hp.total("reduce_scatter") == 2 * 4 * M * H, \
+        f"[{name} SP] reduce-scatters stay fp32"
+
+
+def test_fsdp2_on_dp_axis_adds_its_collectives(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.simplefilter("ignore")
+    for name in ("bf16", "fp8_current", "nvfp4"):
+        recipe = hd.recipe_from_name(name)
+        m = _mlp(recipe, mesh, sp=True)
+        for mod in (m.fc1, m.fc2, m):
+            fully_shard(mod, mesh=mesh["dp"])
+        got, _ = _step_counts(m, torch.randn(S_LOCAL, B, H, requires_grad=True))
+        want = expected_mlp_counts(recipe, True, fsdp=True)
+        assert got == want, f"[{name} TP={TP} x FSDP2 DP={DP} SP] collectives {got}, expected {want}"
+
+
+def test_prepared_input_gathers_once_for_gate_and_up(mesh):
+    warnings.simplefilter("ignore")
+    for name in ("bf16", "mxfp8", "fp8_current"):
+        recipe = hd.recipe_from_name(name)
+        m = GateUp(H, F, recipe)
+        parallelize_module(m, mesh["tp"], {
+            "": PrepareHybridModuleInput(consumers=("gate", "up")),
+            "gate": HybridColwiseParallel(sequence_parallel=True),
+            "up": HybridColwiseParallel(sequence_parallel=True),
+            "down": HybridRowwiseParallel(sequence_parallel=True)})
+        got, log = _step_counts(m, torch.randn(S_LOCAL, B, H, requires_grad=True))
+        pt = {t: _per_tensor(recipe, t) for t in ("input", "weight", "grad_output")}
+        # amax: shared input once, down input; gate/up/down weights; down/gate/up grads
+        n_ar = 2 * pt["input"] + 3 * pt["weight"] + 3 * pt["grad_output"]
+        want = {k: v for k, v in {AG: 3, RS: 2, AR: n_ar}.items() if v}
+        assert got == want, f"[{name} prepared gate/up SP] collectives {got}, expected {want}"
+        n_col = sum(1 for e in log.events if e.kind == "all_gather" and e.what == "columnwise")
+        assert n_col == (1 if name != "bf16" else 0) + 1, f"[{name}] wgrad input gathered once, dy once"
