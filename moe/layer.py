@@ -100,11 +100,11 @@ class MoE(nn.Module):
 
     def _experts_parallel(self, x_perm, tokens_per_expert):
         route = ep.make_route(tokens_per_expert, self.ep_group, self.wire)
-        recipe = self.recipe or current_recipe()
-        quantized = recipe is not None and self.quantized_dispatch
         training = torch.is_grad_enabled()
-        plan1 = self.fc1.plan(recipe) if quantized else None
-        plan2 = self.fc2.plan(recipe) if quantized and training else None  # dy exists only in training
+        # the payload formats are those the expert layers will use (their recipe resolution)
+        r1, r2 = (fc.recipe or self.recipe or current_recipe() for fc in (self.fc1, self.fc2))
+        plan1 = self.fc1.plan(r1) if (r1 is not None and self.quantized_dispatch) else None
+        plan2 = self.fc2.plan(r2) if (r2 is not None and self.quantized_dispatch and training) else None
         need_col = training and self.fc1.weight.requires_grad
         x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire)
         io2 = ep.combine_io(plan2)
