@@ -28,6 +28,7 @@ from tests_distributed._harness import run_ranks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 K = 128
+_DEVICE = torch.device("cpu")  # set per worker by _rank_fn (cuda:<rank> in the NCCL variant)
 
 
 def _quantizers():
@@ -85,7 +86,7 @@ def _groups(rank, world):
 def _full_input(seed: int, rows: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 2, K, generator=g) * torch.logspace(-2, 2, K)  # [d0, B, K]; wide range
-    return x
+    return x.to(_DEVICE)
 
 
 def _check_paths(name, q, tp, group, grank, fails, bytes_seen):
@@ -119,7 +120,7 @@ def _check_paths(name, q, tp, group, grank, fails, bytes_seen):
 
 def _e2m1_neighbours_ok(st: NVFP4Storage, x_stored: torch.Tensor) -> bool:
     """Every SR code is one of the two E2M1 grid values bracketing x/scale."""
-    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=x_stored.device)
     r, c = st.shape2d
     scale = (st.block_scale.float().repeat_interleave(16, dim=1) * st.global_scale)
     y = (x_stored.abs() / scale).clamp(max=6.0)
@@ -168,7 +169,7 @@ def _check_misc(tp, group, grank, fails, first):
         rq = q.quantize(_full_input(6, 64 * tp), rowwise=True, columnwise=True)
         for d in ("rowwise", "columnwise"):
             assert_storage_equal(hq.storage_of(d), rq.storage_of(d), f"TP={tp} async quantized {d}")
-        parts = [torch.full((2 * tp, 3), float(r + 1)) for r in range(tp)]
+        parts = [torch.full((2 * tp, 3), float(r + 1), device=_DEVICE) for r in range(tp)]
         rs = reduce_scatter_along_first_dim(parts[grank], group)
         assert torch.equal(rs, sum(parts).chunk(tp)[grank]), f"TP={tp}: reduce-scatter wrong"
         rs2 = reduce_scatter_along_first_dim(parts[grank], group, async_op=True).wait()
@@ -177,7 +178,9 @@ def _check_misc(tp, group, grank, fails, first):
         fails.append(str(e))
 
 
-def _rank_fn(rank, world):
+def _rank_fn(rank, world, device: str = "cpu"):
+    global _DEVICE
+    _DEVICE = torch.device(device, rank) if device == "cuda" else torch.device(device)
     torch.manual_seed(0)
     fails, bytes_seen = [], {}
     for i, (tp, group, grank, _) in enumerate(_groups(rank, world)):

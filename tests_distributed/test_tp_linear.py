@@ -37,6 +37,7 @@ from tests_distributed._harness import run_ranks
 
 REL_TOL = 1e-5
 SR_SQNR_DB = 8.0
+GPU_SQNR_DB = 25.0  # GPU, quantized recipes: an ulp-level GEMM difference may flip a later rounding
 SR_RECIPES = ("nvfp4", "mxfp8_fwd_nvfp4_bwd")
 
 
@@ -73,10 +74,13 @@ def _local(t):
 
 
 class _Checker:
-    """Compares TP tensors with single-process ones; collects failure messages."""
+    """Compares TP tensors with single-process ones; collects failure messages.
+    ``gemm_bitwise=False`` (GPU): cuBLAS may pick another split-K for a sharded shape,
+    so GEMM results are held to ``REL_TOL`` instead of bitwise."""
 
-    def __init__(self, recipe):
+    def __init__(self, recipe, gemm_bitwise: bool = True):
         self.recipe, self.fails, self.worst = recipe, [], {}
+        self.gemm_bitwise = gemm_bitwise
 
     def __call__(self, cfg, what, got, ref, kind):
         got, ref = _local(got).detach(), ref.detach()
@@ -86,6 +90,14 @@ class _Checker:
             return
         if kind == "bitwise" and self.recipe in SR_RECIPES and what.startswith("grad"):
             kind = "sr"
+        if kind == "bitwise" and not self.gemm_bitwise:
+            kind = "close"
+        if kind == "close" and not self.gemm_bitwise and self.recipe != "bf16" and self.recipe not in SR_RECIPES:
+            db = sqnr_db(ref, got)
+            self.worst[name] = db
+            if db < GPU_SQNR_DB:
+                self.fails.append(f"{name}: SQNR {db:.1f} dB < {GPU_SQNR_DB} dB (GPU)")
+            return
         if kind == "bitwise":
             n = int((as_bits(got) != as_bits(ref)).sum())
             if n:
@@ -103,9 +115,12 @@ class _Checker:
                 self.fails.append(f"{name}: SQNR {db:.1f} dB < {SR_SQNR_DB} dB (stochastic rounding)")
 
 
+_DEVICE = torch.device("cpu")  # set per worker by _rank_fn
+
+
 def _data(s, b, h, step):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(s, b, h, generator=g), torch.randn(s, b, h, generator=g)
+    return torch.randn(s, b, h, generator=g).to(_DEVICE), torch.randn(s, b, h, generator=g).to(_DEVICE)
 
 
 def _run_mlp(recipe_name, tp_mesh, sp, check, steps=2):
@@ -113,7 +128,7 @@ def _run_mlp(recipe_name, tp_mesh, sp, check, steps=2):
     tp, r = tp_mesh.size(), tp_mesh.get_local_rank()
     recipe = hd.recipe_from_name(recipe_name)
     torch.manual_seed(0)
-    ref = MLP(h, f, recipe)
+    ref = MLP(h, f, recipe).to(_DEVICE)
     model = copy.deepcopy(ref)
     parallelize_module(model, tp_mesh, {"fc1": HybridColwiseParallel(sequence_parallel=sp),
                                         "fc2": HybridRowwiseParallel(sequence_parallel=sp)})
@@ -145,7 +160,7 @@ def _run_gate_up(recipe_name, tp_mesh, check):
     tp, r = tp_mesh.size(), tp_mesh.get_local_rank()
     recipe = hd.recipe_from_name(recipe_name)
     torch.manual_seed(1)
-    ref = GateUp(h, f, recipe)
+    ref = GateUp(h, f, recipe).to(_DEVICE)
     model = copy.deepcopy(ref)
     parallelize_module(model, tp_mesh, {
         "": PrepareHybridModuleInput(consumers=("gate", "up")),
@@ -172,15 +187,18 @@ def _run_gate_up(recipe_name, tp_mesh, check):
             m.zero_grad(set_to_none=True)
 
 
-def _rank_fn(rank, world, recipes, prepared_recipes):
+def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
     import warnings
 
+    global _DEVICE
+    _DEVICE = torch.device(device, rank) if device == "cuda" else torch.device(device)
     warnings.simplefilter("ignore")  # fallback warnings are tested in test_tp_gather
-    meshes = [init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"],
-              init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))["tp"]]
+    meshes = [init_device_mesh(device, (world,), mesh_dim_names=("tp",))["tp"]]
+    if world == 4:  # TP=2 on the two rows of a 2x2 (dp, tp) mesh
+        meshes.append(init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))["tp"])
     fails, worst = [], {}
     for name in recipes:
-        check = _Checker(name)
+        check = _Checker(name, gemm_bitwise=device == "cpu")
         for mesh in meshes:
             for sp in (False, True):
                 _run_mlp(name, mesh, sp, check)
