@@ -1,0 +1,113 @@
+"""TP+SP transformer MLP block (``fc1`` column-parallel, GELU, ``fc2`` row-parallel, both
+sequence parallel): fwd+bwd step time and bytes on the wire per step, per recipe, with
+quantized all-gathers (path b) against high-precision all-gathers (gather bf16, then
+quantize). Gradient reduce-scatters are bf16 in both. Prints one table on rank 0.
+
+Run on 2–4 GPUs of one host: ``torchrun --nproc_per_node=4 -m benchmarks.tp``
+(``--seq``, ``--hidden``, ``--ffn`` change the shape; activations are ``[S/tp, 1, H]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+import hybrid_dist as hd
+from benchmarks._bench import print_table
+from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel, record_wire_bytes
+
+RECIPES = ["bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
+           "fp8_fwd_bf16_bwd", "bf16_fwd_mxfp8_bwd"]
+
+
+class MLP(nn.Module):
+    def __init__(self, h: int, f: int, recipe):
+        super().__init__()
+        self.fc1 = hd.Linear(h, f, bias=False, recipe=recipe, name="fc1", device="cuda", dtype=torch.bfloat16)
+        self.fc2 = hd.Linear(f, h, bias=False, recipe=recipe, name="fc2", device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _step(model, x, dy):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return lambda: torch.autograd.grad(model(x), [x, *params], dy)
+
+
+def _time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median step time over ``iters`` (max over ranks: the slowest rank sets the pace)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    t = torch.tensor(statistics.median(times), device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _measure(recipe_name, mesh, args, quantized: bool):
+    torch.manual_seed(0)
+    model = MLP(args.hidden, args.ffn, hd.recipe_from_name(recipe_name))
+    parallelize_module(model, mesh, {
+        "fc1": HybridColwiseParallel(sequence_parallel=True, quantized_gather=quantized),
+        "fc2": HybridRowwiseParallel(sequence_parallel=True, quantized_gather=quantized)})
+    tp = mesh.size()
+    x = torch.randn(args.seq // tp, 1, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    step = _step(model, x, dy)
+    with record_wire_bytes() as log:
+        step()
+    ms = _time_ms(step)
+    return ms, log
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    args = p.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
+    rows = []
+    for name in RECIPES:
+        try:
+            hp_ms, hp_log = _measure(name, mesh, args, quantized=False)
+            q_ms, q_log = _measure(name, mesh, args, quantized=True)
+        except Exception as e:  # keep the table: report the failure in its row
+            rows.append([name, f"failed: {type(e).__name__}: {e}"[:100], "", "", "", "", ""])
+            continue
+        mb = 1 / 2**20
+        rows.append([name, hp_ms, q_ms, hp_ms / q_ms, hp_log.total("all_gather") * mb,
+                     q_log.total("all_gather") * mb, q_log.total("reduce_scatter") * mb])
+    if dist.get_rank() == 0:
+        tp = dist.get_world_size()
+        print_table(
+            ["recipe", "step ms (bf16 gathers)", "step ms (quantized gathers)", "speedup",
+             "all-gather MiB/step (bf16)", "all-gather MiB/step (quantized)", "reduce-scatter MiB/step"],
+            rows,
+            f"TP={tp}+SP MLP block fwd+bwd, S={args.seq}, H={args.hidden}, F={args.ffn}, bf16 activations "
+            f"(bytes = gathered output per rank)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
