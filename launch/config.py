@@ -20,7 +20,7 @@ class TrainConfig:
     preset: str = "tiny"
     recipe: str = "bf16"            # a name in hd.RECIPE_NAMES or "package.module:attr"
     steps: int = 100
-    batch_size: int = 2             # sequences per data-parallel rank
+    batch_size: int = 4             # sequences per data-parallel rank
     seq_len: int = 64
     lr: float = 3e-3
     warmup: int = 10
@@ -34,6 +34,7 @@ class TrainConfig:
     ep: int = 1                     # expert parallel, carved out of the fsdp axis
     moe_experts: int = 0            # 0 = dense MLP
     moe_top_k: int = 2
+    moe_aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss
     dtype: str = "auto"             # compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32
     quantized_init: bool = False
     activation_checkpointing: bool = False

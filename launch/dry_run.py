@@ -7,7 +7,7 @@ Checks, in order, each failing with a ``ValueError`` that names the configuratio
    output gradient ``[T, out]`` (T = batch·seq tokens per rank) under the recipe's
    quantizers, both directions;
 then builds the real ``DeviceMesh`` on the fake process group, shards a meta-device model
-with FSDP2 (and TP/EP where those packages are available) and estimates memory per rank.
+with TP, EP and FSDP2 exactly as ``train`` does, and estimates memory per rank.
 """
 
 from __future__ import annotations
@@ -21,16 +21,20 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hybrid_dist as hd
 from hybrid_dist.launch.config import TrainConfig, load_recipe
 from hybrid_dist.launch.mesh import ParallelDims
-from hybrid_dist.launch.parallelize import EP_API, TP_API, apply_ep, apply_fsdp, apply_tp, missing_api
+from hybrid_dist.launch.parallelize import EP_API, apply_fsdp, apply_tp, expert_modules, require
 from hybrid_dist.launch.presets import ModelConfig, preset
 
 # (name, in_features, out_features, tensor-parallel split): "col" shards out, "row" shards in.
+# MoE experts ("none") are not split by TP (every TP rank computes them alike).
 def block_linears(m: ModelConfig) -> list[tuple[str, int, int, str]]:
     kv = m.n_kv_heads * m.head_dim
-    return [("attention.wq", m.dim, m.dim, "col"), ("attention.wk", m.dim, kv, "col"),
-            ("attention.wv", m.dim, kv, "col"), ("attention.wo", m.dim, m.dim, "row"),
-            ("feed_forward.w1", m.dim, m.ffn_dim, "col"), ("feed_forward.w3", m.dim, m.ffn_dim, "col"),
-            ("feed_forward.w2", m.ffn_dim, m.dim, "row")]
+    attn = [("attention.wq", m.dim, m.dim, "col"), ("attention.wk", m.dim, kv, "col"),
+            ("attention.wv", m.dim, kv, "col"), ("attention.wo", m.dim, m.dim, "row")]
+    if m.moe_experts:
+        return attn + [("feed_forward.moe.fc1", m.dim, 2 * m.ffn_dim, "none"),
+                       ("feed_forward.moe.fc2", m.ffn_dim, m.dim, "none")]
+    return attn + [("feed_forward.w1", m.dim, m.ffn_dim, "col"), ("feed_forward.w3", m.dim, m.ffn_dim, "col"),
+                   ("feed_forward.w2", m.ffn_dim, m.dim, "row")]
 
 
 def check_tp(m: ModelConfig, tp: int, where: str) -> None:
@@ -44,8 +48,8 @@ def check_alignment(m: ModelConfig, recipe: hd.Recipe, *, tp: int, tokens: int, 
     """Raise on a misaligned GEMM operand; return the checked shapes."""
     checked = []
     for name, k, n, split in block_linears(m):
-        k_l, n_l = (k, n // tp) if split == "col" else (k // tp, n)
-        mtype = "grouped_linear" if (m.moe_experts and name.startswith("feed_forward")) else "linear"
+        k_l, n_l = {"col": (k, n // tp), "row": (k // tp, n), "none": (k, n)}[split]
+        mtype = "grouped_linear" if split == "none" else "linear"
         shapes = {"weight": (n_l, k_l), "input": (tokens, k_l), "grad_output": (tokens, n_l)}
         for ttype, (rows, cols) in shapes.items():
             if mtype == "grouped_linear" and ttype != "weight":
@@ -67,6 +71,8 @@ def fsdp_notes(m: ModelConfig, recipe: hd.Recipe, *, tp: int, fsdp: int) -> list
     notes = []
     for name, k, n, split in block_linears(m):
         rows = (n // tp if split == "col" else n) // max(fsdp, 1)
+        if split == "none":
+            continue  # expert weights shard over experts (dim 0 of [E, N, K]), not rows
         q = recipe.quantizer(hd.Role(tensor_type="weight", name=name))
         g = max(q.direction_quantizer(d).block_shape(d)[0] for d in ("rowwise", "columnwise"))
         if rows % g:
@@ -90,24 +96,22 @@ def memory_estimate(m: ModelConfig, cfg: TrainConfig, dims: ParallelDims, local_
 
 
 def _shard_on_fake_pg(m: ModelConfig, cfg: TrainConfig, dims: ParallelDims) -> tuple[int, list[str]]:
-    """Build the mesh, shard a meta model; return (local parameter count, notes)."""
+    """Build the mesh, parallelize a meta model as ``train`` would; return (local parameter
+    count of rank 0, notes)."""
     from hybrid_dist.launch.model import Transformer, apply_recipe
 
     notes = []
     meshes = dims.build_meshes("cpu")
+    if m.moe_experts:
+        require("moe", EP_API, f"--moe-experts {m.moe_experts}")
     with torch.device("meta"):
-        model = Transformer(m)
+        model = Transformer(m, ep_group=meshes.ep.get_group() if dims.ep > 1 else None)
     apply_recipe(model, load_recipe(cfg.recipe))
-    for degree, api, pkg, apply, mesh in ((dims.tp, TP_API, "tensor_parallel", apply_tp, meshes.tp),
-                                          (dims.ep, EP_API, "moe", apply_ep, meshes.ep)):
-        if degree > 1 and missing_api(pkg, api):
-            notes.append(f"{pkg} not applied: hybrid_dist.{pkg} does not export {missing_api(pkg, api)} yet")
-        elif degree > 1:
-            apply(model, mesh)
-    apply_fsdp(model, meshes.fsdp, param_dtype=torch.bfloat16, cpu_offload=False)
+    if dims.tp > 1:
+        apply_tp(model, meshes.tp)
+    apply_fsdp(model, meshes.fsdp, param_dtype=torch.bfloat16, cpu_offload=False, experts=expert_modules(model),
+               expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    if dims.tp > 1 and "tensor_parallel not applied" in " ".join(notes):
-        local //= dims.tp  # analytic: the block weights would be split tp ways
     return local, notes
 
 

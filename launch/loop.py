@@ -16,13 +16,15 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
+from hybrid_dist.fsdp2 import track_all_gather
 from hybrid_dist.launch import checkpoint
 from hybrid_dist.launch.config import TrainConfig, load_recipe
 from hybrid_dist.launch.data import make_data
 from hybrid_dist.launch.mesh import ParallelDims
 from hybrid_dist.launch.metrics import Meter
 from hybrid_dist.launch.model import Transformer, apply_recipe
-from hybrid_dist.launch.parallelize import needs_fsdp, parallelize
+from hybrid_dist.launch.grad_clip import clip_grad_norm_
+from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.quantized_init import check_quantized_init
 
@@ -47,6 +49,12 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """``--dtype``; ``auto`` is bf16 on GPU and fp32 on CPU."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
 def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.device):
     """The parallelized model and the recipe. Weights are initialised before sharding on
     CPU (identical for every world size) and after sharding on meta→GPU (large presets)."""
@@ -54,39 +62,48 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
     if cfg.seq_len > mcfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds preset {cfg.preset!r}'s max_seq_len {mcfg.max_seq_len}")
     recipe = load_recipe(cfg.recipe)
-    compute_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    compute = compute_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
     on_meta = device.type == "cuda" and not cfg.quantized_init
+    if mcfg.moe_experts:
+        require("moe", EP_API, f"--moe-experts {mcfg.moe_experts}")
+    ep_group = meshes.ep.get_group() if dims.ep > 1 else None
     if cfg.quantized_init:
-        check_quantized_init(needs_fsdp=needs_fsdp(cfg, dims, compute_dtype), tp=dims.tp)
-        with torch.device(device), hd.quantized_model_init(recipe):
-            model = Transformer(mcfg)
+        check_quantized_init(needs_fsdp=needs_fsdp(cfg, dims, compute), tp=dims.tp,
+                             checkpointing=bool(cfg.save_every or cfg.resume))
+        with torch.device(device), hd.quantized_model_init(recipe, keep_high_precision_init=False):
+            model = Transformer(mcfg, ep_group=ep_group)
     else:
         with torch.device("meta" if on_meta else device):
-            model = Transformer(mcfg)
+            model = Transformer(mcfg, ep_group=ep_group)
     if not on_meta:
         model.init_weights()
     apply_recipe(model, recipe)
-    parallelize(model, cfg, dims, meshes, param_dtype=compute_dtype, device_type=device.type)
+    parallelize(model, cfg, dims, meshes, param_dtype=compute, device_type=device.type)
     if on_meta:
         model.to_empty(device=device)
         model.init_weights()
     return model, mcfg, recipe
 
 
-def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int) -> int:
-    """Estimated bytes each rank receives from FSDP all-gathers per step: every block is
-    gathered in forward and again in backward (the last block and the root once)."""
-    n = dims.fsdp
-    total = 0
+def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int, *, skip_quantized: bool) -> int:
+    """Estimated all-gather output bytes per rank per step (the unsharded parameters, as
+    ``hybrid_dist.fsdp2`` counts them): every block is gathered in forward and again in
+    backward (the last block and the root once). HSDP gathers over ``dp_shard`` only.
+    ``skip_quantized``: leave out quantized parameters (``hybrid_dist.fsdp2`` measures those)."""
+    if dims.fsdp == 1:
+        return 0
+
+    def gathered(params) -> int:  # local shard x fsdp = the TP-local unsharded size
+        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        return sum(t.numel() * dims.fsdp for t in locals_
+                   if not (skip_quantized and isinstance(t, hd.QuantizedTensor)))
+
     blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        numel = sum(p.numel() for p in block.parameters())
-        total += numel * (2 if i < len(blocks) - 1 else 1)
+    total = sum(gathered(b.parameters()) * (2 if i < len(blocks) - 1 else 1) for i, b in enumerate(blocks))
     block_ids = {id(p) for b in blocks for p in b.parameters()}
-    total += sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
-    return total * param_dtype_bytes * (n - 1) // n
+    total += gathered(p for p in model.parameters() if id(p) not in block_ids)
+    return total * param_dtype_bytes
 
 
 def make_optimizer(model, cfg: TrainConfig):
@@ -103,43 +120,57 @@ def _mean_over(loss: torch.Tensor, group, size: int) -> float:
     return float(loss) / size
 
 
+def _has_sharded_quantized_params(model) -> bool:
+    return any(isinstance(getattr(p, "_local_tensor", None), hd.QuantizedTensor) for p in model.parameters())
+
+
+def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_group=None) -> torch.Tensor:
+    """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss."""
+    logits, aux = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
+    if cfg.grad_clip > 0:
+        experts = [p for m in expert_modules(model) for p in m.parameters()]
+        clip_grad_norm_(model.parameters(), cfg.grad_clip, expert_params=experts, ep_group=ep_group)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 def train(cfg: TrainConfig) -> dict:
     device = init_distributed()
     dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
     meshes = dims.build_meshes(device.type)
     model, mcfg, recipe = build_model(cfg, dims, meshes, device)
     optimizer = make_optimizer(model, cfg)
-    dp_rank = meshes.dp.get_local_rank()
     data = make_data(cfg.data, vocab_size=mcfg.vocab_size, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                     seed=cfg.seed, dp_rank=dp_rank, dtype=cfg.data_dtype)
+                     seed=cfg.seed, dp_rank=meshes.dp.get_local_rank(), dtype=cfg.data_dtype)
     start = checkpoint.load(cfg.resume, model, optimizer, device) if cfg.resume else 0
-    dtype_bytes = 2 if (cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")) else 4
+    measured = _has_sharded_quantized_params(model)  # hybrid_dist.fsdp2 counts quantized all-gathers
+    hp_ag_bytes = all_gather_bytes_per_step(model, dims, 2 if compute_dtype(cfg, device) == torch.bfloat16 else 4,
+                                            skip_quantized=measured)
     meter = Meter(total_steps=cfg.steps, flops_per_token=mcfg.flops_per_token(cfg.seq_len),
                   world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
-                  log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=False,
-                  ag_bytes_per_step=all_gather_bytes_per_step(model, dims, dtype_bytes),
+                  log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=measured,
+                  ag_bytes_per_step=hp_ag_bytes,
                   run={"name": cfg.name, "recipe": recipe.name, "preset": cfg.preset, "world_size": dims.world_size,
                        "fsdp": dims.fsdp, "hsdp": dims.hsdp, "tp": dims.tp, "ep": dims.ep, "start_step": start,
-                       "params": mcfg.num_params(), "entropy_floor": data.entropy_floor,
-                       "log_vocab": math.log(mcfg.vocab_size)})
+                       "moe_experts": mcfg.moe_experts, "params": mcfg.num_params(),
+                       "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)})
     losses = []
-    for step in range(start + 1, cfg.steps + 1):
-        lr = lr_at(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        tokens = data.batch(step).to(device)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=True)
-            if isinstance(grad_norm, DTensor):
-                grad_norm.full_tensor()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))
-        meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
-        if cfg.save_every and step % cfg.save_every == 0:
-            checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device)
+    with track_all_gather() as acct:
+        for step in range(start + 1, cfg.steps + 1):
+            lr = lr_at(cfg, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            tokens = data.batch(step).to(device)
+            loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None)
+            losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))
+            if measured:
+                meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
+                acct.reset()
+            meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
+            if cfg.save_every and step % cfg.save_every == 0:
+                checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device)
     summary = meter.finish({"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)})
     return {**summary, "losses": losses}

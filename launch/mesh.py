@@ -63,16 +63,21 @@ class ParallelDims:
             with warnings.catch_warnings():  # HSDP needs the 2D (replicate, shard) view
                 warnings.simplefilter("ignore", UserWarning)
                 fsdp = world["dp_replicate", "dp_shard"]
+        ep_fsdp = None
+        if self.ep > 1:
+            ep_fsdp = world["dp_replicate", "dp_shard_mod_ep"] if self.hsdp > 1 else world["dp_shard_mod_ep"]
         return Meshes(world=world, dp=dp, fsdp=fsdp, tp=world["tp"],
-                      ep=world["ep"] if self.ep > 1 else None)
+                      ep=world["ep"] if self.ep > 1 else None, ep_fsdp=ep_fsdp)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Meshes:
-    """``fsdp`` is 1D ``dp_shard`` (FSDP) or 2D ``(dp_replicate, dp_shard)`` (HSDP)."""
+    """``fsdp`` is 1D ``dp_shard`` (FSDP) or 2D ``(dp_replicate, dp_shard)`` (HSDP);
+    ``ep_fsdp`` (EP only) is the FSDP mesh of the experts: the ranks holding the same ones."""
 
     world: DeviceMesh
     dp: DeviceMesh
     fsdp: DeviceMesh
     tp: DeviceMesh
     ep: DeviceMesh | None
+    ep_fsdp: DeviceMesh | None

@@ -5,6 +5,8 @@ FLOPs per token from ``ModelConfig.flops_per_token``; unknown devices (and CPUs)
 none. Peak memory is ``torch.cuda.max_memory_allocated`` on GPU and the process's peak
 RSS on CPU. All-gather bytes are per rank per step: measured by ``hybrid_dist.fsdp2`` when
 it exposes accounting, else estimated from the sharded parameters (``ag_bytes_est``).
+With quantized parameters ``ag_bytes`` = measured quantized gathers + the high-precision
+parameters' unsharded bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class Meter:
         self.total, self.flops_per_token, self.world = total_steps, flops_per_token, world_size
         self.device, self.is_main, self.log_every, self.quiet = device, rank == 0, log_every, quiet
         self.peak = peak_flops(device)
-        self.ag_bytes, self.ag_key = ag_bytes_per_step, "ag_bytes" if ag_measured else "ag_bytes_est"
+        self.ag_key = "ag_bytes" if ag_measured else "ag_bytes_est"
+        self.ag_bytes = ag_bytes_per_step  # measured runs set it before each step()
         self.records: list[dict] = []
         self._file = open(jsonl_path, "a") if (jsonl_path and self.is_main) else None
         self._t0 = self._t_last = time.perf_counter()
@@ -74,7 +77,8 @@ class Meter:
         self._emit(rec)
         if self.is_main and not self.quiet and (step % self.log_every == 0 or step == self.total):
             mfu_s = f"{100 * mfu:5.1f}%" if mfu is not None else "  n/a"
-            ag = f" | all-gather {rec[self.ag_key] / 2**20:.2f} MiB" if self.ag_bytes is not None else ""
+            est = "" if self.ag_key == "ag_bytes" else " (est)"
+            ag = f" | all-gather {rec[self.ag_key] / 2**20:.2f} MiB{est}" if self.ag_bytes is not None else ""
             print(f"step {step:>5}/{self.total} {_bar(step / self.total)} loss {loss:7.4f} | "
                   f"{tps:>9,.0f} tok/s | MFU {mfu_s} | peak mem {rec['peak_mem_bytes'] / 2**30:.2f} GiB{ag}",
                   flush=True)

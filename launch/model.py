@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
+from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.launch.presets import ModelConfig
 
 
@@ -72,36 +73,45 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def build_mlp(cfg: ModelConfig) -> nn.Module:
+def build_mlp(cfg: ModelConfig, *, ep_group=None) -> nn.Module:
     """Dense SwiGLU, or the MoE MLP of ``hybrid_dist.moe`` when ``cfg.moe_experts > 0``."""
     if not cfg.moe_experts:
         return FeedForward(cfg.dim, cfg.ffn_dim)
-    from hybrid_dist.launch.moe_mlp import build_moe_mlp
+    from hybrid_dist.launch.moe_mlp import MoEFeedForward
 
-    return build_moe_mlp(cfg)
+    return MoEFeedForward(cfg, ep_group=ep_group)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``forward(x, cos, sin) -> (x, aux)``: ``aux`` is the MoE load-balancing loss
+    added to the incoming ``aux`` (dense blocks pass it through)."""
+
+    def __init__(self, cfg: ModelConfig, *, ep_group=None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = build_mlp(cfg)
+        self.feed_forward = build_mlp(cfg, ep_group=ep_group)
+        self.is_moe = bool(cfg.moe_experts)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, aux: torch.Tensor):
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.is_moe:
+            y, block_aux = self.feed_forward(self.ffn_norm(x))
+            return x + y, aux + block_aux
+        return x + self.feed_forward(self.ffn_norm(x)), aux
 
 
 class Transformer(nn.Module):
-    """``forward(tokens [B, S] int64) -> logits [B, S, V]`` (fp32)."""
+    """``forward(tokens [B, S] int64) -> (logits [B, S, V] fp32, aux)`` with ``aux`` the
+    summed MoE load-balancing loss (0 for dense models). ``ep_group``: the expert-parallel
+    process group (each rank then builds only its experts)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, ep_group=None):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ep_group=ep_group) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg, device=self.tok_embeddings.weight.device)
@@ -112,43 +122,49 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Deterministic init (given the global seed): N(0, 0.02) weights, output
         projections scaled by 1/sqrt(2·n_layers), unit norms, RoPE tables. Works on
-        materialised ``to_empty`` models and on sharded (DTensor) parameters; quantized
-        weights keep the values they were created with."""
+        materialised ``to_empty`` models and on sharded (DTensor) parameters; unsharded
+        quantized weights (``--quantized-init``) are re-quantized from the same draws."""
         out_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
         for name, p in self.named_parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
-            if isinstance(local, hd.QuantizedTensor):
-                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, std=out_std)
+                continue
+            std = out_std if name.endswith(("wo.weight", "w2.weight", "fc2.weight")) else 0.02
+            if isinstance(p, hd.QuantizedTensor):  # quantized init: same draws, quantized in place
+                w = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(std=std)
+                requantize_(p, w)  # (fp32 masters start from the dequantized values)
+            elif isinstance(p, DTensor) and isinstance(p.to_local(), hd.QuantizedTensor):
+                raise NotImplementedError("init_weights: initialise quantized weights before sharding them")
             else:
-                nn.init.normal_(p, std=0.02)
+                nn.init.normal_(p, std=std)
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.tok_embeddings(tokens_BS)
+        aux = torch.zeros((), dtype=torch.float32, device=h.device)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h)).float()
+            h, aux = layer(h, self.rope_cos, self.rope_sin, aux)
+        return self.output(self.norm(h)).float(), aux
 
 
 def hybrid_filter(module: nn.Module, fqn: str) -> bool:
     """``module_filter_fn`` for ``hd.convert_to_hybrid``: every block projection, not the
     output head nor an MoE router."""
-    return fqn != "output" and not fqn.endswith("router")
+    return fqn != "output" and ".router" not in fqn
 
 
 def apply_recipe(model: nn.Module, recipe: hd.Recipe) -> nn.Module:
-    """Set ``recipe`` on every block projection (``hd.Linear`` and MoE ``GroupedLinear``)."""
+    """Set ``recipe`` on every block projection (``hd.Linear`` and MoE ``GroupedLinear``)
+    and on each ``MoE`` (which quantizes its expert-parallel token exchange with it)."""
     hd.convert_to_hybrid(model, recipe=recipe, module_filter_fn=hybrid_filter)
     if model.cfg.moe_experts:
-        from hybrid_dist.moe import GroupedLinear
+        from hybrid_dist.moe import MoE, GroupedLinear
 
         for fqn, mod in model.named_modules():
             if isinstance(mod, GroupedLinear):
                 mod.recipe, mod.name = recipe, fqn
+            elif isinstance(mod, MoE):
+                mod.recipe = recipe
     return model

@@ -1,8 +1,9 @@
 """Apply tensor/expert parallelism, activation checkpointing, ``torch.compile`` and FSDP2
 to a :class:`~hybrid_dist.launch.model.Transformer`, in that order (as torchtitan does).
 
-TP and EP come from ``hybrid_dist.tensor_parallel`` and ``hybrid_dist.moe``; while those
-packages do not expose what is needed, asking for ``--tp``/``--ep`` > 1 raises
+TP uses ``hybrid_dist.tensor_parallel``'s ``ParallelStyle``s; EP is built into the model
+(``hybrid_dist.moe.MoE`` with the EP process group), so here it only changes how experts
+shard. If those packages lack what is needed, ``--tp``/``--ep`` > 1 raise
 ``NotImplementedError`` naming the missing piece.
 """
 
@@ -16,8 +17,8 @@ from hybrid_dist.launch.config import TrainConfig
 from hybrid_dist.launch.mesh import Meshes, ParallelDims
 
 # What each integration must export for the launcher to wire it in.
-TP_API = ("ColwiseParallel", "RowwiseParallel")
-EP_API = ("apply_expert_parallel",)
+TP_API = ("HybridColwiseParallel", "HybridRowwiseParallel")
+EP_API = ("MoE",)
 
 
 def missing_api(module_name: str, names: tuple[str, ...]) -> list[str]:
@@ -28,36 +29,36 @@ def missing_api(module_name: str, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if not hasattr(mod, n)]
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Megatron layout: wq/wk/wv/w1/w3 column-parallel, wo/w2 row-parallel."""
-    missing = missing_api("tensor_parallel", TP_API)
+def require(module_name: str, names: tuple[str, ...], flag: str) -> None:
+    missing = missing_api(module_name, names)
     if missing:
         raise NotImplementedError(
-            f"--tp {tp_mesh.size()} needs hybrid_dist.tensor_parallel.{{{', '.join(missing)}}}, which "
-            "that package does not export yet (the tensor-parallel issue); run with --tp 1")
+            f"{flag} needs hybrid_dist.{module_name}.{{{', '.join(missing)}}}, which that package does not "
+            f"export yet; run without {flag.split()[0]}")
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    """Megatron layout (no sequence parallel): wq/wk/wv/w1/w3 column-parallel, wo/w2
+    row-parallel; MoE experts stay whole on every TP rank (each computes them alike)."""
+    require("tensor_parallel", TP_API, f"--tp {tp_mesh.size()}")
     from torch.distributed.tensor.parallel import parallelize_module
 
     from hybrid_dist import tensor_parallel as htp
 
-    plan = {f"attention.{n}": htp.ColwiseParallel() for n in ("wq", "wk", "wv")}
-    plan["attention.wo"] = htp.RowwiseParallel()
-    if isinstance(getattr(model.layers["0"], "feed_forward", None), nn.Module) and not model.cfg.moe_experts:
-        plan.update({"feed_forward.w1": htp.ColwiseParallel(), "feed_forward.w3": htp.ColwiseParallel(),
-                     "feed_forward.w2": htp.RowwiseParallel()})
+    plan = {f"attention.{n}": htp.HybridColwiseParallel() for n in ("wq", "wk", "wv")}
+    plan["attention.wo"] = htp.HybridRowwiseParallel()
+    if not model.cfg.moe_experts:
+        plan.update({"feed_forward.w1": htp.HybridColwiseParallel(), "feed_forward.w3": htp.HybridColwiseParallel(),
+                     "feed_forward.w2": htp.HybridRowwiseParallel()})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> None:
-    missing = missing_api("moe", EP_API)
-    if missing:
-        raise NotImplementedError(
-            f"--ep {ep_mesh.size()} needs hybrid_dist.moe.{{{', '.join(missing)}}}, which that package "
-            "does not export yet (the MoE issue); run with --ep 1")
-    from hybrid_dist import moe
-
-    for block in model.layers.values():
-        moe.apply_expert_parallel(block.feed_forward, ep_mesh)
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Every block's expert ``GroupedLinear``s (empty for dense models)."""
+    if not model.cfg.moe_experts:
+        return []
+    return [m for block in model.layers.values() for m in block.feed_forward.expert_modules()]
 
 
 def apply_ac(model: nn.Module) -> None:
@@ -68,13 +69,22 @@ def apply_ac(model: nn.Module) -> None:
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_offload: bool) -> None:
+def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_offload: bool,
+               experts: list[nn.Module] = (), expert_mesh=None, dp_degree: int = 1) -> None:
     """``fully_shard`` each block, then the root (embedding, norm, head). Applied even on
-    one rank, where it only casts parameters to ``param_dtype`` for compute."""
+    one rank, where it only casts parameters to ``param_dtype`` for compute.
+
+    With expert parallelism, each rank's experts are different parameters: they shard over
+    ``expert_mesh`` (the FSDP ranks holding the same experts) and their gradients, which
+    already sum the tokens of the whole EP group, are divided by the full ``dp_degree``."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kw = dict(mesh=fsdp_mesh, mp_policy=mp)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
+    if expert_mesh is not None:
+        for mod in experts:
+            fully_shard(mod, **{**kw, "mesh": expert_mesh})
+            mod.set_gradient_divide_factor(float(dp_degree))
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
@@ -91,8 +101,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
                 param_dtype: torch.dtype, device_type: str) -> nn.Module:
     if dims.tp > 1:
         apply_tp(model, meshes.tp)
-    if dims.ep > 1:
-        apply_ep(model, meshes.ep)
+    experts = expert_modules(model)  # before AC/compile wrap the blocks
     if cfg.activation_checkpointing:
         apply_ac(model)
     if cfg.compile:
@@ -101,5 +110,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
     if cfg.cpu_offload and device_type != "cuda":
         raise ValueError("--cpu-offload moves sharded parameters to CPU between uses; it needs a CUDA device")
     if needs_fsdp(cfg, dims, param_dtype):
-        apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=cfg.cpu_offload)
+        apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=cfg.cpu_offload, experts=experts,
+                   expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp)
     return model

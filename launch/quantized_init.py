@@ -9,12 +9,17 @@ failing deep inside ``fully_shard``.
 from __future__ import annotations
 
 def fsdp2_supports_quantized_params() -> bool:
-    from hybrid_dist import fsdp2
+    """True once ``QuantizedTensor`` implements FSDP2's all-gather hooks (``hybrid_dist.fsdp2``)."""
+    import hybrid_dist as hd
 
-    return bool(getattr(fsdp2, "__all__", ()))
+    return hasattr(hd.QuantizedTensor, "fsdp_pre_all_gather")
 
 
-def check_quantized_init(*, needs_fsdp: bool, tp: int) -> None:
+def check_quantized_init(*, needs_fsdp: bool, tp: int, checkpointing: bool = False) -> None:
+    if checkpointing:
+        raise NotImplementedError(
+            "--quantized-init with --save-every/--resume is not supported yet: DCP would have to save "
+            "QuantizedTensor shards and the fp32 master weights; drop one of the two")
     if tp > 1:
         raise NotImplementedError(
             "--quantized-init with --tp > 1 is not supported yet: the tensor-parallel styles shard "

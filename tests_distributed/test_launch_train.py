@@ -6,7 +6,10 @@ One spawned run covers every configuration (spawning is the expensive part):
   forward), the loss falls, and both ranks report the same (all-reduced) losses;
 * resuming from a DCP checkpoint taken mid-run reproduces the uninterrupted run's later
   losses bitwise (recipes with stochastic rounding and delayed-scaling state);
-* the metrics JSONL holds one record per step with the logged loss.
+* the metrics JSONL holds one record per step with the logged loss;
+* the parallel variants train too: MoE with expert parallelism (EP=2), tensor parallelism
+  (TP=2), and ``--quantized-init`` (FSDP2 of quantized weights), whose first loss equals
+  the high-precision-init run's (same draws; fprop reads the same quantized weight).
 """
 
 from __future__ import annotations
@@ -20,19 +23,27 @@ from tests_distributed._harness import run_ranks
 
 STEPS = 8
 RESUME_RECIPES = ("mxfp8_fwd_nvfp4_bwd", "fp8_delayed")
+VARIANTS = {
+    "moe4_fsdp2_ep2_mxfp8": dict(recipe="mxfp8", moe_experts=4, ep=2),
+    "tp2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", fsdp=1, tp=2, batch_size=8),  # one dp rank
+    "quantized_init_fsdp2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", quantized_init=True),
+}
 
 
 def _cfg(recipe: str, **kw):
     from hybrid_dist.launch.config import TrainConfig
 
-    return TrainConfig(preset="tiny", recipe=recipe, steps=STEPS, batch_size=4, seq_len=64, lr=3e-3, warmup=1, min_lr_ratio=1.0,
-                       fsdp=2, quiet=True, **kw)
+    kw = {"fsdp": 2, "batch_size": 4, **kw}
+    return TrainConfig(preset="tiny", recipe=recipe, steps=STEPS, seq_len=64, lr=3e-3, warmup=1,
+                       min_lr_ratio=1.0, quiet=True, **kw)
 
 
 def _train_all(rank, world_size, tmp):
     from hybrid_dist.launch.loop import train
 
-    out = {"recipes": {}, "resume": {}}
+    out = {"recipes": {}, "resume": {}, "variants": {}}
+    for name, kw in VARIANTS.items():
+        out["variants"][name] = train(_cfg(**kw))["losses"]
     for recipe in hd.RECIPE_NAMES:
         metrics = os.path.join(tmp, f"{recipe}.jsonl")
         out["recipes"][recipe] = train(_cfg(recipe, metrics=metrics))["losses"]
@@ -71,4 +82,11 @@ def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
         if len(full) != STEPS or resumed != full[STEPS // 2:]:
             failures.append(f"recipe={recipe}: resumed losses {resumed} != uninterrupted {full[STEPS // 2:]} "
                             f"(full run {full})")
+    for name, losses in r0["variants"].items():
+        if not (all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5):
+            failures.append(f"variant {name}: loss did not fall by 0.5 in {STEPS} steps: {losses}")
+    q_first = r0["variants"]["quantized_init_fsdp2_mxfp8_fwd_nvfp4_bwd"][0]
+    if q_first != r0["recipes"]["mxfp8_fwd_nvfp4_bwd"][0]:
+        failures.append(f"quantized init: first loss {q_first} != high-precision init's "
+                        f"{r0['recipes']['mxfp8_fwd_nvfp4_bwd'][0]} (same draws, same quantized fprop weight)")
     assert not failures, "\n".join(failures)

@@ -65,13 +65,15 @@ def test_model_forward_backward_shapes_and_recipe(moe_experts):
     block = model.layers["0"]
     assert block.attention.wq.recipe.name == "mxfp8" and model.output.__class__ is torch.nn.Linear
     if moe_experts:
-        assert block.feed_forward.w1.recipe.name == "mxfp8"
-        assert isinstance(block.feed_forward.router, torch.nn.Linear)
+        moe = block.feed_forward.moe
+        assert moe.fc1.recipe.name == "mxfp8" and moe.fc2.recipe.name == "mxfp8" and moe.recipe.name == "mxfp8"
+        assert type(moe.router.gate) is torch.nn.Linear, "the router must stay high precision"
     tokens = torch.randint(512, (2, 64))
-    logits = model(tokens)
+    logits, aux = model(tokens)
+    assert aux.shape == () and (aux.item() > 0) == bool(moe_experts)
     assert logits.shape == (2, 64, 512) and logits.dtype == torch.float32
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-    assert abs(loss.item() - math.log(512)) < 0.1, "untrained loss must be ~log(vocab)"
+    assert abs(loss.item() - math.log(512)) < 0.2, "untrained loss must be ~log(vocab)"
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -83,7 +85,7 @@ def test_model_is_causal():
     a = torch.randint(512, (1, 32))
     b = a.clone()
     b[0, 20:] = (b[0, 20:] + 1) % 512
-    torch.testing.assert_close(model(a)[0, :20], model(b)[0, :20], rtol=0, atol=0)
+    torch.testing.assert_close(model(a)[0][0, :20], model(b)[0][0, :20], rtol=0, atol=0)
 
 
 def test_lr_schedule():
