@@ -1,0 +1,141 @@
+"""FSDP2 training step of a Llama-3-8B-shaped stack per recipe: step time, peak memory and
+all-gather bytes per step. Prints one table (rank 0).
+
+8 blocks (hidden 4096, FFN 14336, 32 heads, 8 KV heads, RMSNorm, SwiGLU, SDPA), no
+embedding or head; batch 1 × seq 4096 per GPU; each block its own FSDP2 group
+(``reshard_after_forward=True``), bf16 parameters (quantized ones built under
+``hd.quantized_model_init``), ``hd.MasterWeightOptimizer(AdamW)``; median of 8 timed steps
+after 4 warm-up steps. Run on 4 GPUs::
+
+    torchrun --nproc_per_node 4 benchmarks/fsdp2.py [--recipes bf16,fp8_current,...]
+
+All-gather bytes: the quantized parameters' bytes from ``hybrid_dist.fsdp2.track_all_gather``
+(output bytes on this rank) plus, for high-precision parameters (norm weights, and every
+linear weight under ``bf16``), their bf16 bytes per all-gather.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import hybrid_dist as hd
+from hybrid_dist.fsdp2 import track_all_gather
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, SEQ = 4096, 14336, 32, 8, 8, 4096
+RECIPES = ("bf16", "fp8_current", "mxfp8_fwd_nvfp4_bwd", "nvfp4")
+
+
+class Block(nn.Module):
+    """Pre-norm attention + SwiGLU MLP; shapes: x_BTD (B batch, T tokens, D hidden)."""
+
+    def __init__(self, device):
+        super().__init__()
+        hd_dim = HIDDEN // HEADS
+        lin = lambda i, o: hd.Linear(i, o, bias=False, device=device, dtype=torch.bfloat16)  # noqa: E731
+        self.attn_norm = nn.RMSNorm(HIDDEN, device=device, dtype=torch.bfloat16)
+        self.q, self.k, self.v = lin(HIDDEN, HIDDEN), lin(HIDDEN, KV_HEADS * hd_dim), lin(HIDDEN, KV_HEADS * hd_dim)
+        self.o = lin(HIDDEN, HIDDEN)
+        self.mlp_norm = nn.RMSNorm(HIDDEN, device=device, dtype=torch.bfloat16)
+        self.gate, self.up, self.down = lin(HIDDEN, FFN), lin(HIDDEN, FFN), lin(FFN, HIDDEN)
+
+    def forward(self, x_BTD):
+        b, t, _ = x_BTD.shape
+        h = self.attn_norm(x_BTD)
+        q = self.q(h).view(b, t, HEADS, -1).transpose(1, 2)
+        k = self.k(h).view(b, t, KV_HEADS, -1).transpose(1, 2)
+        v = self.v(h).view(b, t, KV_HEADS, -1).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x_BTD = x_BTD + self.o(a.transpose(1, 2).reshape(b, t, HIDDEN))
+        h = self.mlp_norm(x_BTD)
+        return x_BTD + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def build(recipe_name: str, device) -> nn.Sequential:
+    recipe = hd.recipe_from_name(recipe_name)
+    torch.manual_seed(0)
+    if recipe_name == "bf16":
+        return nn.Sequential(*[Block(device) for _ in range(LAYERS)])
+    with hd.quantized_model_init(recipe, keep_high_precision_init=False):
+        return nn.Sequential(*[Block(device) for _ in range(LAYERS)])
+
+
+def hp_gather_bytes(model: nn.Module) -> int:
+    """bf16 bytes all-gathered per step for parameters without quantized all-gather."""
+    n = 0
+    for p in model.parameters():
+        if not isinstance(getattr(p, "_local_tensor", p), hd.QuantizedTensor):
+            n += p.numel() * 2  # forward + backward (reshard after forward)
+    return n * 2
+
+
+def run(recipe_name: str, device, warmup: int, steps: int) -> list:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build(recipe_name, device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
+    recipe = hd.recipe_from_name(recipe_name)
+    x = torch.randn(1, SEQ, HIDDEN, device=device, dtype=torch.bfloat16)
+    times, acct = [], None
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with track_all_gather() as a, hd.autocast(recipe):
+            model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+            acct = a
+    ms = statistics.median(times)
+    fwd = acct.output_bytes.get("forward", 0) + acct.output_bytes.get("forward_both", 0)
+    total = acct.total_output_bytes() + hp_gather_bytes(model)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del model, opt
+    torch.cuda.empty_cache()
+    return [recipe_name, ms, SEQ / ms * 1e3, peak, fwd / 2**20, total / 2**20]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    rows = [run(name, device, args.warmup, args.steps) for name in args.recipes.split(",")]
+    if rank == 0:
+        from benchmarks._bench import print_table
+
+        base = {r[0]: r for r in rows}.get("bf16")
+        out = []
+        for r in rows:
+            ratio = (r[1] and base[1] / r[1]) if base else float("nan")
+            fwd_ratio = (r[4] / base[4]) if base and base[4] else float("nan")
+            out.append([*r[:4], ratio, r[4], fwd_ratio, r[5]])
+        print_table(
+            ["recipe", "step ms", "tokens/s/GPU", "peak GiB", "× bf16 speed", "fwd all-gather MiB",
+             "fwd AG × bf16", "all-gather MiB/step"],
+            out, f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {SEQ}",
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
