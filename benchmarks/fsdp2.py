@@ -67,13 +67,11 @@ def build(recipe_name: str, device) -> nn.Sequential:
         return nn.Sequential(*[Block(device) for _ in range(LAYERS)])
 
 
-def hp_gather_bytes(model: nn.Module) -> int:
-    """bf16 bytes all-gathered per step for parameters without quantized all-gather."""
-    n = 0
-    for p in model.parameters():
-        if not isinstance(getattr(p, "_local_tensor", p), hd.QuantizedTensor):
-            n += p.numel() * 2  # forward + backward (reshard after forward)
-    return n * 2
+def hp_forward_gather_bytes(model: nn.Module) -> int:
+    """bf16 bytes one forward all-gathers for parameters without quantized all-gather
+    (backward re-gathers the same after the forward reshard)."""
+    return sum(p.numel() * 2 for p in model.parameters()
+               if not isinstance(getattr(p, "_local_tensor", p), hd.QuantizedTensor))
 
 
 def run(recipe_name: str, device, warmup: int, steps: int) -> list:
@@ -101,8 +99,9 @@ def run(recipe_name: str, device, warmup: int, steps: int) -> list:
             times.append((time.perf_counter() - t0) * 1e3)
             acct = a
     ms = statistics.median(times)
-    fwd = acct.output_bytes.get("forward", 0) + acct.output_bytes.get("forward_both", 0)
-    total = acct.total_output_bytes() + hp_gather_bytes(model)
+    hp = hp_forward_gather_bytes(model)
+    fwd = acct.output_bytes.get("forward", 0) + acct.output_bytes.get("forward_both", 0) + hp
+    total = acct.total_output_bytes() + 2 * hp
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model, opt
     torch.cuda.empty_cache()
