@@ -14,10 +14,14 @@ form of ``split_quantize``, which the tests check bitwise). Per-tensor formats (
 need a scale per expert: amax per expert by ``scatter_reduce`` (amax), the quantizer's
 own ``compute_scale`` on the ``[E]`` vector, applied per row through ``eid``.
 
-Supported: identity, MXFP8, FP8 block (1x128, 128x128) and per-tensor FP8 (current or
-delayed), alone or paired in a ``HybridQuantizer``. NVFP4 (a per-expert global scale
-inside its block-scale encoding, RHT amax, per-expert SR streams) raises
-``NotImplementedError``: use ``split_quantize``.
+NVFP4 likewise: a global scale per expert (from the per-expert amax, of the Hadamard-
+transformed columnwise values when ``rht``), broadcast per row (rowwise) or per 16-token
+block (columnwise) into the block-scale encoding.
+
+Supported: identity, MXFP8, FP8 block (1x128, 128x128), per-tensor FP8 (current or
+delayed) and NVFP4 with 1D blocks and without stochastic rounding, alone or paired in a
+``HybridQuantizer``. NVFP4 stochastic rounding (one generator per expert, drawing for its
+padded shape) and 2D blocks (weights) raise ``NotImplementedError``: use ``split_quantize``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from hybrid_dist.formats.float8 import Float8Quantizer
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
+from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, nvfp4_global_scale, nvfp4_quantize_rows
+from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
 __all__ = ["PackedSplit", "split_quantize_packed"]
@@ -87,8 +93,26 @@ def _per_expert_fp8(q: Float8Quantizer, x, x_pad, eid_rows, row_expert, states, 
     return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
 
+def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, *, direction):
+    """NVFP4 (1D blocks, no SR) with one global scale per expert; RHT on the columnwise
+    direction as the quantizer does (16-blocks along tokens never straddle experts)."""
+    v = x_pad.float() if direction == "rowwise" else x_pad.t().float()
+    if direction == "columnwise" and q.rht:
+        v = apply_hadamard16(v, hadamard16(q.rht_seed, v.device))
+    tok_amax = v.abs().amax(dim=1 if direction == "rowwise" else 0) if v.numel() else v.new_zeros(v.shape[0])
+    amax = torch.zeros(e + 1, dtype=torch.float32, device=v.device).scatter_reduce(
+        0, row_expert, tok_amax, reduce="amax", include_self=True)[:e]
+    gs = nvfp4_global_scale(amax)
+    gs_tok = torch.cat([gs, gs.new_ones(1)])[row_expert]
+    gs_b = gs_tok[:, None] if direction == "rowwise" else gs_tok[::NV_BLOCK][None, :]
+    data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=None)
+    return {"data": data, "block_scale": bs, "global_scale": gs}
+
+
 def _direction_fields(q, x, x_pad, eid_rows, row_expert, states, e, direction):
     dq = q.direction_quantizer(direction)
+    if isinstance(dq, NVFP4Quantizer) and not (dq.stochastic_rounding or dq.block_2d):
+        return _per_expert_nvfp4(dq, x_pad, row_expert, e, direction=direction)
     if isinstance(dq, Float8Quantizer):
         st = [q.direction_state(s, direction) for s in states]
         return _per_expert_fp8(dq, x, x_pad, eid_rows, row_expert, st, e, direction=direction)

@@ -16,6 +16,9 @@ QUANTIZERS = {
     "mxfp8": hd.MXFP8Quantizer(),
     "fp8_block_1x128": hd.Float8BlockQuantizer(block="1x128"),
     "identity": hd.IdentityQuantizer(),
+    "nvfp4": hd.NVFP4Quantizer(),
+    "nvfp4_rht": hd.NVFP4Quantizer(rht=True, rht_seed=3),
+    "hybrid_mxfp8_nvfp4": hd.HybridQuantizer(rowwise=hd.MXFP8Quantizer(), columnwise=hd.NVFP4Quantizer(rht=True)),
     "hybrid_fp8_mxfp8": hd.HybridQuantizer(rowwise=hd.Float8Quantizer(), columnwise=hd.MXFP8Quantizer()),
 }
 
@@ -49,13 +52,14 @@ def test_packed_equals_reference(name):
     _compare(name, QUANTIZERS[name])
 
 
-def test_nvfp4_not_supported():
+def test_nvfp4_stochastic_rounding_not_supported():
+    q = hd.NVFP4Quantizer(stochastic_rounding=True)
     with pytest.raises(NotImplementedError, match="split_quantize"):
-        split_quantize_packed(torch.randn(32, 64), torch.tensor([16, 16]), hd.NVFP4Quantizer())
+        split_quantize_packed(torch.randn(32, 64), torch.tensor([16, 16]), q)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "fp8_block_1x128", "hybrid_fp8_mxfp8"])
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "fp8_block_1x128", "hybrid_fp8_mxfp8", "nvfp4_rht"])
 def test_packed_cuda_no_host_sync(name):
     q = QUANTIZERS[name]
     x = torch.randn(sum(SPLITS), 128, dtype=torch.bfloat16, device="cuda")
