@@ -156,3 +156,38 @@ def test_prepared_input_gathers_once_for_gate_and_up(mesh):
         assert got == want, f"[{name} prepared gate/up SP] collectives {got}, expected {want}"
         n_col = sum(1 for e in log.events if e.kind == "all_gather" and e.what == "columnwise")
         assert n_col == (1 if name != "bf16" else 0) + 1, f"[{name}] wgrad input gathered once, dy once"
+
+
+def test_bad_input_raises_clear_errors(mesh):
+    from torch import nn
+
+    from hybrid_dist.tensor_parallel import gather_along_first_dim
+
+    group = mesh["tp"].get_group()
+    x = torch.randn(4, 128)  # 4 rows per rank: MXFP8 columnwise blocks need 32
+    with pytest.raises(ValueError, match="path must be one of"):
+        gather_along_first_dim(x, group, quantizer=hd.MXFP8Quantizer(), path="fast")
+    with pytest.raises(ValueError, match="straddle"):
+        gather_along_first_dim(x, group, quantizer=hd.MXFP8Quantizer(), columnwise=True, path="quantized")
+    with pytest.raises(ValueError, match="at least one"):
+        gather_along_first_dim(x, group, quantizer=hd.MXFP8Quantizer(), rowwise=False)
+    with pytest.raises(ValueError, match="applies to hd.Linear"):
+        parallelize_module(nn.Linear(8, 8), mesh["tp"], HybridColwiseParallel())
+    with pytest.raises(ValueError, match="1D TP mesh"):
+        parallelize_module(hd.Linear(128, 128), mesh, HybridColwiseParallel())
+    lin = parallelize_module(hd.Linear(128, 128), mesh["tp"], HybridRowwiseParallel())
+    with pytest.raises(ValueError, match="already tensor parallel"):
+        parallelize_module(lin, mesh["tp"], HybridColwiseParallel())
+    with pytest.raises(ValueError, match=r"expects input \[..., 16\]"):
+        lin(torch.randn(4, 128))
+    with hd.quantized_model_init(hd.recipe_from_name("mxfp8")):
+        qlin = hd.Linear(128, 128)
+    with pytest.raises(NotImplementedError, match="high-precision weight"):
+        parallelize_module(qlin, mesh["tp"], HybridColwiseParallel())
+    m = GateUp(H, F, None)
+    m.up.recipe = hd.recipe_from_name("mxfp8")
+    parallelize_module(m, mesh["tp"], {"": PrepareHybridModuleInput(consumers=("gate", "up")),
+                                       "gate": HybridColwiseParallel(sequence_parallel=True),
+                                       "up": HybridColwiseParallel(sequence_parallel=True)})
+    with pytest.raises(ValueError, match="one input quantizer"):
+        m(torch.randn(S_LOCAL, B, H))
