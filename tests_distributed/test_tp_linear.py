@@ -2,8 +2,9 @@
 
 One 4-rank spawn runs every named recipe × TP ∈ {2 (two 2-rank groups of a 2x2 mesh), 4}
 × SP ∈ {off, on}, for two steps (delayed scaling uses step 0's history in step 1):
-``fc1 = HybridColwiseParallel``, GELU, ``fc2 = HybridRowwiseParallel``; and a gate/up
-block whose input is gathered once by ``PrepareHybridModuleInput``.
+``fc1 = HybridColwiseParallel``, GELU, ``fc2 = HybridRowwiseParallel``; a gate/up
+block whose input is gathered once by ``PrepareHybridModuleInput``; and the MLP under
+FSDP2 on the ``dp`` axis of a 2×2 ``(dp, tp)`` mesh.
 
 [Note: what is bitwise and what is within tolerance]
 * Bitwise: the column-parallel output (each output column contracts the full K on one
@@ -39,6 +40,7 @@ REL_TOL = 1e-5
 SR_SQNR_DB = 8.0
 GPU_SQNR_DB = 25.0  # GPU, quantized recipes: an ulp-level GEMM difference may flip a later rounding
 SR_RECIPES = ("nvfp4", "mxfp8_fwd_nvfp4_bwd")
+FSDP_RECIPES = ("bf16", "fp8_current", "mxfp8", "fp8_fwd_bf16_bwd")  # stateless, no SR
 
 
 class MLP(nn.Module):
@@ -187,6 +189,37 @@ def _run_gate_up(recipe_name, tp_mesh, check):
             m.zero_grad(set_to_none=True)
 
 
+def _run_fsdp_tp(recipe_name, mesh2d, check):
+    """FSDP2 on ``dp`` × TP/SP on ``tp``: the averaged weight gradients equal the average of
+    single-process gradients of each dp rank's batch (each dp rank quantizes its own
+    batch, as in any data parallelism), within ``REL_TOL`` (dp sums in another order)."""
+    import logging
+
+    from torch.distributed.fsdp import fully_shard
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() below
+    s, b, h, f = shape_for(recipe_name)
+    dp, tp = mesh2d["dp"].size(), mesh2d["tp"].size()
+    d, r = mesh2d["dp"].get_local_rank(), mesh2d["tp"].get_local_rank()
+    recipe = hd.recipe_from_name(recipe_name)
+    torch.manual_seed(0)
+    ref = MLP(h, f, recipe).to(_DEVICE)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh2d["tp"], {"fc1": HybridColwiseParallel(sequence_parallel=True),
+                                             "fc2": HybridRowwiseParallel(sequence_parallel=True)})
+    for mod in (model.fc1, model.fc2, model):
+        fully_shard(mod, mesh=mesh2d["dp"])
+    x, dy = _data(s, b, h, 0)  # dp rank d takes batch column d of [S, B=dp, H]
+    for i in range(dp):
+        ref(x[:, i:i + 1]).backward(dy[:, i:i + 1] / dp)
+    xl = x[:, d:d + 1].chunk(tp)[r].clone().requires_grad_()
+    model(xl).backward(dy[:, d:d + 1].chunk(tp)[r])
+    cfg = f"[{recipe_name} FSDP2 dp={dp} x TP={tp} SP]"
+    for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        got = model.get_parameter(n).grad.full_tensor()
+        check(cfg, f"grad {n} (avg over dp)", got, ref.get_parameter(n).grad, "close")
+
+
 def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
     import warnings
 
@@ -204,6 +237,8 @@ def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
                 _run_mlp(name, mesh, sp, check)
             if name in prepared_recipes:
                 _run_gate_up(name, mesh, check)
+        if world == 4 and name in FSDP_RECIPES:
+            _run_fsdp_tp(name, init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp")), check)
         fails += check.fails
         worst.update(check.worst)
     return fails, worst
