@@ -169,7 +169,7 @@ def unpack_gathered(out: torch.Tensor, specs: list[_FieldSpec], world: int) -> l
     for sp in specs:
         chunk = per_rank[:, offset:offset + sp.nbytes].contiguous()
         offset += sp.nbytes
-        vals = chunk.view(sp.dtype).reshape(world, *sp.moved_shape)
-        full = torch.cat(list(vals.unbind(0)), dim=0)  # concatenated along the moved axis
-        result.append(full.movedim(0, sp.axis).contiguous())
+        # [world, n_axis, *rest] → [world·n_axis, *rest] is the concatenation over ranks
+        vals = chunk.view(sp.dtype).reshape(world * sp.moved_shape[0], *sp.moved_shape[1:])
+        result.append(vals.movedim(0, sp.axis).contiguous())
     return result

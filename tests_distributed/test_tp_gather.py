@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -32,7 +31,7 @@ _DEVICE = torch.device("cpu")  # set per worker by _rank_fn (cuda:<rank> in the 
 
 
 def _quantizers():
-    """name -> (quantizer, rowwise bytes/elem as (num, den), per-row/col scale bytes fn)."""
+    """name -> quantizer: every format, option and a hybrid pair."""
     return {
         "fp8_e4m3": hd.Float8Quantizer(dtype=E4M3),
         "fp8_e5m2_pow2": hd.Float8Quantizer(dtype=E5M2, power_of_2_scales=True),
