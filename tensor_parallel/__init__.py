@@ -1,10 +1,24 @@
 """hybrid_dist.tensor_parallel: quantized TP/SP all-gathers and ``ParallelStyle``s for
 ``hd.Linear`` (see DESIGN §3).
 
-* ``gather_along_first_dim`` / ``reduce_scatter_along_first_dim`` (``gather.py``);
-* ``record_wire_bytes`` (bytes on the wire per collective, ``_comm.py``);
-* ``HybridColwiseParallel``, ``HybridRowwiseParallel``, ``PrepareHybridModuleInput``
-  (``styles.py``; the autograd functions are in ``_linear_fn.py``).
+Usage (a sequence-parallel MLP on the ``tp`` axis; activations seq-first ``[S/tp, B, H]``)::
+
+    from torch.distributed.tensor.parallel import parallelize_module
+    from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel
+
+    parallelize_module(mlp, mesh["tp"], {
+        "fc1": HybridColwiseParallel(sequence_parallel=True),   # gathers x in its fprop format
+        "fc2": HybridRowwiseParallel(sequence_parallel=True),   # reduce-scatters y (bf16)
+    })
+    with record_wire_bytes() as log:                            # bytes per collective
+        mlp(x).backward(dy)
+
+Files: ``gather.py`` (``gather_along_first_dim`` — quantized path bitwise equal to
+gather-then-quantize — and ``reduce_scatter_along_first_dim``), ``_comm.py`` (byte-packed
+collectives, async handles, ``record_wire_bytes``), ``_inputs.py`` (SP input gather and
+the saved wgrad operand), ``_linear_fn.py`` (column/row-parallel autograd functions),
+``styles.py`` (``HybridColwiseParallel``, ``HybridRowwiseParallel``,
+``PrepareHybridModuleInput``).
 """
 
 from hybrid_dist.tensor_parallel._comm import CollectiveHandle, WireEvent, WireLog, record_wire_bytes
