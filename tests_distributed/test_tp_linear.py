@@ -3,8 +3,9 @@
 One 4-rank spawn runs every named recipe × TP ∈ {2 (two 2-rank groups of a 2x2 mesh), 4}
 × SP ∈ {off, on}, for two steps (delayed scaling uses step 0's history in step 1):
 ``fc1 = HybridColwiseParallel``, GELU, ``fc2 = HybridRowwiseParallel``; a gate/up
-block whose input is gathered once by ``PrepareHybridModuleInput``; and the MLP under
-FSDP2 on the ``dp`` axis of a 2×2 ``(dp, tp)`` mesh.
+block whose input is gathered once by ``PrepareHybridModuleInput`` (also under
+activation recompute); and the MLP under FSDP2 on the ``dp`` axis of a 2×2 ``(dp, tp)``
+mesh.
 
 [Note: what is bitwise and what is within tolerance]
 * Bitwise: the column-parallel output (each output column contracts the full K on one
@@ -41,6 +42,7 @@ SR_SQNR_DB = 8.0
 GPU_SQNR_DB = 25.0  # GPU, quantized recipes: an ulp-level GEMM difference may flip a later rounding
 SR_RECIPES = ("nvfp4", "mxfp8_fwd_nvfp4_bwd")
 FSDP_RECIPES = ("bf16", "fp8_current", "mxfp8", "fp8_fwd_bf16_bwd")  # stateless, no SR
+RECOMPUTE_RECIPES = ("fp8_delayed", "nvfp4")  # stateful: delayed history, SR generator
 
 
 class MLP(nn.Module):
@@ -90,9 +92,13 @@ class _Checker:
         if got.shape != ref.shape:
             self.fails.append(f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
             return
+        if kind == "recompute":  # the same computation twice: bitwise on every backend
+            kind, self_bitwise = "bitwise", True
+        else:
+            self_bitwise = self.gemm_bitwise
         if kind == "bitwise" and self.recipe in SR_RECIPES and what.startswith("grad"):
             kind = "sr"
-        if kind == "bitwise" and not self.gemm_bitwise:
+        if kind == "bitwise" and not self_bitwise:
             kind = "close"
         if kind == "close" and not self.gemm_bitwise and self.recipe != "bf16" and self.recipe not in SR_RECIPES:
             db = sqnr_db(ref, got)
@@ -220,6 +226,35 @@ def _run_fsdp_tp(recipe_name, mesh2d, check):
         check(cfg, f"grad {n} (avg over dp)", got, ref.get_parameter(n).grad, "close")
 
 
+def _run_recompute(recipe_name, tp_mesh, check):
+    """Activation recompute (``torch.utils.checkpoint``) of a TP/SP gate/up block gives
+    bitwise the gradients of the plain run: the recompute re-gathers the input and leaves
+    the quantizer states (delayed scaling history) unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    s, b, h, f = shape_for(recipe_name)
+    tp, r = tp_mesh.size(), tp_mesh.get_local_rank()
+    torch.manual_seed(2)
+    plain = GateUp(h, f, hd.recipe_from_name(recipe_name)).to(_DEVICE)
+    ckpt = copy.deepcopy(plain)
+    for m in (plain, ckpt):
+        parallelize_module(m, tp_mesh, {
+            "": PrepareHybridModuleInput(consumers=("gate", "up")),
+            "gate": HybridColwiseParallel(sequence_parallel=True),
+            "up": HybridColwiseParallel(sequence_parallel=True),
+            "down": HybridRowwiseParallel(sequence_parallel=True)})
+    for step in range(2):
+        x, dy = _data(s, b, h, step)
+        xa = x.chunk(tp)[r].clone().requires_grad_()
+        xb = xa.detach().clone().requires_grad_()
+        plain(xa).backward(dy.chunk(tp)[r])
+        checkpoint(ckpt, xb, use_reentrant=False).backward(dy.chunk(tp)[r])
+        c = f"[{recipe_name} TP={tp} SP recompute] step={step}"
+        check(c, "recomputed grad x", xb.grad, xa.grad, "recompute")
+        for (n, p), q in zip(ckpt.named_parameters(), plain.parameters()):
+            check(c, f"recomputed grad {n}", p.grad, _local(q.grad), "recompute")
+
+
 def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
     import warnings
 
@@ -237,6 +272,8 @@ def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
                 _run_mlp(name, mesh, sp, check)
             if name in prepared_recipes:
                 _run_gate_up(name, mesh, check)
+        if name in RECOMPUTE_RECIPES:
+            _run_recompute(name, meshes[0], check)
         if world == 4 and name in FSDP_RECIPES:
             _run_fsdp_tp(name, init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp")), check)
         fails += check.fails
