@@ -1,1 +1,19 @@
-"""hybrid_dist.launch (see DESIGN §3)."""
+"""hybrid_dist.launch: the end-to-end training job (DESIGN §3).
+
+``torchrun --nproc-per-node N -m hybrid_dist.launch.train [options]`` trains a Llama-style
+dense or MoE model under any recipe with FSDP2/HSDP/TP/EP; ``python -m
+hybrid_dist.launch.plot RUN.jsonl ... --out X.png`` plots runs. In-process:
+``launch.loop.train(TrainConfig(...))`` (on an initialised process group) and
+``launch.dry_run.dry_run(TrainConfig(...), world_size=N)`` (module names, so not re-exported).
+
+Files: ``config`` (options), ``presets`` (model shapes), ``model`` (the decoder),
+``moe_mlp``, ``data``, ``mesh`` (device mesh), ``parallelize`` (TP/AC/compile/FSDP2),
+``grad_clip``, ``checkpoint`` (DCP), ``metrics`` (progress, JSONL), ``loop`` (the
+training loop), ``dry_run``, ``plot``, ``quantized_init``.
+"""
+
+from hybrid_dist.launch.config import TrainConfig
+from hybrid_dist.launch.model import Transformer
+from hybrid_dist.launch.presets import PRESETS, ModelConfig
+
+__all__ = ["PRESETS", "ModelConfig", "TrainConfig", "Transformer"]

@@ -12,6 +12,7 @@ parameters' unsharded bytes.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -52,7 +53,10 @@ class Meter:
         self.ag_key = "ag_bytes" if ag_measured else "ag_bytes_est"
         self.ag_bytes = ag_bytes_per_step  # measured runs set it before each step()
         self.records: list[dict] = []
-        self._file = open(jsonl_path, "a") if (jsonl_path and self.is_main) else None
+        self._file = None
+        if jsonl_path and self.is_main:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._file = open(jsonl_path, "a")  # appended: plot reads the last fresh run
         self._t0 = self._t_last = time.perf_counter()
         self._tokens_total = 0
         self._emit({"event": "start", **run})
@@ -97,10 +101,16 @@ class Meter:
         if self._file:
             self._file.close()
         if self.is_main and not self.quiet:
-            print("summary: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if k != "event"),
-                  file=sys.stdout, flush=True)
+            print(format_summary(summary), file=sys.stdout, flush=True)
         return summary
 
 
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+def format_summary(s: dict) -> str:
+    mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "n/a (no known GPU peak)"
+    floor = s.get("entropy_floor")
+    ref = f" (data entropy floor {floor:.3f}, untrained log(vocab) {s['log_vocab']:.3f})" \
+        if isinstance(floor, float) and floor == floor else ""
+    first, final = s["first_loss"], s["final_loss"]
+    loss = f"loss {first:.4f} -> {final:.4f}{ref}" if first is not None else "no steps run"
+    return (f"summary: {s['steps']} steps, {loss}; {s['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "
+            f"peak mem {s['peak_mem_bytes'] / 2**30:.2f} GiB, {s['wall_s']:.1f} s")

@@ -159,6 +159,9 @@ def apply_recipe(model: nn.Module, recipe: hd.Recipe) -> nn.Module:
     """Set ``recipe`` on every block projection (``hd.Linear`` and MoE ``GroupedLinear``)
     and on each ``MoE`` (which quantizes its expert-parallel token exchange with it)."""
     hd.convert_to_hybrid(model, recipe=recipe, module_filter_fn=hybrid_filter)
+    for mod in model.modules():
+        if isinstance(mod, hd.Linear) and mod.recipe is not None:
+            mod._plan(recipe)  # build quantizers now, not on the first (maybe compiled) forward
     if model.cfg.moe_experts:
         from hybrid_dist.moe import MoE, GroupedLinear
 
