@@ -16,7 +16,8 @@ same count, numels and dtypes. Three modes keep that true:
 * ``"both"`` — ``reshard_after_forward=False``: rowwise then columnwise buffers, once.
 * ``"packed"`` — a hybrid of two formats with different signatures: this pass's buffers
   are packed into one uint8 buffer of ``max(rowwise bytes, columnwise bytes)`` per rank,
-  so the larger direction travels unpadded and the smaller one pays the padding.
+  so the larger direction travels unpadded and the smaller one pays the padding. A
+  one-rank mesh always packs (FSDP2 then copies only the first all-gather input).
 
 The unsharded tensor always holds both directions as storage objects: backward saved the
 columnwise storage in forward, FSDP frees it at the forward reshard and re-allocates it
@@ -72,7 +73,10 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
     metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast) for d in present}
     bufs = {d: fsdp_extract_buffers(t.storage_of(d), cast=cast)[0] for d in wanted}
     capacity = 0
-    if pass_ == BOTH:
+    if world == 1:  # FSDP2 copies only the first all-gather input when it has one rank
+        capacity = sum(metas[d].nbytes() for d in wanted) if pass_ == BOTH else max(m.nbytes() for m in metas.values())
+        mode, inputs = "packed", [_pack([b for d in wanted for b in bufs[d]], capacity)]
+    elif pass_ == BOTH:
         mode, inputs = "both", [b for d in wanted for b in bufs[d]]
     elif len({metas[d].signature() for d in present}) == 1:
         mode, inputs = "slots", bufs[wanted[0]]
@@ -116,7 +120,7 @@ def _gathered_views(outputs, meta: GatherMeta) -> dict[str, list[torch.Tensor]]:
         return [o.reshape(-1).view(dm.full_transport_shape(f, w)) for o, f in zip(ts, dm.fields)]
 
     if meta.mode == "packed":
-        return {d: _unpack(outputs[0], meta.dirs[d], w, meta.capacity) for d in meta.gathered}
+        return _unpack(outputs[0], [(d, meta.dirs[d]) for d in meta.gathered], w, meta.capacity)
     if meta.mode == "both":
         n_row = len(meta.dirs[ROW].fields) if ROW in meta.dirs else 0
         split = {ROW: outputs[:n_row], COL: outputs[n_row:]}
@@ -135,15 +139,18 @@ def _pack(bufs: list[torch.Tensor], capacity: int) -> torch.Tensor:
     return torch.cat(flat)
 
 
-def _unpack(output: torch.Tensor, dm: DirectionGatherMeta, world: int, capacity: int) -> list[torch.Tensor]:
+def _unpack(output: torch.Tensor, dirs, world: int, capacity: int) -> dict[str, list[torch.Tensor]]:
+    """Split the packed ``[world · capacity]`` bytes into each direction's full fields."""
     rows = output.reshape(-1).view(torch.uint8).view(world, capacity)
-    out, off = [], 0
-    for f in dm.fields:
-        shape = dm.shard_shapes[f]
-        nbytes = _numel(shape) * dm.dtypes[f].itemsize
-        field = rows[:, off:off + nbytes].clone(memory_format=torch.contiguous_format).view(dm.dtypes[f])
-        out.append(field.view(world * shape[0], *shape[1:]))
-        off += nbytes
+    out, off = {}, 0
+    for d, dm in dirs:
+        out[d] = []
+        for f in dm.fields:
+            shape = dm.shard_shapes[f]
+            nbytes = _numel(shape) * dm.dtypes[f].itemsize
+            field = rows[:, off:off + nbytes].clone(memory_format=torch.contiguous_format)
+            out[d].append(field.view(dm.dtypes[f]).view(world * shape[0], *shape[1:]))
+            off += nbytes
     return out
 
 
