@@ -17,9 +17,10 @@ from hybrid_dist.formats._storage import DirectionStorage
 from hybrid_dist.formats.identity import IdentityStorage
 from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel.gather import (
+    ShardRequest,
     _warn_once,
     gather_storages,
-    quantize_with_group_amax,
+    quantize_shards_with_group_amax,
     quantized_path_blocker,
 )
 
@@ -67,10 +68,13 @@ class WgradInput:
         return cls(kind, storage, group=group, quantizer=quantizer, state=state)
 
 
-def gather_input(x2d: torch.Tensor, group, quantizer, state, *, need_wgrad: bool, path: str = "auto"):
+def gather_input(x2d: torch.Tensor, group, quantizer, state, *, need_wgrad: bool, path: str = "auto",
+                 extra: tuple[ShardRequest, ...] = ()):
     """Sequence-parallel input ``x2d [M_local, K]`` → ``(rowwise storage [M, K] gathered,
-    WgradInput or None)``. Per direction, path (b) where its blocks fit the shard and
-    ``path`` allows it, else path (a) (one-time warning under ``"auto"``)."""
+    WgradInput or None, results of extra)``. Per direction, path (b) where its blocks fit
+    the shard and ``path`` allows it, else path (a) (one-time warning under ``"auto"``).
+    ``extra``: other shards (the layer's weight) quantized with the group amax in the same
+    all-reduce as this input's."""
     hp = path == "high_precision"
     m_local = x2d.shape[0]
     row_block = "high precision requested" if hp else quantized_path_blocker(quantizer, m_local, ["rowwise"])
@@ -80,22 +84,23 @@ def gather_input(x2d: torch.Tensor, group, quantizer, state, *, need_wgrad: bool
     for reason in (row_block, col_block):
         if reason and not hp:
             _warn_once(reason)
-    col_local = None
-    if not row_block:
-        row_local, col_local = quantize_with_group_amax(
-            quantizer, x2d, group, rowwise=True, columnwise=need_wgrad and not col_block, state=state)
+    want_row, want_col = not row_block, need_wgrad and not col_block
+    reqs = list(extra)
+    if want_row or want_col:
+        reqs.insert(0, ShardRequest(quantizer=quantizer, x2d=x2d, rowwise=want_row, columnwise=want_col,
+                                    state=state))
+    results = quantize_shards_with_group_amax(reqs, group)
+    row_local, col_local = results.pop(0) if (want_row or want_col) else (None, None)
+    if want_row:
         row = gather_storages({"rowwise": row_local}, group)["rowwise"]
     else:
         world = _comm.group_size(group)
         _comm.log_event("all_gather", "high_precision", str(x2d.dtype), x2d.numel() * x2d.element_size() * world)
-        work, full = _comm.all_gather_dim0(x2d, group)
+        _, full = _comm.all_gather_dim0(x2d, group)
         row, _ = quantizer.quantize_storages(full, rowwise=True, columnwise=False, state=state)
-        if need_wgrad and not col_block:
-            _, col_local = quantize_with_group_amax(quantizer, x2d, group, rowwise=False, columnwise=True,
-                                                    state=state)
     if not need_wgrad:
-        return row, None
+        return row, None, results
     if col_local is not None:
-        return row, WgradInput("quantized", col_local, group=group)
-    return row, WgradInput("high_precision", IdentityStorage(data=x2d.detach(), transposed=False),
-                           group=group, quantizer=quantizer, state=state)
+        return row, WgradInput("quantized", col_local, group=group), results
+    return (row, WgradInput("high_precision", IdentityStorage(data=x2d.detach(), transposed=False),
+                            group=group, quantizer=quantizer, state=state), results)

@@ -31,7 +31,9 @@ from hybrid_dist import _saved, gemm
 from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel._inputs import WgradInput, gather_input
 from hybrid_dist.tensor_parallel.gather import (
+    ShardRequest,
     gather_along_first_dim,
+    quantize_shards_with_group_amax,
     quantize_with_group_amax,
     reduce_scatter_along_first_dim,
 )
@@ -90,9 +92,10 @@ class SharedWgradInput:
         return handle
 
 
-def _quantize_weight(weight, plan, group, *, need_dgrad: bool):
-    return quantize_with_group_amax(plan.weight, weight, group, rowwise=True, columnwise=need_dgrad,
-                                    state=plan.states["weight"])
+def _weight_request(weight, plan, *, need_dgrad: bool) -> ShardRequest:
+    """The local weight shard, quantized with the group amax (in the input's all-reduce)."""
+    return ShardRequest(quantizer=plan.weight, x2d=weight, rowwise=True, columnwise=need_dgrad,
+                        state=plan.states["weight"])
 
 
 def _reduce(x: torch.Tensor, cfg: TPConfig, *, async_op: bool):
@@ -112,22 +115,25 @@ class ColumnParallelFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
         shared = prepared_holder(x)
+        w_req = _weight_request(weight, plan, need_dgrad=need_dgrad)
         if shared is not None:  # PrepareHybridModuleInput gathered it once for all consumers
             if x.quantizer != plan.input:
                 raise ValueError(
                     f"prepared input was quantized with {x.quantizer}, but this layer's recipe "
                     f"gives its input {plan.input}. Give all consumers the same input quantizer.")
             x_row, wgrad_in, lead = x.rowwise, shared, x.shape[:-1]
+            [(w_row, w_col)] = quantize_shards_with_group_amax([w_req], cfg.group)
         elif cfg.sequence_parallel:
             world = _comm.group_size(cfg.group)
-            x_row, wgrad_in = gather_input(x.reshape(-1, k), cfg.group, plan.input, plan.states["input"],
-                                           need_wgrad=need_wgrad, path=cfg.gather_path)
+            x_row, wgrad_in, [(w_row, w_col)] = gather_input(
+                x.reshape(-1, k), cfg.group, plan.input, plan.states["input"], need_wgrad=need_wgrad,
+                path=cfg.gather_path, extra=(w_req,))
             lead = (world * x.shape[0], *x.shape[1:-1])
-        else:
+        else:  # x is replicated: quantized whole on every rank, no amax to reduce
             row, col = plan.input.quantize_storages(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
                                                     state=plan.states["input"])
             x_row, wgrad_in, lead = row, (WgradInput("local", col) if need_wgrad else None), x.shape[:-1]
-        w_row, w_col = _quantize_weight(weight, plan, cfg.group, need_dgrad=need_dgrad)
+            [(w_row, w_col)] = quantize_shards_with_group_amax([w_req], cfg.group)
         # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
@@ -180,9 +186,10 @@ class RowParallelFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
         # x [M, K/tp]: K is sharded, so a per-tensor scale needs the group amax
-        x_row, x_col = quantize_with_group_amax(plan.input, x.reshape(-1, k), cfg.group, rowwise=True,
-                                                columnwise=need_wgrad, state=plan.states["input"])
-        w_row, w_col = _quantize_weight(weight, plan, cfg.group, need_dgrad=need_dgrad)
+        x_req = ShardRequest(quantizer=plan.input, x2d=x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
+                             state=plan.states["input"])
+        (x_row, x_col), (w_row, w_col) = quantize_shards_with_group_amax(
+            [x_req, _weight_request(weight, plan, need_dgrad=need_dgrad)], cfg.group)
         # fprop: y [M, N] (partial over K shards) = x [M, K/tp] · W_local [N, K/tp]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)
@@ -244,7 +251,8 @@ class PreparedGatherFn(torch.autograd.Function):
 
         k = x.shape[-1]
         world = _comm.group_size(group)
-        row, wgrad_in = gather_input(x.reshape(-1, k), group, quantizer, state, need_wgrad=need_wgrad, path=path)
+        row, wgrad_in, _ = gather_input(x.reshape(-1, k), group, quantizer, state, need_wgrad=need_wgrad,
+                                        path=path)
         out = QuantizedTensor((world * x.shape[0], *x.shape[1:]), x.dtype, row, None, quantizer)
         _register_prepared(next(iter(row.tensors().values())), SharedWgradInput(wgrad_in, uses))
         ctx.group = group

@@ -30,7 +30,9 @@ as ``[S, B, H]`` shard S). With a quantizer there are two paths:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any
 
 import torch
 
@@ -76,36 +78,62 @@ def quantized_path_blocker(quantizer: Quantizer, m_local: int, directions: list[
 
 
 # --- quantize a shard with group-reduced amaxes (stage 1 of path b) ---------------------
-def quantize_with_group_amax(quantizer: Quantizer, x2d: torch.Tensor, group, *, rowwise: bool,
-                             columnwise: bool, state=None):
-    """``(row, col)`` storages of the shard ``x2d [M_local, K]`` quantized with the
-    amax(es) of the whole group's tensor (one MAX all-reduce when a requested direction
-    has a per-tensor scale; none otherwise). ``group=None`` or size 1: local amax."""
-    dirs = _directions(rowwise, columnwise)
-    per_tensor = [d for d in dirs if quantizer.direction_quantizer(d).is_per_tensor]
-    rht_col = "columnwise" in dirs and _is_rht_col(quantizer, "columnwise")
-    plain = [d for d in per_tensor if not (d == "columnwise" and rht_col)]
-    amax = rht_amax = None
-    if per_tensor and group is not None and _comm.group_size(group) > 1:
-        vals = []
-        if plain:
-            vals.append(tensor_amax(x2d))
-        if rht_col:
-            vals.append(quantizer.direction_quantizer("columnwise").columnwise_rht_amax(x2d))
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardRequest:
+    """One sharded tensor to quantize with the group's amax: ``x2d [rows, K]``."""
+
+    quantizer: Quantizer
+    x2d: torch.Tensor
+    rowwise: bool
+    columnwise: bool
+    state: Any = None
+
+    def local_amaxes(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(plain amax, Hadamard-domain columnwise amax) this shard contributes, or None
+        where no requested direction has a per-tensor scale of that kind."""
+        dirs = _directions(self.rowwise, self.columnwise)
+        rht_col = "columnwise" in dirs and _is_rht_col(self.quantizer, "columnwise")
+        plain = any(self.quantizer.direction_quantizer(d).is_per_tensor
+                    for d in dirs if not (d == "columnwise" and rht_col))
+        col_q = self.quantizer.direction_quantizer("columnwise")
+        return (tensor_amax(self.x2d) if plain else None,
+                col_q.columnwise_rht_amax(self.x2d) if rht_col else None)
+
+    def quantize(self, amax, rht_amax):
+        q, x2d, state = self.quantizer, self.x2d, self.state
+        if rht_amax is None:
+            return q.quantize_storages(x2d, rowwise=self.rowwise, columnwise=self.columnwise, state=state, amax=amax)
+        row = None
+        if self.rowwise:  # same generator order as one call: rowwise first, then columnwise
+            row, _ = q.quantize_storages(x2d, rowwise=True, columnwise=False, state=state, amax=amax)
+        col = q.direction_quantizer("columnwise").quantize_columnwise_rht(
+            x2d, amax=amax, rht_amax=rht_amax, state=q.direction_state(state, "columnwise"))
+        return row, col
+
+
+def quantize_shards_with_group_amax(requests: list[ShardRequest], group) -> list[tuple]:
+    """``(row, col)`` storages per request, each quantized with the amax(es) of the whole
+    group's tensor: **one** MAX all-reduce for all requests (none when no requested
+    direction has a per-tensor scale). ``group=None`` or size 1: local amaxes."""
+    local = [r.local_amaxes() for r in requests]
+    vals = [a for pair in local for a in pair if a is not None]
+    if vals and group is not None and _comm.group_size(group) > 1:
         buf = torch.stack(vals)
         _comm.all_reduce_(buf, group, op=torch.distributed.ReduceOp.MAX)
         _comm.log_event("all_reduce", "amax", "float32", buf.numel() * buf.element_size())
-        amax = buf[0] if plain else None
-        rht_amax = buf[-1] if rht_col else None
-    if rht_amax is None:
-        return quantizer.quantize_storages(x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
-    row = None
-    if rowwise:  # same generator order as one call: rowwise first, then columnwise
-        row, _ = quantizer.quantize_storages(x2d, rowwise=True, columnwise=False, state=state, amax=amax)
-    col_q = quantizer.direction_quantizer("columnwise")
-    col = col_q.quantize_columnwise_rht(x2d, amax=amax, rht_amax=rht_amax,
-                                        state=quantizer.direction_state(state, "columnwise"))
-    return row, col
+        reduced = iter(buf.unbind(0))
+        local = [tuple(None if a is None else next(reduced) for a in pair) for pair in local]
+    elif vals:  # no group: quantize with the local values (what quantize computes itself)
+        local = [(None, rht) for _, rht in local]
+    return [r.quantize(amax, rht) for r, (amax, rht) in zip(requests, local)]
+
+
+def quantize_with_group_amax(quantizer: Quantizer, x2d: torch.Tensor, group, *, rowwise: bool,
+                             columnwise: bool, state=None):
+    """``(row, col)`` storages of the shard ``x2d [M_local, K]`` quantized with the
+    amax(es) of the whole group's tensor (see ``quantize_shards_with_group_amax``)."""
+    req = ShardRequest(quantizer=quantizer, x2d=x2d, rowwise=rowwise, columnwise=columnwise, state=state)
+    return quantize_shards_with_group_amax([req], group)[0]
 
 
 # --- gather quantized storages (stage 2 of path b) ------------------------------------------

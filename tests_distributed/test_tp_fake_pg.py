@@ -7,10 +7,11 @@ counts the c10d collectives of one training step (after a warm-up step) and
 
 * SP on:  all-gathers 3 (fc1 input rowwise; fc2 output-grad rowwise+columnwise in one;
   fc1 input columnwise for wgrad), reduce-scatters 2 (fc2 output, fc1 input grad),
-  all-reduces 1 (fc2 bias grad) + 1 per quantizer slot with a per-tensor scale whose
-  tensor is sharded (fc1 input, fc1/fc2 weights, fc2 input, both output grads);
-* SP off: all-reduces 2 (fc1 input grad, fc2 output) + the per-tensor amax slots whose
-  tensor is sharded (fc1 weight and output grad, fc2 input and weight);
+  all-reduces 1 (fc2 bias grad) + the amax all-reduces of sharded tensors with a
+  per-tensor scale: one per layer forward (input and weight together), one per output
+  gradient;
+* SP off: all-reduces 2 (fc1 input grad, fc2 output) + amax all-reduces: fc1 weight,
+  fc2 input and weight together, fc1 output gradient (fc2's is replicated);
 * FSDP2 on the dp axis adds 4 all-gathers (fc1, fc2 × forward, backward) and 2
   reduce-scatters.
 """
@@ -61,10 +62,11 @@ def _per_tensor(recipe, tensor_type: str) -> int:
 
 def expected_mlp_counts(recipe, sp: bool, fsdp: bool = False) -> dict[str, int]:
     pt = {t: _per_tensor(recipe, t) for t in ("input", "weight", "grad_output")}
+    fwd = max(pt["input"], pt["weight"])  # a layer's input and weight amaxes share one all-reduce
     if sp:
-        counts = {AG: 3, RS: 2, AR: 1 + 2 * (pt["input"] + pt["weight"] + pt["grad_output"])}
+        counts = {AG: 3, RS: 2, AR: 1 + 2 * fwd + 2 * pt["grad_output"]}
     else:
-        counts = {AG: 0, RS: 0, AR: 2 + 2 * pt["weight"] + pt["grad_output"] + pt["input"]}
+        counts = {AG: 0, RS: 0, AR: 2 + pt["weight"] + fwd + pt["grad_output"]}
     if fsdp:
         counts[AG] += 4
         counts[RS] += 2
@@ -150,8 +152,8 @@ def test_prepared_input_gathers_once_for_gate_and_up(mesh):
             "down": HybridRowwiseParallel(sequence_parallel=True)})
         got, log = _step_counts(m, torch.randn(S_LOCAL, B, H, requires_grad=True))
         pt = {t: _per_tensor(recipe, t) for t in ("input", "weight", "grad_output")}
-        # amax: shared input once, down input; gate/up/down weights; down/gate/up grads
-        n_ar = 2 * pt["input"] + 3 * pt["weight"] + 3 * pt["grad_output"]
+        # amax: shared input; gate, up weights; down input+weight; down/gate/up grads
+        n_ar = pt["input"] + 2 * pt["weight"] + max(pt["input"], pt["weight"]) + 3 * pt["grad_output"]
         want = {k: v for k, v in {AG: 3, RS: 2, AR: n_ar}.items() if v}
         assert got == want, f"[{name} prepared gate/up SP] collectives {got}, expected {want}"
         n_col = sum(1 for e in log.events if e.kind == "all_gather" and e.what == "columnwise")
