@@ -197,3 +197,17 @@ def test_gather_paths_bitwise_and_bytes():
     per_elem = results[0][1]
     assert per_elem["fp8_e4m3/rowwise"] == 1.0 and per_elem["mxfp8/columnwise"] == 1 + 1 / 32
     assert per_elem["nvfp4_rht/columnwise"] == 0.5 + 1 / 16
+
+
+def test_nvfp4_precomputed_rht_amax_matches_quantize():
+    """The additive NVFP4 entry points used by path (b): with the tensor's own
+    Hadamard-domain amax, ``quantize_columnwise_rht`` equals ``quantize`` bitwise."""
+    import pytest
+
+    q = hd.NVFP4Quantizer(rht=True, rht_seed=5)
+    x = _full_input(3, 16).reshape(-1, K)
+    _, col = q.quantize_storages(x, rowwise=False, columnwise=True)
+    col2 = q.quantize_columnwise_rht(x, amax=None, rht_amax=q.columnwise_rht_amax(x))
+    assert_storage_equal(col2, col, "nvfp4 rht columnwise with precomputed amax")
+    with pytest.raises(ValueError, match="rht=True"):
+        hd.NVFP4Quantizer().columnwise_rht_amax(x)
