@@ -80,8 +80,9 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
         model.init_weights()
     apply_recipe(model, recipe)
     parallelize(model, cfg, dims, meshes, param_dtype=compute, device_type=device.type)
-    if on_meta:
-        model.to_empty(device=device)
+    if on_meta:  # with CPU offload the sharded parameters live on CPU, the buffers on the GPU
+        model.to_empty(device="cpu" if cfg.cpu_offload else device)
+        model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
         model.init_weights()
     return model, mcfg, recipe
 

@@ -133,3 +133,8 @@ def test_quantized_init_with_fsdp_errors_clearly_until_fsdp2_supports_it():
     if not fsdp2_supports_quantized_params():
         with pytest.raises(NotImplementedError, match="hybrid_dist.fsdp2"):
             check_quantized_init(needs_fsdp=True, tp=1)
+
+
+def test_checkpointing_expert_parallel_is_refused_clearly():
+    with pytest.raises(NotImplementedError, match="--ep 2 with --save-every/--resume is not supported"):
+        TrainConfig(ep=2, moe_experts=4, checkpoint_dir="/tmp/x", save_every=5)
