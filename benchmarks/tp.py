@@ -4,7 +4,8 @@ quantized all-gathers (path b) against high-precision all-gathers (gather bf16, 
 quantize). Gradient reduce-scatters are bf16 in both. Prints one table on rank 0.
 
 Run on 2–4 GPUs of one host: ``torchrun --nproc_per_node=4 -m benchmarks.tp``
-(``--seq``, ``--hidden``, ``--ffn`` change the shape; activations are ``[S/tp, 1, H]``).
+(``--seq``, ``--hidden``, ``--ffn`` change the shape; activations are ``[S/tp, 1, H]``;
+``--device cpu`` runs a gloo smoke test of the script itself, timings meaningless).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ RECIPES = ["bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", 
 
 
 class MLP(nn.Module):
-    def __init__(self, h: int, f: int, recipe):
+    def __init__(self, h: int, f: int, recipe, device):
         super().__init__()
-        self.fc1 = hd.Linear(h, f, bias=False, recipe=recipe, name="fc1", device="cuda", dtype=torch.bfloat16)
-        self.fc2 = hd.Linear(f, h, bias=False, recipe=recipe, name="fc2", device="cuda", dtype=torch.bfloat16)
+        self.fc1 = hd.Linear(h, f, bias=False, recipe=recipe, name="fc1", device=device, dtype=torch.bfloat16)
+        self.fc2 = hd.Linear(f, h, bias=False, recipe=recipe, name="fc2", device=device, dtype=torch.bfloat16)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
@@ -44,36 +45,41 @@ def _step(model, x, dy):
     return lambda: torch.autograd.grad(model(x), [x, *params], dy)
 
 
-def _time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn, device: str, *, warmup: int = 3, iters: int = 10) -> float:
     """Median step time over ``iters`` (max over ranks: the slowest rank sets the pace)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        _sync(device)
         dist.barrier()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    t = torch.tensor(statistics.median(times), device="cuda")
+    t = torch.tensor(statistics.median(times), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def _measure(recipe_name, mesh, args, quantized: bool):
     torch.manual_seed(0)
-    model = MLP(args.hidden, args.ffn, hd.recipe_from_name(recipe_name))
+    model = MLP(args.hidden, args.ffn, hd.recipe_from_name(recipe_name), args.device)
     parallelize_module(model, mesh, {
         "fc1": HybridColwiseParallel(sequence_parallel=True, quantized_gather=quantized),
         "fc2": HybridRowwiseParallel(sequence_parallel=True, quantized_gather=quantized)})
     tp = mesh.size()
-    x = torch.randn(args.seq // tp, 1, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(args.seq // tp, 1, args.hidden, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     step = _step(model, x, dy)
     with record_wire_bytes() as log:
         step()
-    ms = _time_ms(step)
+    ms = _time_ms(step, args.device, iters=args.iters)
     return ms, log
 
 
@@ -82,11 +88,16 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
     rows = []
     for name in RECIPES:
         try:
