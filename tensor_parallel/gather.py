@@ -173,9 +173,11 @@ def gather_along_first_dim(x: torch.Tensor, group, *, quantizer: Quantizer | Non
     requested directions, bitwise equal to quantizing the gathered tensor (module note).
     ``path``: ``"auto"`` (quantized where valid, else high precision with a one-time
     warning; high precision also when every requested direction is an identity format,
-    which would otherwise send the same bytes once per direction), ``"quantized"`` (raise where invalid) or ``"high_precision"``. ``state``:
-    the quantizer state (delayed scaling, SR generator). ``async_op=True`` returns a
-    :class:`CollectiveHandle` whose ``wait()`` returns the result.
+    which would otherwise send the same bytes once per direction), ``"quantized"`` (raise
+    where invalid) or ``"high_precision"``. ``state``: the quantizer state (delayed
+    scaling, SR generator). ``async_op=True`` returns a :class:`CollectiveHandle` whose
+    ``wait()`` returns the result. Not differentiable (``x`` is detached): training goes
+    through the ``ParallelStyle``s, whose autograd functions call this.
     """
     if path not in PATHS:
         raise ValueError(f"gather_along_first_dim: path must be one of {PATHS}, got {path!r}")
