@@ -22,18 +22,26 @@ LAYERS = ((512, 128, True), (512, 512, False), (512, 512, False))
 TOKENS, STEPS = 128, 3
 
 
-def build(recipe, seed: int = 0) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
+def rank_device(rank: int, device_type: str) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def build(recipe, seed: int = 0, device=None) -> torch.nn.Sequential:
+    torch.manual_seed(seed)  # init on CPU, then move: the same values on every device
     with hd.quantized_model_init(recipe, keep_high_precision_init=False):
-        return torch.nn.Sequential(*[hd.Linear(i, o, bias=b) for o, i, b in LAYERS])
+        model = torch.nn.Sequential(*[hd.Linear(i, o, bias=b) for o, i, b in LAYERS])
+    return model if device is None else model.to(device)
 
 
 def shard(model, *, reshard: bool):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for layer in model:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -67,21 +75,21 @@ def _shard_mismatches(ref_param, sharded_param, rank: int) -> dict[str, int]:
     return out
 
 
-def train_and_compare(rank, world, names, reshard):
+def train_and_compare(rank, world, names, reshard, device_type="cpu"):
     """Per recipe: losses, master and quantized-shard mismatches, all-gather bytes."""
     from hybrid_dist.fsdp2 import track_all_gather
 
-    torch.set_num_threads(1)
+    device = rank_device(rank, device_type)
     results = {}
     for name in names:
         recipe = hd.recipe_from_name(name)
-        ref, model = build(recipe), shard(build(recipe), reshard=reshard)
+        ref, model = build(recipe, device=device), shard(build(recipe, device=device), reshard=reshard)
         opt_ref = hd.MasterWeightOptimizer(torch.optim.AdamW, ref.parameters(), lr=1e-2)
         opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(1)
         losses, acct_steps = [], []
         for _ in range(STEPS):
-            x = torch.randn(TOKENS, LAYERS[0][1], generator=gen)
+            x = torch.randn(TOKENS, LAYERS[0][1], generator=gen).to(device)
             with hd.autocast(recipe):
                 l_ref = loss_fn(ref, x)
                 l_ref.backward()
@@ -105,6 +113,35 @@ def train_and_compare(rank, world, names, reshard):
             }
         results[name] = {"losses": losses, "bytes": acct_steps, "params": params}
     return results
+
+
+def unsharded_equals_full(rank, world, names, device_type="cpu"):
+    """With ``reshard_after_forward=False`` the forward gathers both directions: compare
+    the unsharded parameters FSDP installs with the full quantized tensors, bitwise."""
+    device = rank_device(rank, device_type)
+    out = {}
+    for name in names:
+        recipe = hd.recipe_from_name(name)
+        ref, model = build(recipe, device=device), shard(build(recipe, device=device), reshard=False)
+        seen = {}
+
+        def grab(mod, args, fqn):
+            w = mod.weight
+            seen[fqn] = {d: {f: t.clone() for f, t in w.storage_of(d).tensors().items()}
+                         for d in ("rowwise", "columnwise")}
+
+        for i, layer in enumerate(model):
+            layer.register_forward_pre_hook(lambda m, a, fqn=f"{i}.weight": grab(m, a, fqn))
+        with hd.autocast(recipe):
+            model(torch.randn(TOKENS, LAYERS[0][1]).to(device)).sum()
+        mism = {}
+        for i, layer in enumerate(ref):
+            full = layer.weight
+            for d, fields in seen[f"{i}.weight"].items():
+                for f, t in fields.items():
+                    mism[f"{i}.weight.{d}.{f}"] = _diff_count(t, getattr(full.storage_of(d), f))
+        out[name] = mism
+    return out
 
 
 # --- expected bytes per element of the gathered direction (fp32 model) ---------------------
@@ -166,3 +203,10 @@ def test_fsdp2_trains_like_unsharded_4_ranks_no_reshard():
     results = run_ranks(train_and_compare, 4, names, False)
     for r in results:
         _check(r, 4, exact=False, reshard=False)
+
+
+def test_unsharded_params_equal_full_quantized_tensor_bitwise():
+    for rank, res in enumerate(run_ranks(unsharded_equals_full, 4, list(hd.RECIPE_NAMES))):
+        for name, mism in res.items():
+            bad = {k: v for k, v in mism.items() if v}
+            assert not bad, f"{name} world=4 rank {rank}: unsharded != full quantized tensor: {bad}"
