@@ -22,7 +22,12 @@ import hybrid_dist as hd
 from tests_distributed._harness import run_ranks
 
 STEPS = 8
-RESUME_RECIPES = ("mxfp8_fwd_nvfp4_bwd", "fp8_delayed")
+# name -> config: stochastic rounding (Linear and per-expert GroupedLinear) and delayed scaling
+RESUME = {
+    "mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd"),
+    "fp8_delayed": dict(recipe="fp8_delayed"),
+    "moe4_nvfp4": dict(recipe="nvfp4", moe_experts=4),
+}
 VARIANTS = {
     "moe4_fsdp2_ep2_mxfp8": dict(recipe="mxfp8", moe_experts=4, ep=2),
     "tp2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", fsdp=1, tp=2, batch_size=8),  # one dp rank
@@ -30,7 +35,7 @@ VARIANTS = {
 }
 
 
-def _cfg(recipe: str, **kw):
+def _cfg(recipe: str = "bf16", **kw):
     from hybrid_dist.launch.config import TrainConfig
 
     kw = {"fsdp": 2, "batch_size": 4, **kw}
@@ -47,11 +52,11 @@ def _train_all(rank, world_size, tmp):
     for recipe in hd.RECIPE_NAMES:
         metrics = os.path.join(tmp, f"{recipe}.jsonl")
         out["recipes"][recipe] = train(_cfg(recipe, metrics=metrics))["losses"]
-    for recipe in RESUME_RECIPES:
-        ckpt = os.path.join(tmp, f"ckpt-{recipe}")
-        full = train(_cfg(recipe, checkpoint_dir=ckpt, save_every=STEPS // 2))["losses"]
-        resumed = train(_cfg(recipe, resume=os.path.join(ckpt, f"step_{STEPS // 2:06d}")))["losses"]
-        out["resume"][recipe] = (full, resumed)
+    for name, kw in RESUME.items():
+        ckpt = os.path.join(tmp, f"ckpt-{name}")
+        full = train(_cfg(**kw, checkpoint_dir=ckpt, save_every=STEPS // 2))["losses"]
+        resumed = train(_cfg(**kw, resume=os.path.join(ckpt, f"step_{STEPS // 2:06d}")))["losses"]
+        out["resume"][name] = (full, resumed)
     return out
 
 
@@ -78,9 +83,9 @@ def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
         steps = [rec["loss"] for rec in logged if rec["event"] == "step"]
         if steps != losses or logged[-1]["event"] != "summary" or logged[-1]["final_loss"] != losses[-1]:
             failures.append(f"{where}: metrics JSONL does not match the losses ({steps} vs {losses})")
-    for recipe, (full, resumed) in r0["resume"].items():
+    for name, (full, resumed) in r0["resume"].items():
         if len(full) != STEPS or resumed != full[STEPS // 2:]:
-            failures.append(f"recipe={recipe}: resumed losses {resumed} != uninterrupted {full[STEPS // 2:]} "
+            failures.append(f"resume {name}: resumed losses {resumed} != uninterrupted {full[STEPS // 2:]} "
                             f"(full run {full})")
     for name, losses in r0["variants"].items():
         if not (all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5):
