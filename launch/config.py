@@ -36,6 +36,7 @@ class TrainConfig:
     moe_top_k: int = 2
     moe_aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss
     dtype: str = "auto"             # compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32
+    init: str = "auto"              # meta (build on meta, init after sharding), direct, auto (meta on GPU)
     quantized_init: bool = False
     activation_checkpointing: bool = False
     cpu_offload: bool = False
@@ -60,6 +61,11 @@ class TrainConfig:
             raise ValueError(f"--fsdp must be >= 1 (or -1 for 'all remaining ranks'), got {self.fsdp}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        if self.init not in ("auto", "meta", "direct"):
+            raise ValueError(f"--init must be auto, meta or direct, got {self.init!r}")
+        if self.init == "meta" and self.quantized_init:
+            raise NotImplementedError("--init meta with --quantized-init is not supported: quantized weights are "
+                                      "made at construction; use --init direct")
         if self.save_every and not self.checkpoint_dir:
             raise ValueError("--save-every needs --checkpoint-dir DIR")
         if self.ep > 1 and (self.save_every or self.resume):

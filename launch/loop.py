@@ -56,15 +56,16 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.device):
-    """The parallelized model and the recipe. Weights are initialised before sharding on
-    CPU (identical for every world size) and after sharding on meta→GPU (large presets)."""
+    """The parallelized model and the recipe. ``--init direct`` (CPU default) initialises
+    weights before sharding (identical for every world size); ``--init meta`` (GPU default,
+    for large presets) builds on the meta device and initialises the shards in place."""
     mcfg = preset(cfg.preset, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k)
     if cfg.seq_len > mcfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds preset {cfg.preset!r}'s max_seq_len {mcfg.max_seq_len}")
     recipe = load_recipe(cfg.recipe)
     compute = compute_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
-    on_meta = device.type == "cuda" and not cfg.quantized_init
+    on_meta = cfg.init == "meta" or (cfg.init == "auto" and device.type == "cuda" and not cfg.quantized_init)
     if mcfg.moe_experts:
         require("moe", EP_API, f"--moe-experts {mcfg.moe_experts}")
     ep_group = meshes.ep.get_group() if dims.ep > 1 else None

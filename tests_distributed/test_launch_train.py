@@ -9,7 +9,8 @@ One spawned run covers every configuration (spawning is the expensive part):
 * the metrics JSONL holds one record per step with the logged loss;
 * the parallel variants train too: MoE with expert parallelism (EP=2), tensor parallelism
   (TP=2), and ``--quantized-init`` (FSDP2 of quantized weights), whose first loss equals
-  the high-precision-init run's (same draws; fprop reads the same quantized weight).
+  the high-precision-init run's (same draws; fprop reads the same quantized weight); and
+  the GPU default path, meta-device init of the sharded model, with activation checkpointing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ VARIANTS = {
     "moe4_fsdp2_ep2_mxfp8": dict(recipe="mxfp8", moe_experts=4, ep=2),
     "tp2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", fsdp=1, tp=2, batch_size=8),  # one dp rank
     "quantized_init_fsdp2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", quantized_init=True),
+    "meta_init_fsdp2_ac_fp8_current": dict(recipe="fp8_current", init="meta", activation_checkpointing=True),
 }
 
 

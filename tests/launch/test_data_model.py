@@ -111,6 +111,8 @@ def test_parse_args_and_bad_flags():
     assert (cfg.preset, cfg.recipe, cfg.fsdp, cfg.activation_checkpointing) == ("125m", "fp8_current", 4, True)
     with pytest.raises(ValueError, match="--preset 'huge' is unknown"):
         parse_args(["--preset", "huge"])
+    with pytest.raises(ValueError, match="--init must be auto, meta or direct"):
+        parse_args(["--init", "lazy"])
     with pytest.raises(ValueError, match="--save-every needs --checkpoint-dir"):
         parse_args(["--save-every", "10"])
     with pytest.raises(ValueError, match="--dry-run needs --world-size"):
