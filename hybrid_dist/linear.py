@@ -54,24 +54,41 @@ class LinearPlan:
 
 
 def in_backward() -> bool:
-    """True while autograd runs a backward (e.g. an activation recompute)."""
+    """True while autograd runs a backward (e.g. an activation recompute).
+
+    Always False while ``torch.compile`` traces: a traced forward is never a recompute
+    (a checkpointed region inside a compiled graph is re-run by the compiler itself)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
+def _weight_operands(weight, plan: LinearPlan, need_dgrad: bool):
+    """(rowwise, columnwise or None) storages of the weight: taken from a quantized
+    parameter (error naming a missing direction), else quantized now."""
+    if isinstance(weight, QuantizedTensor):
+        w_col = gemm._operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
+        return gemm._operand(weight, "rowwise", "weight", "fprop"), w_col
+    return plan.weight.quantize_storages(weight, rowwise=True, columnwise=need_dgrad,
+                                         state=plan.states["weight"])
+
+
 class _LinearFn(torch.autograd.Function):
+    """The three GEMMs on per-direction storages (plain tensors inside: traceable by
+    ``torch.compile``; no ``QuantizedTensor`` is made for activations or gradients)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LinearPlan):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
-        x_q = plan.input.quantize(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
-                                  state=plan.states["input"])
-        w_q = weight if isinstance(weight, QuantizedTensor) else plan.weight.quantize(
-            weight, rowwise=True, columnwise=need_dgrad, state=plan.states["weight"])
+        x_row, x_col = plan.input.quantize_storages(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
+                                                    state=plan.states["input"])
+        w_row, w_col = _weight_operands(weight, plan, need_dgrad)
         # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
-        y = gemm.fprop(x_q, w_q, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
+        y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        _saved.pack(ctx, x_q.columnwise if need_wgrad else None, w_q.columnwise if need_dgrad else None)
+        _saved.pack(ctx, x_col, w_col)
         ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -84,16 +101,16 @@ class _LinearFn(torch.autograd.Function):
         n = dy.shape[-1]
         dy2d = dy.reshape(-1, n)
         plan.grad_output.advance_state(plan.states["grad_output"])
-        dy_q = plan.grad_output.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
-                                         state=plan.states["grad_output"])
+        dy_row, dy_col = plan.grad_output.quantize_storages(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
+                                                            state=plan.states["grad_output"])
         dx = dw = db = None
         if need_dgrad:
             # dgrad: dx [M, K] = dy [M, N] · W [N, K]   (W columnwise stored [K, N])
-            dx = gemm.gemm_nt(dy_q.rowwise, w_col, out_dtype=plan.recipe.dgrad.out_dtype or ctx.x_dtype,
+            dx = gemm.gemm_nt(dy_row, w_col, out_dtype=plan.recipe.dgrad.out_dtype or ctx.x_dtype,
                               config=plan.recipe.dgrad).reshape(ctx.x_shape)
         if need_wgrad:
             # wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]   (dy, x columnwise stored [N, M], [K, M])
-            dw = gemm.gemm_nt(dy_q.columnwise, x_col, out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
+            dw = gemm.gemm_nt(dy_col, x_col, out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
                               config=plan.recipe.wgrad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
@@ -132,6 +149,8 @@ class Linear(nn.Module):
         w = torch.empty(out_features, in_features, device=device, dtype=dtype)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self._init_weights(w)
+        if recipe is not None:  # built now, not inside a first (possibly compiled) forward
+            self._plan(recipe)
 
     def _init_weights(self, w: torch.Tensor) -> None:
         nn.init.kaiming_uniform_(w, a=math.sqrt(5))

@@ -142,7 +142,15 @@ def hadamard16(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     ``Y = X_chunks @ T.T`` and restored as ``X = Y_chunks @ T``; dot products along C
     are preserved, so two operands transformed with the same ``T`` multiply exactly.
     """
+    if torch.compiler.is_compiling():  # a torch.Generator cannot be traced: a constant instead
+        return torch.tensor(_hadamard16_values(seed), dtype=torch.float32, device=device).reshape(16, 16)
     return _hadamard16_cpu(seed).to(device)
+
+
+@torch.compiler.assume_constant_result
+def _hadamard16_values(seed: int) -> tuple[float, ...]:
+    """The entries of ``T`` (all ±1/4, exact) as Python floats, for tracing."""
+    return tuple(_hadamard16_cpu(seed).flatten().tolist())
 
 
 def apply_hadamard16(x: torch.Tensor, t: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:

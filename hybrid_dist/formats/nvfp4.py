@@ -43,6 +43,7 @@ from hybrid_dist.formats._numerics import (
     pack_fp4,
     unpack_fp4,
 )
+from hybrid_dist.formats import _traced_rng
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
 
@@ -94,6 +95,8 @@ class NVFP4State:
     def __init__(self, seed: int):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        # how a compiled graph finds this state (none for a state made while tracing)
+        self.uid = None if torch.compiler.is_compiling() else _traced_rng.register(self)
 
     def generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -161,9 +164,11 @@ class NVFP4Quantizer(Quantizer):
     def make_state(self):
         return NVFP4State(self.seed) if self.stochastic_rounding else None
 
-    def _rand(self, shape, device, state) -> torch.Tensor | None:
+    def _rand(self, shape, device, state, *, like=None, draw: int = 0) -> torch.Tensor | None:
         if not self.stochastic_rounding:
             return None
+        if isinstance(state, NVFP4State) and like is not None:
+            return _traced_rng.state_rand(state, like, shape, draw=draw)
         gen = state.generator(device) if isinstance(state, NVFP4State) else None
         return torch.rand(shape, device=device, generator=gen)
 
@@ -176,7 +181,7 @@ class NVFP4Quantizer(Quantizer):
         elif amax is None:
             amax = tensor_amax(x)
         gs = nvfp4_global_scale(amax.to(x.device))
-        rand = self._rand(x.shape, x.device, state)
+        rand = self._rand(x.shape, x.device, state, like=x, draw=int(transposed))
         data, bs = nvfp4_quantize_rows(x, gs, block_rows=self.block_rows, rand=rand)
         return NVFP4Storage(
             data=data, block_scale=bs, global_scale=gs, block_rows=self.block_rows,

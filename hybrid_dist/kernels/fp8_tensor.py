@@ -116,6 +116,8 @@ _UNUSED: dict[torch.device, torch.Tensor] = {}
 
 def _unused(device) -> torch.Tensor:
     """A never-written placeholder for the ``amax_out`` argument."""
+    if torch.compiler.is_compiling():  # a traced buffer; never stored in the eager cache
+        return torch.zeros(1, dtype=torch.float32, device=device)
     if device not in _UNUSED:
         _UNUSED[device] = torch.zeros(1, dtype=torch.float32, device=device)
     return _UNUSED[device]

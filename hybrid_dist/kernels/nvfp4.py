@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_dist.formats import _traced_rng
 from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage, nvfp4_global_scale
 from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
@@ -209,6 +210,8 @@ _BD_CACHE: dict[tuple, torch.Tensor] = {}
 def _blockdiag_t(seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``blockdiag(T, ..., T)`` ``[BM, BM]`` (bf16 for bf16 inputs: exact, T = ±1/4)."""
     dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    if torch.compiler.is_compiling():  # a traced constant; never stored in the eager cache
+        return torch.block_diag(*[hadamard16(seed, device)] * (_BM // 16)).to(dtype).contiguous()
     key = (seed, device, dtype)
     if key not in _BD_CACHE:
         t = hadamard16(seed, device)
@@ -219,13 +222,16 @@ def _blockdiag_t(seed: int, device: torch.device, dtype: torch.dtype) -> torch.T
 _NO_SEED: dict[torch.device, torch.Tensor] = {}
 
 
-def _seed_tensor(q: NVFP4Quantizer, state, device) -> torch.Tensor:
+def _seed_tensor(q: NVFP4Quantizer, state, device, like: torch.Tensor) -> torch.Tensor:
     if not q.stochastic_rounding:
+        if torch.compiler.is_compiling():
+            return torch.zeros(1, dtype=torch.int64, device=device)
         if device not in _NO_SEED:
             _NO_SEED[device] = torch.zeros(1, dtype=torch.int64, device=device)
         return _NO_SEED[device]
-    gen = state.generator(device) if isinstance(state, NVFP4State) else None
-    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device, generator=gen)
+    if isinstance(state, NVFP4State):  # the state's generator, traceable (see formats._traced_rng)
+        return _traced_rng.state_rand(state, like, (1,), draw=2, kind="randint")
+    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 
 
 def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax):
@@ -248,7 +254,7 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax):
         amax_row = amax_col = amax.float().to(dev).reshape(())
     gs = nvfp4_global_scale(torch.stack([amax_row, amax_col]))
     row, row_s, col, col_s = nvfp4_quantize(
-        x2d, t, gs, _seed_tensor(q, state, dev), rowwise, columnwise, derive_col, col_rht,
+        x2d, t, gs, _seed_tensor(q, state, dev, x2d), rowwise, columnwise, derive_col, col_rht,
         q.stochastic_rounding, q.block_rows)
     br = q.block_rows
     row_st = col_st = None
