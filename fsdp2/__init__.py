@@ -6,19 +6,26 @@ by delegating here, so ``fully_shard`` works unchanged on models built under
 
 Public helpers: the buffer protocol over storages (``fsdp_buffer_fields``,
 ``fsdp_extract_buffers``, ``fsdp_assign_gathered``), all-gather byte accounting
-(``track_all_gather``), and the post-optimizer amax synchronisation of per-tensor formats
-(``sync_amax_and_requantize``).
+(``track_all_gather``), the post-optimizer amax synchronisation of per-tensor formats
+(``sync_amax_and_requantize``; ``hd.MasterWeightOptimizer`` calls it for sharded
+parameters), and quantize-on-all-gather for high-precision parameters
+(``quantize_on_all_gather`` / ``HighPrecisionParam``), which is also the fallback for
+shards that do not align with a format's blocks.
 """
 
 from hybrid_dist.fsdp2._accounting import AllGatherAccounting, track_all_gather
+from hybrid_dist.fsdp2._amax import sync_amax_and_requantize
 from hybrid_dist.fsdp2._buffers import (
     DirectionGatherMeta,
     fsdp_assign_gathered,
     fsdp_buffer_fields,
     fsdp_extract_buffers,
 )
+from hybrid_dist.fsdp2._hp_param import HighPrecisionParam
+from hybrid_dist.fsdp2._quantize_on_gather import quantize_on_all_gather
 
 __all__ = [
-    "AllGatherAccounting", "DirectionGatherMeta", "fsdp_assign_gathered", "fsdp_buffer_fields",
-    "fsdp_extract_buffers", "track_all_gather",
+    "AllGatherAccounting", "DirectionGatherMeta", "HighPrecisionParam", "fsdp_assign_gathered",
+    "fsdp_buffer_fields", "fsdp_extract_buffers", "quantize_on_all_gather",
+    "sync_amax_and_requantize", "track_all_gather",
 ]

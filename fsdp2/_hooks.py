@@ -48,6 +48,7 @@ class GatherMeta:
     world_size: int
     shape: torch.Size  # unsharded logical shape
     capacity: int  # "packed": bytes per rank
+    quantizer: object  # the shard's quantizer (the unsharded tensor's)
 
 
 def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
@@ -58,9 +59,16 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
         raise NotImplementedError(
             f"hybrid_dist.fsdp2: quantized parameter of shape {tuple(shape)} is sharded unevenly "
             f"over {world} ranks (local dim 0 = {t.shape[0]}); make dim 0 a multiple of the "
-            "world size times the format's block."
+            "world size times the format's block, or call hybrid_dist.fsdp2."
+            "quantize_on_all_gather(model, shard_world_size=...) before fully_shard (high-"
+            "precision all-gather for such parameters)."
         )
     pass_ = gather_pass(module, t)
+    return gather_inputs(t, pass_, world, shape, getattr(mp_policy, "param_dtype", None))
+
+
+def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
+    """All-gather inputs of the quantized shard ``t`` for ``pass_`` (see the note)."""
     present = tuple(d for d in (ROW, COL) if t.storage_of(d) is not None)
     wanted = present if pass_ == BOTH else ((ROW,) if pass_ == FORWARD else (COL,))
     if any(d not in present for d in wanted):
@@ -69,7 +77,6 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
             f"quantized parameter has only {present}. Create parameters with both directions "
             "(hd.quantized_model_init does)."
         )
-    cast = getattr(mp_policy, "param_dtype", None)
     metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast) for d in present}
     bufs = {d: fsdp_extract_buffers(t.storage_of(d), cast=cast)[0] for d in wanted}
     capacity = 0
@@ -88,7 +95,7 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
         pass_, input_bytes=sum(b.numel() * b.element_size() for b in inputs),
         payload_bytes=sum(metas[d].nbytes() for d in wanted), world_size=world,
     )
-    return tuple(inputs), GatherMeta(mode, pass_, wanted, metas, world, shape, capacity)
+    return tuple(inputs), GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer)
 
 
 def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
@@ -103,7 +110,7 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
             st, own = fsdp_assign_gathered(views.get(d), dm, meta.world_size, alias=meta.mode != "packed")
             storages[d] = st
             owned += own
-        qt = QuantizedTensor(meta.shape, param_dtype or t.dtype, storages.get(ROW), storages.get(COL), t.quantizer)
+        qt = QuantizedTensor(meta.shape, param_dtype or t.dtype, storages.get(ROW), storages.get(COL), meta.quantizer)
         return qt, tuple(owned)
     target = out._local_tensor if hasattr(out, "_local_tensor") else out
     for d in meta.gathered:
