@@ -23,8 +23,11 @@ NAMES = [n for n in hd.RECIPE_NAMES if n != "fp8_delayed"]
 ALIGNED = ((256, 128), (256, 256))  # (out, in): 128-row shards on 2 ranks
 
 
-def _build(recipe, layers):
+def _build(recipe, layers, quantized: bool = False):
     torch.manual_seed(0)
+    if quantized:  # hd.quantized_model_init weights (keeps the high-precision init)
+        with hd.quantized_model_init(recipe):
+            return torch.nn.Sequential(*[hd.Linear(i, o, bias=False, recipe=recipe) for o, i in layers])
     return torch.nn.Sequential(*[hd.Linear(i, o, bias=False, recipe=recipe) for o, i in layers])
 
 
@@ -35,8 +38,9 @@ def train_hp(rank, world, names, layers, steps=2):
     all_layers = layers
     for name in names:
         layers = all_layers[name] if isinstance(all_layers, dict) else all_layers
-        recipe = hd.recipe_from_name(name)
-        ref, model = _build(recipe, layers), _build(recipe, layers)
+        quantized = name.startswith("qinit:")
+        recipe = hd.recipe_from_name(name.removeprefix("qinit:"))
+        ref, model = _build(recipe, layers, quantized), _build(recipe, layers, quantized)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             quantize_on_all_gather(model, shard_world_size=world)
@@ -58,7 +62,8 @@ def train_hp(rank, world, names, layers, steps=2):
         for (fqn, p_ref), p in zip(ref.named_parameters(), model.parameters()):
             local = p._local_tensor._data
             rows = -(-p_ref.shape[0] // world)
-            diffs[fqn] = _diff_count(local, p_ref.detach()[rank * rows:rank * rows + local.shape[0]])
+            master = opts[0].master_of(p_ref)  # the fp32 parameter itself for fp32 weights
+            diffs[fqn] = _diff_count(local, master.detach()[rank * rows:rank * rows + local.shape[0]])
         out[name] = {"losses": losses, "diffs": diffs, "warnings": [str(w.message) for w in caught],
                      "bytes": dict(acct.output_bytes)}
     return out
@@ -90,11 +95,14 @@ def test_unaligned_shards_warn_once_and_fall_back_bitwise():
     # hybrid's NVFP4 columnwise need 16), 192 (FP8 128x128 needs 128); the full weights are
     # valid for their formats
     layers = {"mxfp8": ((96, 128),), "nvfp4": ((48, 128),), "mxfp8_fwd_nvfp4_bwd": ((48, 128),),
-              "fp8_block": ((384, 128),)}
+              "fp8_block": ((384, 128),),
+              # hd.quantized_model_init weights that cannot be split quantized: same fallback
+              "qinit:nvfp4": ((48, 128),), "qinit:fp8_block": ((384, 128),)}
     res = run_ranks(train_hp, 2, list(layers), layers)
     _assert_equal(res, layers)
     for name, ls in layers.items():
-        rows, block = ls[0][0] // 2, {"fp8_block": 128, "mxfp8": 32}.get(name, 16)
+        rows = ls[0][0] // 2
+        block = {"fp8_block": 128, "mxfp8": 32}.get(name.removeprefix("qinit:"), 16)
         msgs = [m for m in res[0][name]["warnings"] if "0.weight" in m]
         assert len(msgs) == 1 and f"{rows} rows" in msgs[0] and f"{block}-row block" in msgs[0], (
             f"{name}: expected one warning naming 0.weight, {rows} rows, block {block}: {msgs}")
