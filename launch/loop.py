@@ -78,12 +78,14 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
         with torch.device("meta" if on_meta else device):
             model = Transformer(mcfg, ep_group=ep_group)
     if not on_meta:
+        torch.manual_seed(cfg.seed)  # construction draws depend on the layout (e.g. experts per EP rank)
         model.init_weights()
     apply_recipe(model, recipe)
     parallelize(model, cfg, dims, meshes, param_dtype=compute, device_type=device.type)
     if on_meta:  # with CPU offload the sharded parameters live on CPU, the buffers on the GPU
         model.to_empty(device="cpu" if cfg.cpu_offload else device)
         model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
+        torch.manual_seed(cfg.seed)
         model.init_weights()
     return model, mcfg, recipe
 

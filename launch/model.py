@@ -14,6 +14,7 @@ shard (H/tp local heads) runs the same code.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -112,6 +113,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, ep_group=ep_group) for i in range(cfg.n_layers)})
+        # (EP rank, EP size): this rank holds experts [rank·E/size, (rank+1)·E/size)
+        self.ep_slot = (0, 1) if ep_group is None else (dist.get_rank(ep_group), dist.get_world_size(ep_group))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg, device=self.tok_embeddings.weight.device)
@@ -123,18 +126,27 @@ class Transformer(nn.Module):
         """Deterministic init (given the global seed): N(0, 0.02) weights, output
         projections scaled by 1/sqrt(2·n_layers), unit norms, RoPE tables. Works on
         materialised ``to_empty`` models and on sharded (DTensor) parameters; unsharded
-        quantized weights (``--quantized-init``) are re-quantized from the same draws."""
+        quantized weights (``--quantized-init``) are re-quantized from the same draws, and
+        (before sharding) an EP rank's experts are its slice of the single-process draw."""
         out_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
+        ep_rank, ep_size = self.ep_slot
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
             std = out_std if name.endswith(("wo.weight", "w2.weight", "fc2.weight")) else 0.02
-            if isinstance(p, hd.QuantizedTensor):  # quantized init: same draws, quantized in place
-                w = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(std=std)
-                requantize_(p, w)  # (fp32 masters start from the dequantized values)
-            elif isinstance(p, DTensor) and isinstance(p.to_local(), hd.QuantizedTensor):
+            if isinstance(p, DTensor) and isinstance(p.to_local(), hd.QuantizedTensor):
                 raise NotImplementedError("init_weights: initialise quantized weights before sharding them")
+            if not isinstance(p, DTensor) and (isinstance(p, hd.QuantizedTensor) or ep_size > 1):
+                # draw the full tensor (all experts under EP) so every layout gets the same values
+                is_expert = name.endswith(("moe.fc1.weight", "moe.fc2.weight"))
+                n = p.shape[0] * (ep_size if is_expert else 1)
+                w = torch.empty((n, *p.shape[1:]), dtype=torch.float32, device=p.device).normal_(std=std)
+                w = w[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]] if is_expert else w
+                if isinstance(p, hd.QuantizedTensor):
+                    requantize_(p, w)  # (fp32 masters start from the dequantized values)
+                else:
+                    p.copy_(w)
             else:
                 nn.init.normal_(p, std=std)
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
