@@ -95,16 +95,39 @@ def load_recipe(spec: str) -> hd.Recipe:
     return recipe
 
 
+_HELP = {
+    "preset": "model shape: tiny (CPU), 125m, 1b, 8b (Llama-3-8B shaped)",
+    "recipe": "a named recipe (bf16, fp8_current, mxfp8_fwd_nvfp4_bwd, ...) or package.module:attr",
+    "batch_size": "sequences per data-parallel rank (batch*seq must fit the recipe's blocks: 128 for fp8_block)",
+    "fsdp": "FSDP (dp_shard) degree; -1 = world / (hsdp*tp)",
+    "hsdp": "HSDP replicas (dp_replicate degree)",
+    "tp": "tensor-parallel degree (hybrid_dist.tensor_parallel styles)",
+    "ep": "expert-parallel degree, carved out of --fsdp (needs --moe-experts)",
+    "moe_experts": "number of routed experts (0 = dense MLP)",
+    "dtype": "compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32",
+    "init": "auto, meta (build on meta, initialise the shards) or direct",
+    "quantized_init": "create block weights as QuantizedTensors (hd.quantized_model_init)",
+    "activation_checkpointing": "recompute each block in backward",
+    "cpu_offload": "FSDP2 CPU offload of sharded parameters (GPU only)",
+    "compile": "torch.compile each block",
+    "data": "tokens as .npy or raw binary (--data-dtype); default: synthetic Markov stream",
+    "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
+    "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",
+    "metrics": "metrics JSONL path (rank 0 appends)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hybrid_dist.launch.train",
                                 description="Train a Llama-style model with a hybrid low-precision recipe.")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", default=f.default)
+            p.add_argument(flag, action="store_true", default=f.default, help=_HELP.get(f.name))
             continue
         kind = {"int": int, "float": float}.get(str(f.type), str)
-        p.add_argument(flag, type=kind, default=f.default)
+        help_ = _HELP.get(f.name, "") + (f" (default: {f.default})" if f.default is not None else "")
+        p.add_argument(flag, type=kind, default=f.default, help=help_)
     p.add_argument("--dry-run", action="store_true", help="validate the configuration for --world-size ranks")
     p.add_argument("--world-size", type=int, default=None, help="ranks to validate with --dry-run")
     return p

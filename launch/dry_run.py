@@ -59,9 +59,11 @@ def check_alignment(m: ModelConfig, recipe: hd.Recipe, *, tp: int, tokens: int, 
                 try:
                     q.direction_quantizer(direction).check_shape(rows, cols, direction)
                 except ValueError as e:
+                    hint = ("; make --batch-size x --seq-len a multiple of the block" if ttype != "weight"
+                            else "; pick a --tp that keeps local dims multiples of the block, or another recipe")
                     raise ValueError(
                         f"{where}: {name} {ttype} has local shape [{rows}, {cols}] (tp={tp}, tokens per rank="
-                        f"{tokens}), which recipe {recipe.name!r} cannot quantize {direction}: {e}") from None
+                        f"{tokens}), which recipe {recipe.name!r} cannot quantize {direction}: {e}{hint}") from None
             checked.append(f"{name}.{ttype}[{rows},{cols}]")
     return checked
 

@@ -20,6 +20,7 @@ from hybrid_dist.fsdp2 import track_all_gather
 from hybrid_dist.launch import checkpoint
 from hybrid_dist.launch.config import TrainConfig, load_recipe
 from hybrid_dist.launch.data import make_data
+from hybrid_dist.launch.dry_run import check_alignment, check_tp
 from hybrid_dist.launch.mesh import ParallelDims
 from hybrid_dist.launch.metrics import Meter
 from hybrid_dist.launch.model import Transformer, apply_recipe
@@ -63,6 +64,9 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
     if cfg.seq_len > mcfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds preset {cfg.preset!r}'s max_seq_len {mcfg.max_seq_len}")
     recipe = load_recipe(cfg.recipe)
+    where = f"train (preset {cfg.preset}, recipe {recipe.name}, tp={dims.tp})"
+    check_tp(mcfg, dims.tp, where)  # fail before building anything, with the config named
+    check_alignment(mcfg, recipe, tp=dims.tp, tokens=cfg.batch_size * cfg.seq_len, where=where)
     compute = compute_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
     on_meta = cfg.init == "meta" or (cfg.init == "auto" and device.type == "cuda" and not cfg.quantized_init)

@@ -14,6 +14,7 @@ GOOD = {
     "hsdp2_fsdp8_tp4_ep4_moe8": dict(preset="125m", hsdp=2, fsdp=8, tp=4, ep=4, moe_experts=8,
                                      recipe="mxfp8_fwd_nvfp4_bwd", batch_size=2, seq_len=512),
     "fsdp64_nvfp4": dict(preset="tiny", recipe="nvfp4", batch_size=2, seq_len=64),
+    "8b_fsdp16_tp4_fp8_block": dict(preset="8b", fsdp=16, tp=4, recipe="fp8_block", batch_size=1, seq_len=8192),
 }
 
 
