@@ -1,6 +1,9 @@
 """``hd.Linear`` fwd+bwd step time per recipe against bf16 ``nn.Linear`` (and torchao float8
 tensorwise, compiled, when torchao is importable), with the roofline speedup next to the
-achieved one. Prints one table. Run: ``python -m benchmarks.linear``.
+achieved one. Prints one table. Run: ``python -m benchmarks.linear``
+(``--shapes 3 --recipes fp8_current --compile`` for a subset and the compiled variants).
+``host ms`` is the CPU time per step (enqueue only): a step is host-bound where it
+approaches ``fwd+bwd ms``.
 
 roofline = bf16 step time / (the recipe's three GEMMs timed alone on pre-quantized
 operands + the fewest bytes its quantization must move / the copy bandwidth measured in
@@ -10,6 +13,9 @@ written; identity directions move nothing.
 """
 
 from __future__ import annotations
+
+import argparse
+import time
 
 import torch
 from torch import nn
@@ -28,6 +34,19 @@ RECIPES = ["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_f
 def _step(module, x, dy):
     params = [p for p in module.parameters() if p.requires_grad]
     return lambda: torch.autograd.grad(module(x), [x, *params], dy)
+
+
+def _host_ms(fn, n: int = 20) -> float:
+    """Host (CPU) milliseconds per call: wall time of ``n`` calls enqueued back to back
+    (few enough that the launch queue never fills), after a sync."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) * 1e3 / n
+    torch.cuda.synchronize()
+    return host
 
 
 def _reads(q) -> int:
@@ -74,34 +93,59 @@ def _torchao_ms(k, n, x, dy):
     return bench_ms(_step(torch.compile(m), x, dy))
 
 
+def _args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="all",
+                   help="'all' or comma-separated indices into SHAPES (0-3; 3 is 8192,2048,2048)")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch.compile(fullgraph=True) of each hd.Linear (inductor)")
+    return p.parse_args()
+
+
+def _variant_row(shape, label, fn, bf16_ms, roof=None):
+    ms = bench_ms(fn)
+    host = _host_ms(fn)
+    row = [shape, label, ms, host, bf16_ms / ms]
+    return row + ([roof, (bf16_ms / ms) / roof] if roof else ["", ""])
+
+
 def main() -> None:
+    args = _args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    recipes = [r for r in args.recipes.split(",") if r]
     copy = copy_gbps()
     rows = []
-    for m, k, n in SHAPES:
+    for m, k, n in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16().requires_grad_(True)
         dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
         ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        bf16_ms = bench_ms(_step(ref, x, dy))
+        shape = f"{m},{k},{n}"
+        bf16_step = _step(ref, x, dy)
+        bf16_ms = bench_ms(bf16_step)
         ao = _torchao_ms(k, n, x, dy)
-        rows.append([f"{m},{k},{n}", "bf16 nn.Linear", bf16_ms, 1.0, "", ""])
+        rows.append([shape, "bf16 nn.Linear", bf16_ms, _host_ms(bf16_step), 1.0, "", ""])
         if ao is not None:
-            rows.append([f"{m},{k},{n}", "torchao fp8 tensorwise (compiled)", ao, bf16_ms / ao, "", ""])
-        for name in RECIPES:
+            rows.append([shape, "torchao fp8 tensorwise (compiled)", ao, "", bf16_ms / ao, "", ""])
+        for name in recipes:
             recipe = hd.recipe_from_name(name)
             try:
                 lin = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
-                ms = bench_ms(_step(lin, x, dy))
                 gemm_ms, quant_ms = _roofline_parts(recipe, x, lin.weight, dy, copy)
+                roof = bf16_ms / (gemm_ms + quant_ms)
+                rows.append(_variant_row(shape, name, _step(lin, x, dy), bf16_ms, roof))
+                if args.compile:
+                    torch._dynamo.reset()
+                    fn = _step(torch.compile(lin, fullgraph=True), x, dy)
+                    rows.append(_variant_row(shape, f"{name} (compiled)", fn, bf16_ms, roof))
             except Exception as e:  # keep the table: report the failure in its row
-                rows.append([f"{m},{k},{n}", name, f"failed: {type(e).__name__}: {e}"[:120], "", "", ""])
+                rows.append([shape, name, f"failed: {type(e).__name__}: {e}"[:160], "", "", "", ""])
                 continue
-            roof = bf16_ms / (gemm_ms + quant_ms)
-            rows.append([f"{m},{k},{n}", name, ms, bf16_ms / ms, roof, (bf16_ms / ms) / roof])
             del lin
         del x, dy, ref
         torch.cuda.empty_cache()
-    print_table(["M,K,N", "variant", "fwd+bwd ms", "x bf16", "roofline x", "of roofline"], rows,
+    print_table(["M,K,N", "variant", "fwd+bwd ms", "host ms", "x bf16", "roofline x", "of roofline"], rows,
                 f"Linear fwd+bwd on {torch.cuda.get_device_name()} (copy {copy:.0f} GB/s)")
 
 

@@ -7,7 +7,23 @@ the storage structure travels beside them as metadata.
 
 from __future__ import annotations
 
-from hybrid_dist.formats._storage import DirectionStorage, storage_meta_fields
+import dataclasses
+
+import torch
+
+from hybrid_dist.formats._storage import DirectionStorage
+
+_META_NAMES: dict[type, tuple[str, ...]] = {}  # storage class -> its non-tensor field names
+
+
+def _meta_names(st: DirectionStorage) -> tuple[str, ...]:
+    cls = type(st)
+    names = _META_NAMES.get(cls)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(st) if f.name not in cls.TENSOR_FIELDS)
+        if not torch.compiler.is_compiling():
+            _META_NAMES[cls] = names
+    return names
 
 
 def pack(ctx, *storages: DirectionStorage | None) -> None:
@@ -16,10 +32,10 @@ def pack(ctx, *storages: DirectionStorage | None) -> None:
         if st is None:
             layout.append(None)
             continue
-        fields = st.tensors()
+        cls = type(st)
         # metadata only: holding ``st`` itself would keep its device tensors alive
-        layout.append((type(st), storage_meta_fields(st), tuple(fields)))
-        tensors.extend(fields.values())
+        layout.append((cls, {m: getattr(st, m) for m in _meta_names(st)}, cls.TENSOR_FIELDS))
+        tensors += [getattr(st, f) for f in cls.TENSOR_FIELDS]
     ctx.save_for_backward(*tensors)
     ctx.hd_layout = layout
 

@@ -55,9 +55,10 @@ def gemm_nt(a: DirectionStorage, b: DirectionStorage, *, out_dtype: torch.dtype,
     (ra, ca), (rb, cb) = a.shape2d, b.shape2d
     if ca != cb:
         raise ValueError(f"gemm_nt: contraction dims differ: A is [{ra}, {ca}], B is [{rb}, {cb}]")
-    if a.device != b.device:
-        raise ValueError(f"gemm_nt: operands on different devices: {a.device} and {b.device}")
-    for impl in kernels.gemm_impls_for(a.device):
+    device = a.device
+    if device != b.device:
+        raise ValueError(f"gemm_nt: operands on different devices: {device} and {b.device}")
+    for impl in kernels.gemm_impls_for(device):
         out = impl(a, b, out_dtype=out_dtype, config=config)
         if out is not NotImplemented:
             return out

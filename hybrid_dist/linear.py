@@ -80,8 +80,8 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LinearPlan):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        k = x.shape[-1]
-        x_row, x_col = plan.input.quantize_storages(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        x_row, x_col = plan.input.quantize_storages(x2d, rowwise=True, columnwise=need_wgrad,
                                                     state=plan.states["input"])
         w_row, w_col = _weight_operands(weight, plan, need_dgrad)
         # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
@@ -91,15 +91,14 @@ class _LinearFn(torch.autograd.Function):
         _saved.pack(ctx, x_col, w_col)
         ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         plan = ctx.plan
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_col, w_col = _saved.unpack(ctx)
-        n = dy.shape[-1]
-        dy2d = dy.reshape(-1, n)
+        dy2d = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         plan.grad_output.advance_state(plan.states["grad_output"])
         dy_row, dy_col = plan.grad_output.quantize_storages(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
                                                             state=plan.states["grad_output"])
@@ -107,7 +106,9 @@ class _LinearFn(torch.autograd.Function):
         if need_dgrad:
             # dgrad: dx [M, K] = dy [M, N] · W [N, K]   (W columnwise stored [K, N])
             dx = gemm.gemm_nt(dy_row, w_col, out_dtype=plan.recipe.dgrad.out_dtype or ctx.x_dtype,
-                              config=plan.recipe.dgrad).reshape(ctx.x_shape)
+                              config=plan.recipe.dgrad)
+            if len(ctx.x_shape) != 2:
+                dx = dx.reshape(ctx.x_shape)
         if need_wgrad:
             # wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]   (dy, x columnwise stored [N, M], [K, M])
             dw = gemm.gemm_nt(dy_col, x_col, out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
@@ -175,24 +176,30 @@ class Linear(nn.Module):
         return plan
 
     def active_recipe(self) -> Recipe | None:
+        return self._active_recipe(in_backward())
+
+    def _active_recipe(self, recompute: bool) -> Recipe | None:
         recipe = self.recipe or current_recipe()
-        if in_backward():
+        if recompute:
             return recipe or self._last_recipe
-        if torch.is_grad_enabled():
+        # eager: skip nn.Module.__setattr__ when unchanged; compiled: store unconditionally
+        # (a condition on the attribute would guard on it and recompile once)
+        if torch.is_grad_enabled() and (torch.compiler.is_compiling() or self._last_recipe is not recipe):
             self._last_recipe = recipe
         return recipe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"hd.Linear expects input [..., {self.in_features}], got {tuple(x.shape)}")
-        recipe = self.active_recipe()
+        recompute = in_backward()
+        recipe = self._active_recipe(recompute)
         if recipe is None:
             w = self.weight
             if isinstance(w, QuantizedTensor):
                 w = _DequantizeFn.apply(w, x.dtype)
             return F.linear(x, w, self.bias)
         plan = self._plan(recipe)
-        if not in_backward():
+        if not recompute:
             plan.start_forward_pass()
         return _LinearFn.apply(x, self.weight, self.bias, plan)
 

@@ -108,9 +108,21 @@ class Quantizer:
             raise ValueError("quantize: ask for at least one of rowwise / columnwise")
         k = x.shape[-1]
         m = x.numel() // k if k else 0
+        # eager: shapes that passed once pass again (the quantizer is immutable), so the block
+        # checks are skipped; while compiling the cache is neither read nor written (no guards)
+        compiling = torch.compiler.is_compiling()
+        checked = None if compiling else self.__dict__.get("_hd_checked_shapes")
+        key = (m, k, rowwise, columnwise)
+        if checked is not None and key in checked:
+            return m, k
         for direction, wanted in zip(_DIRECTIONS, (rowwise, columnwise)):
             if wanted:
                 self.direction_quantizer(direction).check_shape(m, k, direction)
+        if not compiling:
+            if checked is None or len(checked) > 256:
+                checked = set()
+                object.__setattr__(self, "_hd_checked_shapes", checked)  # a cache, not config
+            checked.add(key)
         return m, k
 
     def check_shape(self, m: int, k: int, direction: str) -> None:
@@ -124,14 +136,23 @@ class Quantizer:
                 )
 
     def _quantize_2d_dispatch(self, x2d, *, rowwise, columnwise, state, amax):
-        from hybrid_dist import kernels
-
-        impl = kernels.quantize_impl_for(self, x2d)
+        impl = _kernels().quantize_impl_for(self, x2d)
         if impl is not None:
             out = impl(self, x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
             if out is not NotImplemented:
                 return out
         return self._quantize_2d(x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
+
+
+_KERNELS = []  # the hybrid_dist.kernels module, imported on first use (import cycle)
+
+
+def _kernels():
+    if not _KERNELS:
+        from hybrid_dist import kernels
+
+        _KERNELS.append(kernels)
+    return _KERNELS[0]
 
 
 def _check_direction(direction: str) -> None:

@@ -114,6 +114,11 @@ def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
     return (lo | (hi << 4)).to(tl.uint8)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a slower JIT-callable on the host)."""
+    return -(-a // b)
+
+
 def eager_or_op(op, raw):
     """Call the raw host wrapper in eager mode (skips the dispatcher's per-call cost) and
     the registered ``torch.library`` op while ``torch.compile`` traces."""

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8_block import BLOCK, Float8BlockQuantizer, Float8BlockStorage
-from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, div_rn, per_block_scale
+from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, div_rn, per_block_scale
 
 
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
@@ -77,7 +77,7 @@ def fp8_block_quantize_op(
     row, row_s, col, col_s = _fp8_block_fake(x, dtype, square, rowwise, columnwise)
     m, k = x.shape
     if x.numel():
-        grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))
+        grid = (cdiv(m, BLOCK), cdiv(k, BLOCK))
         _fp8_block_kernel[grid](
             x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype], EPS=amax_epsilon,
             POW2=power_of_2_scales, SQUARE=square, ROW=rowwise, COL=columnwise, B=BLOCK,

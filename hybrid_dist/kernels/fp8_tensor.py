@@ -68,8 +68,8 @@ def _amax_2d(x: torch.Tensor) -> torch.Tensor:
     """fp32 scalar ``max|x|`` of a 2D tensor with unit stride along dim 1."""
     m, k = x.shape
     out = torch.zeros((), dtype=torch.float32, device=x.device)
-    if x.numel():
-        grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
+    if m and k:
+        grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK)
         _amax_kernel[grid](x, out, m, k, x.stride(0), BM=_BM, BK=_BK, num_warps=4)
     return out
 
@@ -90,7 +90,7 @@ def _fp8_cast_transpose(
     row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    grid = (max(triton.cdiv(m, _BM), 1), max(triton.cdiv(k, _BK), 1))
+    grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1))
     _cast_transpose_kernel[grid](
         x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), FMAX=FP8_MAX[dtype],
         EPS=eps, POW2=pow2, SCALE_FROM_AMAX=scale_from_amax, ROW=rowwise, COL=columnwise,
@@ -114,13 +114,14 @@ fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
 _UNUSED: dict[torch.device, torch.Tensor] = {}
 
 
-def _unused(device) -> torch.Tensor:
+def _unused(device, compiling: bool) -> torch.Tensor:
     """A never-written placeholder for the ``amax_out`` argument."""
-    if torch.compiler.is_compiling():  # a traced buffer; never stored in the eager cache
+    if compiling:  # a traced buffer; never stored in the eager cache
         return torch.zeros(1, dtype=torch.float32, device=device)
-    if device not in _UNUSED:
-        _UNUSED[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return _UNUSED[device]
+    buf = _UNUSED.get(device)
+    if buf is None:
+        buf = _UNUSED[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return buf
 
 
 def quantize_fp8_tensor(q: Float8Quantizer, x2d, *, rowwise, columnwise, state, amax):
@@ -136,6 +137,9 @@ def quantize_fp8_tensor(q: Float8Quantizer, x2d, *, rowwise, columnwise, state, 
         col_st = Float8Storage(data=row_st.data.t().contiguous(), scale_inv=row_st.scale_inv, transposed=True)
         return (row_st if rowwise else None), col_st
     dev = x2d.device
+    # eager: the raw host wrappers (no dispatcher); while compiling: the torch.library ops
+    compiling = torch.compiler.is_compiling()
+    cast = cast_op if compiling else _fp8_cast_transpose
     if q.scaling == "delayed":
         if not isinstance(state, DelayedScalingState):
             return NotImplemented  # the reference raises the explanatory ValueError
@@ -143,14 +147,17 @@ def quantize_fp8_tensor(q: Float8Quantizer, x2d, *, rowwise, columnwise, state, 
         record = amax is None
         if not record:
             state.record(amax.float().to(dev))
-        row, col, scale_inv = fp8_cast_transpose(
+        row, col, scale_inv = cast(
             x2d, state.scale, state.scale, state.amax_history, q.dtype, False, 0.0, False,
             rowwise, columnwise, record)
     else:
-        amax = amax_2d(x2d) if amax is None else amax.float().to(dev).reshape(())
-        row, col, scale_inv = fp8_cast_transpose(
-            x2d, amax, amax, _unused(dev), q.dtype, True, float(q.amax_epsilon), q.power_of_2_scales,
-            rowwise, columnwise, False)
+        if amax is None:
+            amax = amax_op(x2d) if compiling else _amax_2d(x2d)
+        else:
+            amax = amax.float().to(dev).reshape(())
+        row, col, scale_inv = cast(
+            x2d, amax, amax, _unused(dev, compiling), q.dtype, True, float(q.amax_epsilon),
+            q.power_of_2_scales, rowwise, columnwise, False)
     row_st = Float8Storage(data=row, scale_inv=scale_inv, transposed=False) if rowwise else None
     col_st = Float8Storage(data=col, scale_inv=scale_inv, transposed=True) if columnwise else None
     return row_st, col_st

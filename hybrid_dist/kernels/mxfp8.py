@@ -14,7 +14,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
-from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, e8m0_from_amax, exp2_int
+from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, e8m0_from_amax, exp2_int
 
 _CONFIGS = [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
             for bm, bk, w in ((64, 64, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8))]
@@ -64,7 +64,7 @@ def mxfp8_quantize_op(
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=dev)
     col_s = torch.empty((k, m // MX_BLOCK) if columnwise else (0, 0), dtype=torch.uint8, device=dev)
     if x.numel():
-        grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
+        grid = lambda meta: (cdiv(m, meta["BM"]), cdiv(k, meta["BK"]))  # noqa: E731
         _mxfp8_kernel[grid](x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype],
                             ROW=rowwise, COL=columnwise)
     return row, row_s, col, col_s

@@ -27,7 +27,7 @@ import triton.language as tl
 from hybrid_dist.formats import _traced_rng
 from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage, nvfp4_global_scale
-from hybrid_dist.kernels._jit_common import eager_or_op, cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
+from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
 
 _BM, _BK = 64, 64
 
@@ -168,7 +168,7 @@ def nvfp4_amax_op(x: torch.Tensor, blockdiag_t: torch.Tensor, rht: bool) -> torc
     m, k = x.shape
     out = torch.zeros(2, dtype=torch.float32, device=x.device)
     if x.numel():
-        grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
+        grid = (cdiv(m, _BM), cdiv(k, _BK))
         _nvfp4_amax_kernel[grid](x, blockdiag_t, out, m, k, x.stride(0), RHT=rht, BM=_BM, BK=_BK,
                                  num_warps=4)
     return out
@@ -189,7 +189,7 @@ def nvfp4_quantize_op(
     m, k = x.shape
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     if x.numel():
-        grid = lambda meta: (triton.cdiv(m, _BM), triton.cdiv(k, meta["BK"]))  # noqa: E731
+        grid = lambda meta: (cdiv(m, _BM), cdiv(k, meta["BK"]))  # noqa: E731
         _nvfp4_kernel[grid](
             x, blockdiag_t, global_scales, seed, *outs, m, k, x.stride(0), ROW=rowwise,
             COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr, BR=block_rows,
