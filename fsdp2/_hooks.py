@@ -21,7 +21,10 @@ same count, numels and dtypes. Three modes keep that true:
 
 The unsharded tensor always holds both directions as storage objects: backward saved the
 columnwise storage in forward, FSDP frees it at the forward reshard and re-allocates it
-(``inner tensors``) before backward, where ``post_all_gather(out=...)`` refills it.
+(``inner tensors``) before backward, where ``post_all_gather(out=...)`` refills it. After
+a backward gather its rowwise direction is hidden (``None``) until the next forward
+gather, so nothing reads stale rowwise bytes (activation recompute inside backward needs
+``reshard_after_forward=False`` for the recomputed modules).
 """
 
 from __future__ import annotations
@@ -113,9 +116,23 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
         qt = QuantizedTensor(meta.shape, param_dtype or t.dtype, storages.get(ROW), storages.get(COL), meta.quantizer)
         return qt, tuple(owned)
     target = out._local_tensor if hasattr(out, "_local_tensor") else out
+    _expose_rowwise(target, meta.pass_ != BACKWARD)
     for d in meta.gathered:
         fsdp_assign_gathered(views[d], meta.dirs[d], meta.world_size, out=target.storage_of(d))
     return None
+
+
+def _expose_rowwise(t, valid: bool) -> None:
+    """After a backward (columnwise-only) gather the rowwise buffers hold no valid data
+    (they alias the shared slots or were re-allocated): hide that direction until the next
+    forward gather, so a reader (e.g. an activation recompute) fails instead of computing
+    with stale bytes."""
+    if not valid and t._rowwise is not None:
+        t._hd_hidden_rowwise = t._rowwise
+        t._rowwise = None
+    elif valid and t._rowwise is None and getattr(t, "_hd_hidden_rowwise", None) is not None:
+        t._rowwise = t._hd_hidden_rowwise
+        t._hd_hidden_rowwise = None
 
 
 def _gathered_views(outputs, meta: GatherMeta) -> dict[str, list[torch.Tensor]]:
