@@ -188,11 +188,10 @@ def _check(results, world, exact: bool, reshard: bool):
             if reshard:
                 exp = {"forward": fw, "backward": bw}
                 exp_payload = {"forward": fp, "backward": bp}
-            else:
-                exp = {"forward_both": fp + bp if fw == fp and bw == bp else fp + bp}
-                exp_payload = exp
+            else:  # both directions once, unpadded
+                exp = exp_payload = {"forward_both": fp + bp}
             got = {k: v / _WEIGHT_ELEMS for k, v in wire.items()}
-            got_payload = {k: v / (_WEIGHT_ELEMS) for k, v in payload.items()}
+            got_payload = {k: v / _WEIGHT_ELEMS for k, v in payload.items()}  # per rank
             assert got == pytest.approx(exp), f"{name} world={world} step {step}: wire bytes/elem {got} != {exp}"
             assert got_payload == pytest.approx({k: v / world for k, v in exp_payload.items()}), (
                 f"{name} world={world} step {step}: payload bytes/elem {got_payload}")
