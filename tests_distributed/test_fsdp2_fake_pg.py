@@ -23,7 +23,7 @@ try:
 except ImportError:  # older layout
     from torch.distributed._tensor.debug import CommDebugMode
 
-DIM, LAYERS = 512, 3
+DIM, LAYERS = 256, 3
 # recipe -> (forward, backward) all-gather bytes per weight element, per-tensor scales?
 EXPECTED = {
     "bf16": (4.0, 4.0, False),
@@ -83,7 +83,7 @@ def test_hsdp_collectives_per_step(fake_world, replicate):
         fully_shard(model, mesh=mesh)
         opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)
         x = torch.randn(64, DIM)
-        for step in range(2):
+        for step in range(2 if name == "fp8_current" else 1):
             cfg = f"{name} world={world} mesh={replicate}x{world // replicate} step={step}"
             with CommDebugMode() as comm, _AllGatherBytes() as ag:
                 with hd.autocast(recipe):
