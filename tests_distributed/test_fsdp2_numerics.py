@@ -208,3 +208,27 @@ def test_fsdp2_trains_like_unsharded_4_ranks_no_reshard():
     names = ["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
     for r in run_ranks(train_and_compare, 4, names, False, "cpu", 2):
         _check(r, 4, exact=False, reshard=False)
+
+
+def recompute_after_reshard(rank, world):
+    """Activation recompute inside backward of a module resharded after forward: FSDP has
+    gathered only the columnwise direction, so the recompute must fail loudly."""
+    from torch.utils.checkpoint import checkpoint
+
+    recipe = hd.recipe_from_name("mxfp8")
+    model = shard(build(recipe), reshard=True)
+    x = torch.randn(TOKENS, LAYERS[0][1], requires_grad=True)
+    try:
+        with hd.autocast(recipe):
+            y = x
+            for layer in model:
+                y = checkpoint(layer, y, use_reentrant=False)
+            y.square().mean().backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_recompute_after_reshard_fails_loudly_not_silently():
+    for rank, msg in enumerate(run_ranks(recompute_after_reshard, 2)):
+        assert msg is not None and "rowwise" in msg, f"rank {rank}: expected a rowwise-missing error, got {msg!r}"
