@@ -100,6 +100,8 @@ def _args():
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     p.add_argument("--compile", action="store_true",
                    help="also time torch.compile(fullgraph=True) of each hd.Linear (inductor)")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode for --compile, e.g. reduce-overhead (CUDA graphs)")
     return p.parse_args()
 
 
@@ -137,8 +139,9 @@ def main() -> None:
                 rows.append(_variant_row(shape, name, _step(lin, x, dy), bf16_ms, roof))
                 if args.compile:
                     torch._dynamo.reset()
-                    fn = _step(torch.compile(lin, fullgraph=True), x, dy)
-                    rows.append(_variant_row(shape, f"{name} (compiled)", fn, bf16_ms, roof))
+                    fn = _step(torch.compile(lin, fullgraph=True, mode=args.compile_mode), x, dy)
+                    label = f"{name} (compiled{', ' + args.compile_mode if args.compile_mode else ''})"
+                    rows.append(_variant_row(shape, label, fn, bf16_ms, roof))
             except Exception as e:  # keep the table: report the failure in its row
                 rows.append([shape, name, f"failed: {type(e).__name__}: {e}"[:160], "", "", "", ""])
                 continue
