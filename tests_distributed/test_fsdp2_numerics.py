@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid_dist as hd
+from tests._helpers import sqnr_db
 from tests_distributed._harness import run_ranks
 
 # (out_features, in_features, bias): every dim-0 shard is a multiple of 128 rows up to 4 ranks
@@ -117,6 +118,7 @@ def train_and_compare(rank, world, names, reshard, device_type="cpu", steps=STEP
                 "shard": _shard_mismatches(p_ref, p, rank),
                 "master_maxrel": float(((m_ref - m_sh).abs().max() / m_ref.abs().max()).item()),
                 "master_bits": _diff_count(m_ref, m_sh),
+                "master_sqnr": sqnr_db(m_ref, m_sh),
             }
         results[name] = {"losses": losses, "bytes": acct_steps, "params": params, "unsharded": unsharded}
     return results
@@ -167,15 +169,28 @@ BYTES_PER_ELEMENT = {
 _WEIGHT_ELEMS = sum(o * i for o, i, _ in LAYERS)
 
 
-def _check(results, world, exact: bool, reshard: bool):
+# NCCL on GPU: reduce-scatter sums in another order than the unsharded run and cuBLAS may
+# split K differently, so losses agree to 1e-3 and the fp32 masters by SQNR: after an Adam
+# step a gradient within rounding of zero can flip the sign of its update (measured: max
+# relative master difference 3.5% on one bias, H200). Unsharded weights (step 0) and bytes
+# on the wire stay exact.
+GPU_LOSS_RTOL, GPU_MASTER_SQNR_DB = 1e-3, 25.0
+
+
+def _check(results, world, exact: bool, reshard: bool, gpu: bool = False):
     for name, r in results.items():
         for step, (l_ref, l_sh) in enumerate(r["losses"]):
-            if exact:
+            if gpu:
+                assert abs(l_ref - l_sh) <= GPU_LOSS_RTOL * abs(l_ref), (
+                    f"{name} world={world} (NCCL): step {step} loss {l_sh} vs unsharded {l_ref}")
+            elif exact:
                 assert l_ref == l_sh, f"{name} world={world}: step {step} loss {l_sh} != unsharded {l_ref}"
             else:
                 assert abs(l_ref - l_sh) <= 1e-6 * abs(l_ref), f"{name} world={world}: step {step} loss"
         for fqn, p in r["params"].items():
-            if exact:
+            if gpu:
+                assert p["master_sqnr"] >= GPU_MASTER_SQNR_DB, f"{name} world={world} (NCCL): master of {fqn}: {p}"
+            elif exact:
                 assert p["master_bits"] == 0, f"{name} world={world}: master of {fqn} differs ({p})"
                 bad = {k: v for k, v in p["shard"].items() if v != 0}
                 assert not bad, f"{name} world={world}: shard of {fqn} differs from the unsharded bytes: {bad}"

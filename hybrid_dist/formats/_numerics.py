@@ -144,7 +144,17 @@ def hadamard16(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """
     if torch.compiler.is_compiling():  # a torch.Generator cannot be traced: a constant instead
         return torch.tensor(_hadamard16_values(seed), dtype=torch.float32, device=device).reshape(16, 16)
-    return _hadamard16_cpu(seed).to(device)
+    device = torch.device(device)
+    key = (seed, device)
+    if key not in _HADAMARD_ON_DEVICE:  # once per device, and without a host sync
+        t = _hadamard16_cpu(seed)
+        if device.type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        _HADAMARD_ON_DEVICE[key] = t.to(device)
+    return _HADAMARD_ON_DEVICE[key]
+
+
+_HADAMARD_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}  # never mutated by callers
 
 
 @torch.compiler.assume_constant_result
