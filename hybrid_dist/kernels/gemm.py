@@ -58,11 +58,13 @@ def _scaled_mm_blockwise(a: Float8BlockStorage, b: Float8BlockStorage, out_dtype
 
 
 def _bf16_operand(st):
-    """bf16 ``[R, C]`` with block scales applied (exact), or None if not exact in bf16."""
+    """bf16 ``[R, C]`` with block scales applied (exact), or None if not exact in bf16.
+    The dequantize kernels index row-major buffers: strided views (e.g. a transposed saved
+    or gathered field) are made contiguous first."""
     if isinstance(st, MXFP8Storage):
-        return dequant.mxfp8_dequantize(st.data, st.scale)
+        return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous())
     if isinstance(st, NVFP4Storage):
-        return dequant.nvfp4_dequantize(st.data, st.block_scale, st.block_rows)
+        return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows)
     if isinstance(st, Float8Storage):
         return st.data.to(torch.bfloat16)
     if isinstance(st, IdentityStorage) and st.data.dtype == torch.bfloat16:
