@@ -1,8 +1,9 @@
-"""Run a function on N gloo ranks (CPU processes) and collect each rank's return value.
+"""Run a function on N ranks (processes) and collect each rank's return value.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo
-process group over a fresh file store, calls ``fn(rank, world_size, *args)`` and returns
-the list of results (rank order). An exception on any rank is re-raised in the parent with
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` CPU processes on gloo;
+``run_nccl(fn, world_size, *args)`` one process per CUDA device on NCCL. Each initialises a
+process group over a fresh file store, calls ``fn(rank, world_size, *args)`` and the
+results come back in rank order. An exception on any rank is re-raised in the parent with
 that rank's traceback, so a failing test names the rank and configuration.
 """
 
@@ -17,12 +18,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, store_path, fn, args, queue):
+def _worker(rank, world_size, store_path, backend, fn, args, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -32,12 +37,12 @@ def _worker(rank, world_size, store_path, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
+def _run(fn, world_size: int, args, *, backend: str, timeout: float):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         store_path = os.path.join(d, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, backend, fn, args, queue))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -51,5 +56,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
         for p in procs:
             p.join(timeout=60)
     if errors:
-        raise AssertionError(f"{fn.__name__} failed on {world_size} ranks (args={args!r}):\n" + "\n".join(errors))
+        raise AssertionError(
+            f"{fn.__name__} failed on {world_size} {backend} ranks (args={args!r}):\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
+    """``fn(rank, world_size, *args)`` on gloo CPU processes; results in rank order."""
+    return _run(fn, world_size, args, backend="gloo", timeout=timeout)
+
+
+def run_nccl(fn, world_size: int, *args, timeout: float = 600.0):
+    """``fn(rank, world_size, *args)`` on one NCCL process per CUDA device."""
+    return _run(fn, world_size, args, backend="nccl", timeout=timeout)

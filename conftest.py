@@ -1,4 +1,4 @@
-"""Shared pytest setup: the ``gpu`` marker skips without CUDA."""
+"""Shared pytest setup for tests/ and tests_distributed/: the ``gpu`` marker skips without CUDA."""
 
 import pytest
 import torch
