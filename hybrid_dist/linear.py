@@ -123,7 +123,9 @@ class _DequantizeFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: QuantizedTensor, dtype: torch.dtype):
-        return t.dequantize(dtype=dtype)
+        # a forward reads the rowwise (fprop) direction: under FSDP2 it is the one gathered
+        # for this pass, while a columnwise copy may be left over from the last backward
+        return t.dequantize("rowwise" if t.rowwise is not None else "columnwise", dtype=dtype)
 
     @staticmethod
     def backward(ctx, grad):
