@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from hybrid_dist import kernels
+from hybrid_dist._warn import warn_once
 from hybrid_dist.formats._storage import DirectionStorage
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -62,6 +63,9 @@ def gemm_nt(a: DirectionStorage, b: DirectionStorage, *, out_dtype: torch.dtype,
         out = impl(a, b, out_dtype=out_dtype, config=config)
         if out is not NotImplemented:
             return out
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        warn_once(f"gemm_nt: no CUDA kernel serves {type(a).__name__} x {type(b).__name__} here; "
+                  "using the fp32 reference GEMM (exact, slow)")
     return reference_gemm_nt(a, b, out_dtype=out_dtype)
 
 

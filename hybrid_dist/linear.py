@@ -193,6 +193,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"hd.Linear expects input [..., {self.in_features}], got {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(
+                f"hd.Linear {self.name!r}: the input is on {x.device} but the weight is on "
+                f"{self.weight.device}; move the input or the module to one device")
         recompute = in_backward()
         recipe = self._active_recipe(recompute)
         if recipe is None:

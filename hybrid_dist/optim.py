@@ -75,6 +75,11 @@ class MasterWeightOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None):
+        if closure is not None:
+            raise NotImplementedError(
+                "MasterWeightOptimizer.step(closure) is not supported: the closure's gradients "
+                "land on the model parameters after the masters were filled. Call backward(), "
+                "then step() without a closure.")
         for p, m in self._pairs:
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.to(torch.float32)

@@ -201,8 +201,15 @@ _NAMED = {
 RECIPE_NAMES = tuple(_NAMED)
 
 
+_BUILT: dict[str, Recipe] = {}  # one object per name: modules key their quantizer state by recipe
+
+
 def recipe_from_name(name: str) -> Recipe:
-    """The named recipe ``name`` (one of ``RECIPE_NAMES``)."""
+    """The named recipe ``name`` (one of ``RECIPE_NAMES``). Repeated calls return the same
+    (immutable) object, so ``hd.autocast(hd.recipe_from_name(...))`` inside a training loop
+    keeps each module's delayed-scaling history instead of starting a new one every step."""
     if name not in _NAMED:
         raise ValueError(f"unknown recipe {name!r}; named recipes are {', '.join(RECIPE_NAMES)}")
-    return _NAMED[name]()
+    if name not in _BUILT:
+        _BUILT[name] = _NAMED[name]()
+    return _BUILT[name]

@@ -33,9 +33,10 @@ read on the host once per step (``make_route``); a static-capacity variant would
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
+
+from hybrid_dist._warn import warn_once
 import torch.distributed as dist
 
 from hybrid_dist.moe import _wire
@@ -212,14 +213,10 @@ class _QuantizedCombine(torch.autograd.Function):
         return _dequantize_rows(g, dy.dtype).reshape(-1, dy.shape[1]), *([None] * 5)
 
 
-_WARNED: set[str] = set()
 
 
 def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"expert parallel: exchanging high precision and quantizing after, because {reason}",
-                      stacklevel=3)
+    warn_once(f"expert parallel: exchanging high precision and quantizing after, because {reason}", stacklevel=4)
 
 
 def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, stats=None):

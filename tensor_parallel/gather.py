@@ -31,10 +31,11 @@ as ``[S, B, H]`` shard S). With a quantizer there are two paths:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
+
+from hybrid_dist._warn import warn_once
 
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats.identity import IdentityQuantizer
@@ -44,13 +45,10 @@ from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.tensor_parallel import _comm
 
 PATHS = ("auto", "quantized", "high_precision")
-_WARNED: set[str] = set()  # one-time fallback warnings (the reason is the key)
 
 
 def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, stacklevel=3)
+    warn_once(msg, stacklevel=4)
 
 
 def _directions(rowwise: bool, columnwise: bool) -> list[str]:

@@ -205,3 +205,30 @@ def test_delayed_scaling_advances_once_per_pass_and_not_on_recompute():
     torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum().backward()
     assert state.scale == torch.tensor(448.0) / amax  # one advance for the forward, none for the recompute
     assert state.amax_history[1] == amax and state.amax_history[0] == amax
+
+
+def test_only_bias_trains():
+    lin = hd.Linear(128, 64, recipe=hd.recipe_from_name("mxfp8"))
+    lin.weight.requires_grad_(False)
+    lin(torch.randn(32, 128)).sum().backward()
+    assert lin.weight.grad is None and torch.equal(lin.bias.grad, torch.full((64,), 32.0))
+
+
+def test_named_recipe_is_one_object_so_delayed_state_survives_autocast_per_step():
+    assert hd.recipe_from_name("fp8_delayed") is hd.recipe_from_name("fp8_delayed")
+    lin = hd.Linear(128, 128, bias=False)
+    x = 3.0 * torch.randn(64, 128)
+    for _ in range(2):
+        with hd.autocast(hd.recipe_from_name("fp8_delayed")):
+            lin(x).sum().backward()
+    assert len(lin._plans) == 1
+    assert lin._plan(hd.recipe_from_name("fp8_delayed")).states["input"].scale == torch.tensor(448.0) / x.abs().max()
+
+
+def test_device_mismatch_and_closure_errors():
+    lin = hd.Linear(32, 32, name="proj")
+    with pytest.raises(ValueError, match="'proj': the input is on meta but the weight is on cpu"):
+        lin(torch.empty(4, 32, device="meta"))
+    opt = hd.MasterWeightOptimizer(torch.optim.SGD, lin.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match="closure"):
+        opt.step(lambda: 0.0)

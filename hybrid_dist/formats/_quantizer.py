@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from hybrid_dist._warn import warn_once
 from hybrid_dist.formats._storage import DirectionStorage
 
 _DIRECTIONS = ("rowwise", "columnwise")
@@ -87,7 +88,11 @@ class Quantizer:
         return QuantizedTensor(x.shape, x.dtype, row, col, self)
 
     def quantize_storages(self, x2d, *, rowwise, columnwise, state=None, amax=None):
-        """``quantize`` without the wrapper: ``(rowwise_storage, columnwise_storage)``."""
+        """``quantize`` without the wrapper: ``(rowwise_storage, columnwise_storage)``.
+        Asking for neither direction (e.g. a backward where only the bias needs a gradient)
+        returns ``(None, None)`` without touching ``x2d`` or ``state``."""
+        if not (rowwise or columnwise):
+            return None, None
         self.check_input(x2d, rowwise=rowwise, columnwise=columnwise)
         return self._quantize_2d_dispatch(
             x2d.detach(), rowwise=rowwise, columnwise=columnwise, state=state, amax=amax
@@ -141,6 +146,10 @@ class Quantizer:
             out = impl(self, x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
             if out is not NotImplemented:
                 return out
+        if x2d.is_cuda and self.FORMAT != "identity" and not torch.compiler.is_compiling():
+            warn_once(f"{type(self).__name__}: no CUDA kernel serves this call ({x2d.dtype} input, "
+                      f"rowwise={rowwise}, columnwise={columnwise}); using the pure-torch reference "
+                      "(same numbers, slower). bf16 inputs take the fused kernels.")
         return self._quantize_2d(x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
 
 

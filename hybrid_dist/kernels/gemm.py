@@ -53,7 +53,9 @@ def _scaled_mm_blockwise(a: Float8BlockStorage, b: Float8BlockStorage, out_dtype
     try:
         return F.scaled_mm(a.data, b.data.t(), scale_a, scaling.BlockWise1x128, scale_b, recipe_b,
                            output_dtype=out_dtype)
-    except (RuntimeError, NotImplementedError, ValueError):
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError, ValueError):  # layout/shape not supported
         return None
 
 
