@@ -17,6 +17,7 @@ from hybrid_dist.formats import (
     NVFP4Quantizer,
     Quantizer,
 )
+from hybrid_dist.formats import _quantizer as _quantizer_mod
 from hybrid_dist.formats import _storage as _storage_mod
 from hybrid_dist.formats import float8 as _f8, float8_block as _f8b, identity as _id, mxfp8 as _mx, nvfp4 as _nv
 from hybrid_dist.gemm import GemmConfig
@@ -26,6 +27,10 @@ from hybrid_dist.optim import MasterWeightOptimizer
 from hybrid_dist.quantized_tensor import QuantizedTensor, _rebuild_quantized_tensor
 from hybrid_dist.recipes import RECIPE_NAMES, CustomRecipe, Recipe, Role, recipe_from_name
 
+# Resolve the kernel registry now, in eager code: resolving it lazily inside a
+# torch.compile trace would mutate module state there and force a recompile.
+_quantizer_mod._kernels()
+
 # torch.load(weights_only=True) may rebuild our tensors and configs (allowlist, additive).
 _torch.serialization.add_safe_globals([
     _rebuild_quantized_tensor, QuantizedTensor, HybridQuantizer,
@@ -33,7 +38,7 @@ _torch.serialization.add_safe_globals([
     _mx.MXFP8Quantizer, _mx.MXFP8Storage, _nv.NVFP4Quantizer, _nv.NVFP4Storage,
     _id.IdentityQuantizer, _id.IdentityStorage,
 ])
-del _storage_mod
+del _storage_mod, _quantizer_mod
 
 __all__ = [
     "CustomRecipe", "DelayedScalingState", "Float8BlockQuantizer", "Float8Quantizer", "GemmConfig",

@@ -153,7 +153,7 @@ class Quantizer:
         return self._quantize_2d(x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
 
 
-_KERNELS = []  # the hybrid_dist.kernels module, imported on first use (import cycle)
+_KERNELS = []  # the hybrid_dist.kernels module (import cycle); resolved by hybrid_dist/__init__
 
 
 def _kernels():
