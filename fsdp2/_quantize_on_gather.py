@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid_dist._warn import warn_once
 from hybrid_dist.fsdp2._accounting import record_all_gather
 from hybrid_dist.fsdp2._buffers import _copy_keep_version
 from hybrid_dist.fsdp2._hooks import gather_inputs, post_all_gather
@@ -110,7 +111,11 @@ def hp_pre_all_gather(p: HighPrecisionParam, mesh, outer_size, outer_stride, mod
     shape = torch.Size(outer_size)
     q = _stateless(p.quantizer)
     pass_ = gather_pass(module, p)
-    if is_aligned(q, tuple(shape), world) and world > 1:
+    rht_col = bool(getattr(q.direction_quantizer("columnwise"), "rht", False))
+    if rht_col:  # its global scale is the transformed tensor's amax, which `amax=` cannot set
+        warn_once(f"hybrid_dist.fsdp2: {type(q).__name__} with RHT on the columnwise direction is "
+                  "gathered in high precision and quantized after the gather (exact, more bytes)")
+    if is_aligned(q, tuple(shape), world) and world > 1 and not rht_col:
         amax = None
         if q.is_per_tensor:  # every shard must use the global scale
             amax = tensor_amax(p._data)

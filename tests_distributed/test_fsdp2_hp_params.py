@@ -20,6 +20,10 @@ from tests_distributed._harness import run_ranks
 from tests_distributed.test_fsdp2_numerics import _diff_count, shard
 
 NAMES = [n for n in hd.RECIPE_NAMES if n != "fp8_delayed"]
+# A custom recipe whose weights use RHT on the columnwise direction: its global scale comes
+# from the transformed tensor's amax, so the gather must fall back to high precision.
+EXTRA = {"custom:nvfp4_rht_weights": hd.CustomRecipe(
+    lambda role: hd.NVFP4Quantizer(rht=True), name="nvfp4_rht_weights")}
 ALIGNED = ((256, 128), (256, 256))  # (out, in): 128-row shards on 2 ranks
 
 
@@ -39,7 +43,7 @@ def train_hp(rank, world, names, layers, steps=2):
     for name in names:
         layers = all_layers[name] if isinstance(all_layers, dict) else all_layers
         quantized = name.startswith("qinit:")
-        recipe = hd.recipe_from_name(name.removeprefix("qinit:"))
+        recipe = EXTRA.get(name) or hd.recipe_from_name(name.removeprefix("qinit:"))
         ref, model = _build(recipe, layers, quantized), _build(recipe, layers, quantized)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -107,3 +111,9 @@ def test_unaligned_shards_warn_once_and_fall_back_bitwise():
         assert len(msgs) == 1 and f"{rows} rows" in msgs[0] and f"{block}-row block" in msgs[0], (
             f"{name}: expected one warning naming 0.weight, {rows} rows, block {block}: {msgs}")
         assert res[0][name]["bytes"]["forward"] >= 4 * ls[0][0] * ls[0][1], f"{name}: fp32 fallback gather expected"
+
+
+def test_rht_columnwise_weights_gather_in_high_precision_bitwise():
+    name = "custom:nvfp4_rht_weights"
+    res = run_ranks(train_hp, 2, [name], ALIGNED)
+    _assert_equal(res, ALIGNED)
