@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from hybrid_dist.moe.grouped_linear import check_token_counts
 from hybrid_dist.formats._numerics import cast_to_fp8
 from hybrid_dist.formats.float8 import Float8Quantizer
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
@@ -143,6 +144,9 @@ def split_quantize_packed(
             f"split_quantize_packed expects x [T, K] and tokens_per_expert [E] on x's device; got "
             f"{tuple(x.shape)} and {tuple(tokens_per_expert.shape)} on {tokens_per_expert.device}"
         )
+    if not x.is_floating_point():
+        raise ValueError(f"split_quantize_packed expects a floating-point x, got {x.dtype}")
+    check_token_counts(tokens_per_expert, x.shape[0], "split_quantize_packed")
     e = tokens_per_expert.numel()
     states = list(states) if states is not None else [None] * e
     mult = multiple or token_multiple(quantizer)

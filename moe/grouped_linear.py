@@ -205,9 +205,16 @@ class GroupedLinear(nn.Module):
                 f"{x.device}; got {getattr(tokens_per_expert, 'dtype', type(tokens_per_expert).__name__)} "
                 f"{tuple(getattr(tokens_per_expert, 'shape', ()))} on {getattr(tokens_per_expert, 'device', None)}"
             )
+        check_token_counts(tokens_per_expert, x.shape[0], "GroupedLinear")
 
     def extra_repr(self) -> str:
         recipe = self.recipe.name if self.recipe else None
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, recipe={recipe}")
 
+
+def check_token_counts(tokens_per_expert: torch.Tensor, num_tokens: int, who: str) -> None:
+    """Counts must be >= 0 and sum to the token count; checked on the device (no host sync):
+    a CPU tensor raises here, a CUDA one at the next synchronization."""
+    ok = (tokens_per_expert >= 0).all() & (tokens_per_expert.sum() == num_tokens)
+    torch._assert_async(ok, f"{who}: tokens_per_expert must be >= 0 and sum to the {num_tokens} rows of x")

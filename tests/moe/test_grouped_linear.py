@@ -129,3 +129,14 @@ def test_grouped_mm_path_on_cpu_matches_loop():
     yr.backward(dy)
     for what, a, b in (("y", y, yr), ("dx", x.grad, xr.grad), ("dW", w.grad, wr.grad)):
         assert_bitwise_equal(a, b, f"grouped_mm CPU {what}")
+
+
+def test_token_counts_must_cover_x():
+    import hybrid_dist as hd
+    from hybrid_dist.moe import GroupedLinear
+
+    layer = GroupedLinear(2, 64, 32, recipe=hd.recipe_from_name("bf16"))
+    x = torch.randn(10, 64)
+    for bad in ([4, 4], [12, -2]):
+        with pytest.raises(RuntimeError, match="sum to the 10 rows"):
+            layer(x, torch.tensor(bad))
