@@ -55,6 +55,21 @@ def pow2_floor(x: torch.Tensor) -> torch.Tensor:
     return (x.float().view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
+def scale_from_amax(amax: torch.Tensor, fmax: float, *, margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """fp32 encode scale ``fmax / amax`` (1 where amax is 0; clamped to the fp32 max),
+    divided by ``2**margin``, optionally rounded down to a power of two.
+
+    One IEEE division with a tensor numerator: torch computes ``scalar / tensor`` as a
+    reciprocal then a multiply (two roundings), which the kernels would not reproduce.
+    """
+    amax = amax.float()
+    scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))
+    scale = scale.clamp(max=torch.finfo(torch.float32).max)
+    if margin:
+        scale = scale / (2.0**margin)
+    return pow2_floor(scale) if pow2 else scale
+
+
 def e8m0_from_amax(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     """Biased E8M0 exponent ``e`` (uint8) such that ``2**(e-127) >= amax / elem_max``.
 

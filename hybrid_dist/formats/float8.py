@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from hybrid_dist.formats._numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, pow2_floor
+from hybrid_dist.formats._numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
 
@@ -95,16 +95,7 @@ class DelayedScalingState:
 
 
 def _scale_from_amax(amax: torch.Tensor, q: "Float8Quantizer", margin: int = 0) -> torch.Tensor:
-    fmax = FP8_MAX[q.dtype]
-    amax = amax.float()
-    # a tensor numerator: ``scalar / tensor`` is reciprocal-then-multiply in torch (2 roundings)
-    scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))
-    scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
-    if margin:
-        scale = scale / (2.0**margin)
-    if q.power_of_2_scales:
-        scale = pow2_floor(scale)
-    return scale
+    return scale_from_amax(amax, FP8_MAX[q.dtype], margin=margin, pow2=q.power_of_2_scales)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from hybrid_dist.formats._numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, pow2_floor
+from hybrid_dist.formats._numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
 from hybrid_dist.formats._quantizer import Quantizer
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
 
@@ -84,12 +84,7 @@ class Float8BlockQuantizer(Quantizer):
         br = self.block_rows
         blocks = x.float().reshape(r // br, br, c // BLOCK, BLOCK)
         amax = blocks.abs().amax(dim=(1, 3)).clamp(min=self.amax_epsilon)
-        fmax = FP8_MAX[self.dtype]
-        # a tensor numerator: ``scalar / tensor`` is reciprocal-then-multiply in torch (2 roundings)
-        scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))
-        scale = scale.clamp(max=torch.finfo(torch.float32).max)
-        if self.power_of_2_scales:
-            scale = pow2_floor(scale)
+        scale = scale_from_amax(amax, FP8_MAX[self.dtype], pow2=self.power_of_2_scales)
         data = cast_to_fp8(blocks * scale[:, None, :, None], self.dtype).reshape(r, c)
         return data, torch.reciprocal(scale)
 

@@ -40,6 +40,7 @@ from hybrid_dist.formats._numerics import (
     e2m1_decode,
     e2m1_encode,
     hadamard16,
+    scale_from_amax,
     pack_fp4,
     unpack_fp4,
 )
@@ -106,11 +107,7 @@ class NVFP4State:
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """fp32 decode scale ``1 / min(448·6/amax, fp32_max)`` (1 when amax is 0)."""
-    amax = amax.float()
-    # a tensor numerator: ``scalar / tensor`` is reciprocal-then-multiply in torch (2 roundings)
-    enc = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax))
-    enc = enc.clamp(max=torch.finfo(torch.float32).max)
-    return torch.reciprocal(enc)
+    return torch.reciprocal(scale_from_amax(amax, E4M3_MAX * E2M1_MAX))
 
 
 def nvfp4_quantize_rows(
