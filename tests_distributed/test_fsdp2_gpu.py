@@ -22,14 +22,26 @@ def _need(n: int) -> None:
         pytest.skip(f"needs {n} CUDA devices, found {torch.cuda.device_count()}")
 
 
+def _check_every_recipe(results, world: int, **kw) -> None:
+    """Check each rank and recipe separately and report every failing one, not the first."""
+    fails = []
+    for rank, r in enumerate(results):
+        for name in r:
+            try:
+                numerics._check({name: r[name]}, world, gpu=True, **kw)
+            except AssertionError as e:
+                fails.append(f"rank {rank} {name}: {str(e).splitlines()[0]}")
+    assert not fails, f"{len(fails)} failing (rank, recipe) pairs:\n" + "\n".join(fails)
+
+
 def test_nccl_fsdp2_trains_like_unsharded_2_ranks_every_recipe():
     _need(2)
-    for r in run_nccl(numerics.train_and_compare, 2, list(hd.RECIPE_NAMES), True, "cuda"):
-        numerics._check(r, 2, exact=True, reshard=True, gpu=True)
+    results = run_nccl(numerics.train_and_compare, 2, list(hd.RECIPE_NAMES), True, "cuda")
+    _check_every_recipe(results, 2, exact=True, reshard=True)
 
 
 def test_nccl_fsdp2_4_ranks_no_reshard():
     _need(4)
     names = ["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
-    for r in run_nccl(numerics.train_and_compare, 4, names, False, "cuda", 2):
-        numerics._check(r, 4, exact=False, reshard=False, gpu=True)
+    results = run_nccl(numerics.train_and_compare, 4, names, False, "cuda", 2)
+    _check_every_recipe(results, 4, exact=False, reshard=False)
