@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_dist import _saved, gemm
-from hybrid_dist._tensor_ops import stateless
-from hybrid_dist.autocast import current_recipe, model_init_recipe
+from hybrid_dist._recipe_module import RecipeModuleMixin, in_backward  # noqa: F401 (re-export)
 from hybrid_dist.formats._quantizer import Quantizer
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe, Role
@@ -51,16 +50,6 @@ class LinearPlan:
     def start_forward_pass(self) -> None:
         self.input.advance_state(self.states["input"])
         self.weight.advance_state(self.states["weight"])
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward (e.g. an activation recompute).
-
-    Always False while ``torch.compile`` traces: a traced forward is never a recompute
-    (a checkpointed region inside a compiled graph is re-run by the compiler itself)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
 
 
 def _weight_operands(weight, plan: LinearPlan, need_dgrad: bool):
@@ -132,7 +121,7 @@ class _DequantizeFn(torch.autograd.Function):
         return grad, None
 
 
-class Linear(nn.Module):
+class Linear(RecipeModuleMixin, nn.Module):
     """Drop-in ``nn.Linear`` whose GEMMs run in a recipe's formats.
 
     The recipe is ``recipe`` if given, else the one of the enclosing ``hd.autocast``;
@@ -160,35 +149,10 @@ class Linear(nn.Module):
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features else 0
             nn.init.uniform_(self.bias, -bound, bound)
-        init = model_init_recipe()
-        if init is None:
-            self.weight = nn.Parameter(w)
-            return
-        recipe, keep_hp = init
-        q = stateless(self._plan(recipe).weight)  # delayed scaling has no history yet
-        self.weight = nn.Parameter(q.quantize(w, rowwise=True, columnwise=True))
-        if keep_hp:
-            self.weight._hd_hp_init = w.float()
+        self.weight = self._weight_parameter(w)
 
-    def _plan(self, recipe: Recipe) -> LinearPlan:
-        plan = self._plans.get(id(recipe))
-        if plan is None or plan.recipe is not recipe:
-            plan = LinearPlan.build(recipe, module_type="linear", name=self.name)
-            self._plans[id(recipe)] = plan
-        return plan
-
-    def active_recipe(self) -> Recipe | None:
-        return self._active_recipe(in_backward())
-
-    def _active_recipe(self, recompute: bool) -> Recipe | None:
-        recipe = self.recipe or current_recipe()
-        if recompute:
-            return recipe or self._last_recipe
-        # eager: skip nn.Module.__setattr__ when unchanged; compiled: store unconditionally
-        # (a condition on the attribute would guard on it and recompile once)
-        if torch.is_grad_enabled() and (torch.compiler.is_compiling() or self._last_recipe is not recipe):
-            self._last_recipe = recipe
-        return recipe
+    def _build_plan(self, recipe: Recipe) -> LinearPlan:
+        return LinearPlan.build(recipe, module_type="linear", name=self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

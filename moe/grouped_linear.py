@@ -31,9 +31,8 @@ import torch
 from torch import nn
 
 from hybrid_dist import _saved, gemm
-from hybrid_dist._tensor_ops import stateless
-from hybrid_dist.autocast import current_recipe, model_init_recipe
-from hybrid_dist.linear import LinearPlan, in_backward
+from hybrid_dist._recipe_module import RecipeModuleMixin, in_backward
+from hybrid_dist.linear import LinearPlan
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe
 from hybrid_dist.moe import _grouped_mm
@@ -132,7 +131,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(RecipeModuleMixin, nn.Module):
     """E bias-free Linears ``[in_features → out_features]`` applied to token groups.
 
     ``forward(x [T, K], tokens_per_expert [E] int on x's device) -> [T, N]``; rows of x are
@@ -154,30 +153,14 @@ class GroupedLinear(nn.Module):
         w = torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype)
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         nn.init.uniform_(w, -bound, bound)  # = kaiming_uniform(a=√5) of each [N, K] expert
-        init = model_init_recipe()
-        if init is None:
-            self.weight = nn.Parameter(w)
-        else:
-            recipe_init, keep_hp = init
-            q = stateless(self.plan(recipe_init).weight)  # delayed scaling has no history yet
-            self.weight = nn.Parameter(q.quantize(w, rowwise=True, columnwise=True))
-            if keep_hp:
-                self.weight._hd_hp_init = w.float()
+        self.weight = self._weight_parameter(w)
+
+    def _build_plan(self, recipe: Recipe) -> GroupedPlan:
+        return GroupedPlan(recipe, num_experts=self.num_experts, name=self.name)
 
     def plan(self, recipe: Recipe) -> GroupedPlan:
-        p = self._plans.get(id(recipe))
-        if p is None or p.recipe is not recipe:
-            p = GroupedPlan(recipe, num_experts=self.num_experts, name=self.name)
-            self._plans[id(recipe)] = p
-        return p
-
-    def active_recipe(self) -> Recipe | None:
-        recipe = self.recipe or current_recipe()
-        if in_backward():
-            return recipe or self._last_recipe
-        if torch.is_grad_enabled():
-            self._last_recipe = recipe
-        return recipe
+        """This module's quantizers and per-expert states under ``recipe``."""
+        return self._plan(recipe)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, *, io: dict[str, Any] | None = None):
         """``io`` (expert-parallel hook): ``{"x_quantized": GroupedQuantized}`` replaces the
