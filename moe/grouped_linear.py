@@ -63,10 +63,10 @@ def _weight_operands(weight, plan: GroupedPlan, *, need_dgrad: bool):
     """Per-expert (rowwise [N, K], columnwise [K, N] or None) storages (see the note)."""
     e, n, _ = weight.shape
     if isinstance(weight, QuantizedTensor):
-        if need_dgrad and weight.columnwise is None:
-            raise ValueError("GroupedLinear: the quantized weight has no columnwise direction, needed by dgrad")
-        rows = [weight.rowwise.narrow_dim0(i * n, n) for i in range(e)]
-        cols = [weight.columnwise.narrow_dim0(i * n, n) if need_dgrad else None for i in range(e)]
+        row = gemm._operand(weight, "rowwise", "weight", "fprop")
+        col = gemm._operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
+        rows = [row.narrow_dim0(i * n, n) for i in range(e)]
+        cols = [col.narrow_dim0(i * n, n) if need_dgrad else None for i in range(e)]
         return rows, cols
     rows, cols = [], []
     for i in range(e):
