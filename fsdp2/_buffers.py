@@ -112,11 +112,16 @@ def fsdp_extract_buffers(
     """The local shard's buffers to all-gather (contiguous, logical dim 0 = tensor dim 0;
     columnwise fields transposed for transport) and the metadata to rebuild them."""
     meta = fsdp_gather_meta(st, cast=cast)
-    bufs = [
+    return fsdp_transport_buffers(st, meta), meta
+
+
+def fsdp_transport_buffers(st: DirectionStorage, meta: DirectionGatherMeta) -> list[torch.Tensor]:
+    """``st``'s buffers to all-gather under an already built ``meta`` (``fsdp_gather_meta``
+    of ``st``): contiguous, logical dim 0 = tensor dim 0, in the wire dtype."""
+    return [
         _transport(getattr(st, f), meta.axes[f]).to(meta.dtypes[f]).view(wire_dtype(meta.dtypes[f]))
         for f in meta.fields
     ]
-    return bufs, meta
 
 
 def _stored(gathered: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:

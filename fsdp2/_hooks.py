@@ -34,7 +34,12 @@ import dataclasses
 import torch
 
 from hybrid_dist.fsdp2._accounting import record_all_gather
-from hybrid_dist.fsdp2._buffers import DirectionGatherMeta, fsdp_assign_gathered, fsdp_extract_buffers, fsdp_gather_meta
+from hybrid_dist.fsdp2._buffers import (
+    DirectionGatherMeta,
+    fsdp_assign_gathered,
+    fsdp_gather_meta,
+    fsdp_transport_buffers,
+)
 from hybrid_dist.fsdp2._pass import BACKWARD, BOTH, FORWARD, gather_pass
 
 ROW, COL = "rowwise", "columnwise"
@@ -81,7 +86,7 @@ def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
             "(hd.quantized_model_init does)."
         )
     metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast) for d in present}
-    bufs = {d: fsdp_extract_buffers(t.storage_of(d), cast=cast)[0] for d in wanted}
+    bufs = {d: fsdp_transport_buffers(t.storage_of(d), metas[d]) for d in wanted}  # one meta per direction
     capacity = 0
     if world == 1:  # FSDP2 copies only the first all-gather input when it has one rank
         capacity = sum(metas[d].nbytes() for d in wanted) if pass_ == BOTH else max(m.nbytes() for m in metas.values())

@@ -1,0 +1,54 @@
+"""FSDP2 pre-all-gather builds each direction's gather metadata once per gather.
+
+``_hooks.gather_inputs`` needs the metadata of every direction the shard has (to pick the
+slots / packed mode) and the transport buffers of the directions the pass gathers; the
+buffers are made under the metadata already built, so per-tensor scalars (FP8
+``scale_inv``, NVFP4 ``global_scale``) are cloned exactly once per direction per gather.
+Counted with a dispatch mode on ``aten.clone`` (no process group needed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hybrid_dist as hd
+from hybrid_dist.fsdp2._buffers import fsdp_buffer_fields
+from hybrid_dist.fsdp2._hooks import gather_inputs
+from hybrid_dist.fsdp2._pass import BACKWARD, BOTH, FORWARD
+
+
+class _CountClones(TorchDispatchMode):
+    """Counts ``aten.clone`` of the tensors ``watched`` (by data pointer)."""
+
+    def __init__(self, watched: list[torch.Tensor]):
+        super().__init__()
+        self.ptrs, self.clones = {t.data_ptr() for t in watched}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.clone.default and args[0].data_ptr() in self.ptrs:
+            self.clones += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _scalar_fields(t) -> list[torch.Tensor]:
+    """Per-tensor (not gathered) fields of every direction present."""
+    return [getattr(st, f) for st in (t.rowwise, t.columnwise) if st is not None
+            for f in st.TENSOR_FIELDS if f not in fsdp_buffer_fields(st)]
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "mxfp8"])
+@pytest.mark.parametrize("pass_", [FORWARD, BACKWARD, BOTH])
+def test_gather_meta_built_once_per_direction(name, pass_):
+    torch.manual_seed(0)
+    w = torch.randn(256, 128)
+    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
+    shard = q.quantize(w[:128], rowwise=True, columnwise=True)
+    scalars = _scalar_fields(shard)
+    with _CountClones(scalars) as mode:
+        gather_inputs(shard, pass_, 2, torch.Size([256, 128]), None)
+    expected = len(scalars)
+    assert mode.clones == expected, (
+        f"{name} {pass_}: {mode.clones} clones in pre-all-gather, expected {expected} (one per "
+        "per-tensor field of each direction)")
