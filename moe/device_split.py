@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hybrid_dist.moe.grouped_linear import check_token_counts
+from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.formats._numerics import cast_to_fp8
 from hybrid_dist.formats.float8 import Float8Quantizer
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
@@ -41,7 +41,7 @@ from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, nvfp4_global_sca
 from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
-__all__ = ["PackedSplit", "split_quantize_packed"]
+__all__ = ["PackedSplit", "split_quantize_packed", "unsupported_reason"]
 
 _BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
 
@@ -108,6 +108,17 @@ def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, *, direction):
     gs_b = gs_tok[:, None] if direction == "rowwise" else gs_tok[::NV_BLOCK][None, :]
     data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=None)
     return {"data": data, "block_scale": bs, "global_scale": gs}
+
+
+def unsupported_reason(q) -> str | None:
+    """None when ``split_quantize_packed`` quantizes both directions of ``q``; else why not."""
+    for d in ("rowwise", "columnwise"):
+        dq = q.direction_quantizer(d)
+        if isinstance(dq, NVFP4Quantizer) and (dq.stochastic_rounding or dq.block_2d):
+            return f"NVFP4 {d} with {'stochastic rounding' if dq.stochastic_rounding else '2D blocks'}"
+        if not isinstance(dq, (Float8Quantizer, NVFP4Quantizer) + _BLOCK_ONLY):
+            return f"{type(dq).__name__} ({d})"
+    return None
 
 
 def _direction_fields(q, x, x_pad, eid_rows, row_expert, states, e, direction):

@@ -3,9 +3,12 @@
 Legend: T tokens (sorted by expert), E experts, K in_features, N out_features,
 ``m_e`` tokens of expert e, ``p_e`` its padded count (``split_quantize`` note).
 
-One ``autograd.Function``; each GEMM is grouped over experts (reference: a loop of
-``gemm_nt`` per expert on the padded slices; CUDA + identity (bf16) recipe:
-``torch._grouped_mm`` with device offsets, no host sync — ``_grouped_mm.py``):
+Each GEMM is grouped over experts. Three paths: the reference (CPU, and CUDA calls the
+others do not serve: a loop of ``gemm_nt`` per expert on the padded slices, which reads
+the split sizes on the host); CUDA + bf16 recipe: ``torch._grouped_mm`` with device
+offsets (``_grouped_mm.py``); CUDA + a quantized recipe: ``split_quantize_packed`` then
+``torch._scaled_grouped_mm`` / ``torch._grouped_mm`` (``grouped_quantized.py``). The two
+CUDA paths make no device-to-host sync. The reference computes:
 
     fprop  y_e  [p_e, N] = x_e.rowwise  [p_e, K] · W_e.rowwise    [N, K]ᵀ   → rows [:m_e]
     dgrad  dx_e [p_e, K] = dy_e.rowwise [p_e, N] · W_e.columnwise [K, N]ᵀ   → rows [:m_e]
@@ -33,9 +36,10 @@ from torch import nn
 from hybrid_dist import _saved, gemm
 from hybrid_dist._recipe_module import RecipeModuleMixin, in_backward
 from hybrid_dist.linear import LinearPlan
-from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe
-from hybrid_dist.moe import _grouped_mm
+from hybrid_dist.moe import _grouped_mm, grouped_quantized
+from hybrid_dist.moe._checks import check_token_counts
+from hybrid_dist.moe.grouped_operands import expert_weight_storages
 from hybrid_dist.moe.split_quantize import split_quantize, token_multiple
 
 __all__ = ["GroupedLinear", "GroupedPlan"]
@@ -59,24 +63,6 @@ class GroupedPlan:
             q.advance_state(s)
 
 
-def _weight_operands(weight, plan: GroupedPlan, *, need_dgrad: bool):
-    """Per-expert (rowwise [N, K], columnwise [K, N] or None) storages (see the note)."""
-    e, n, _ = weight.shape
-    if isinstance(weight, QuantizedTensor):
-        row = gemm._operand(weight, "rowwise", "weight", "fprop")
-        col = gemm._operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
-        rows = [row.narrow_dim0(i * n, n) for i in range(e)]
-        cols = [col.narrow_dim0(i * n, n) if need_dgrad else None for i in range(e)]
-        return rows, cols
-    rows, cols = [], []
-    for i in range(e):
-        r, c = plan.weight.quantize_storages(weight[i], rowwise=True, columnwise=need_dgrad,
-                                             state=plan.states["weight"][i])
-        rows.append(r)
-        cols.append(c)
-    return rows, cols
-
-
 def _grouped_gemm_rows(a_list, b_list, splits, *, out_dtype, config, width, like) -> torch.Tensor:
     """``cat_e (A_e @ B_eᵀ)[:m_e]`` → ``[T, width]`` (fprop and dgrad)."""
     outs = [gemm.gemm_nt(a, b, out_dtype=out_dtype, config=config)[:m] for a, b, m in zip(a_list, b_list, splits)]
@@ -94,7 +80,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if x_q is None:
             x_q = split_quantize(x, tokens_per_expert, [plan.input] * e, rowwise=True, columnwise=need_wgrad,
                                  states=plan.states["input"], multiple=plan.multiple)
-        w_rows, w_cols = _weight_operands(weight, plan, need_dgrad=need_dgrad)
+        w_rows, w_cols = expert_weight_storages(weight, plan, need_dgrad=need_dgrad)
         # fprop: y_e [p_e, N] = x_e [p_e, K] · W_e [N, K]ᵀ, keep the m_e real rows
         y = _grouped_gemm_rows(x_q.rowwise, w_rows, x_q.splits, out_dtype=plan.recipe.fprop.out_dtype or x.dtype,
                                config=plan.recipe.fprop, width=n, like=x)
@@ -176,6 +162,8 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         if not in_backward():
             plan.advance("input")
             plan.advance("weight")
+        if io is None and grouped_quantized.fits(plan, x, self.weight):
+            return grouped_quantized.grouped_linear(x, self.weight, tokens_per_expert, plan)
         return _GroupedLinearFn.apply(x, self.weight, tokens_per_expert, plan, io)
 
     def _check(self, x, tokens_per_expert) -> None:
@@ -195,9 +183,3 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, recipe={recipe}")
 
-
-def check_token_counts(tokens_per_expert: torch.Tensor, num_tokens: int, who: str) -> None:
-    """Counts must be >= 0 and sum to the token count; checked on the device (no host sync):
-    a CPU tensor raises here, a CUDA one at the next synchronization."""
-    ok = (tokens_per_expert >= 0).all() & (tokens_per_expert.sum() == num_tokens)
-    torch._assert_async(ok, f"{who}: tokens_per_expert must be >= 0 and sum to the {num_tokens} rows of x")

@@ -1,0 +1,166 @@
+"""Operands of the sync-free quantized grouped GEMMs (``grouped_quantized``).
+
+Legend: E experts, C the packed capacity (``PackedSplit.capacity``), K in, N out.
+
+Token side (x, dy): the packed fields of ``split_quantize_packed`` wrapped as ONE storage
+over the whole padded buffer — rowwise stored ``[C, K]``, columnwise stored ``[K, C]`` —
+plus the per-expert per-tensor scale ``[E]`` (FP8 ``scale_inv``, NVFP4 ``global_scale``;
+None for block-only formats) kept beside it (``TokenOperand``).
+
+Weight side: the E experts' storages (rowwise stored ``[N, K]``, columnwise ``[K, N]``)
+stacked along stored rows into one storage ``[E·R, C]`` (per-tensor fields stacked to
+``[E]``): ``WeightOperand``. High-precision weights are quantized expert by expert with
+their own states (a loop over the host int E: no device-to-host sync); a quantized
+``[E, N, K]`` weight (``quantized_model_init``) is narrowed per expert (one shared scale).
+
+``bf16_values``: stored ``[R, C]`` as bf16 with block scales applied and the per-tensor
+scale NOT applied. Exact for FP8 (any dtype), MXFP8 (E4M3 × 2^k) and NVFP4 (E2M1 × E4M3);
+FP8 blocks (fp32 block scales) round once to bf16. NVFP4 stays in its Hadamard domain.
+``fold``: multiply per-expert scales in fp32 into one operand, then cast to bf16 (one
+rounding per element; the other operand stays exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hybrid_dist import gemm
+from hybrid_dist.formats._storage import DirectionStorage
+from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
+from hybrid_dist.formats.float8_block import Float8BlockQuantizer, Float8BlockStorage
+from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
+from hybrid_dist.formats.mxfp8 import MXFP8Quantizer, MXFP8Storage
+from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage
+from hybrid_dist.quantized_tensor import QuantizedTensor
+
+__all__ = ["TokenOperand", "WeightOperand", "bf16_values", "expert_weight_storages", "fold_experts", "fold_columns",
+           "fold_source", "token_operand", "stack_experts", "row_scales"]
+
+BF16 = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenOperand:
+    """One direction of a packed token tensor: ``storage`` stored ``[C, K]`` (rowwise) or
+    ``[K, C]`` (columnwise); ``scale`` fp32 ``[E]`` or None."""
+
+    storage: DirectionStorage
+    scale: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightOperand:
+    """E experts' storages stacked: stored ``[E·R, C]``; ``scale`` fp32 ``[E]`` or None."""
+
+    storage: DirectionStorage
+    scale: torch.Tensor | None
+    num_experts: int
+
+
+def token_operand(dq, fields: dict[str, torch.Tensor], direction: str) -> TokenOperand:
+    """Wrap ``split_quantize_packed`` fields of one direction (quantizer ``dq``) as a storage."""
+    t = direction == "columnwise"
+    if isinstance(dq, Float8Quantizer):
+        st = Float8Storage(data=fields["data"], scale_inv=fields["scale_inv"], transposed=t)
+        return TokenOperand(storage=st, scale=fields["scale_inv"])
+    if isinstance(dq, NVFP4Quantizer):
+        st = NVFP4Storage(data=fields["data"], block_scale=fields["block_scale"], global_scale=fields["global_scale"],
+                          block_rows=dq.block_rows, rht_seed=dq.rht_seed if (t and dq.rht) else None, transposed=t)
+        return TokenOperand(storage=st, scale=fields["global_scale"])
+    if isinstance(dq, MXFP8Quantizer):
+        return TokenOperand(storage=MXFP8Storage(data=fields["data"], scale=fields["scale"], transposed=t), scale=None)
+    if isinstance(dq, Float8BlockQuantizer):
+        st = Float8BlockStorage(data=fields["data"], scale_inv=fields["scale_inv"], block_rows=dq.block_rows,
+                                transposed=t)
+        return TokenOperand(storage=st, scale=None)
+    if isinstance(dq, IdentityQuantizer):
+        return TokenOperand(storage=IdentityStorage(data=fields["data"], transposed=t), scale=None)
+    raise NotImplementedError(f"no grouped token operand for {type(dq).__name__}")
+
+
+def stack_experts(storages: list[DirectionStorage]) -> WeightOperand:
+    """Stack per-expert storages (same class and metadata) along stored rows."""
+    first = storages[0]
+    out = {}
+    for f in first.TENSOR_FIELDS:
+        ts = [getattr(st, f) for st in storages]
+        ax = first.field_axes()[f].get("R")
+        out[f] = torch.stack([t.reshape(()) for t in ts]) if ax is None else torch.cat(ts, dim=ax[0])
+    st = first.with_tensors(out)
+    return WeightOperand(storage=st, scale=st.tensor_scale(), num_experts=len(storages))
+
+
+def expert_weight_storages(weight, plan, *, need_dgrad: bool):
+    """Per-expert lists (rowwise stored [N, K], columnwise [K, N] or None) of ``weight [E, N, K]``
+    (``grouped_linear`` note: expert weights); ``plan`` a ``GroupedPlan``."""
+    e, n, _ = weight.shape
+    if isinstance(weight, QuantizedTensor):
+        row = gemm._operand(weight, "rowwise", "weight", "fprop")
+        col = gemm._operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
+        rows = [row.narrow_dim0(i * n, n) for i in range(e)]
+        cols = [col.narrow_dim0(i * n, n) if need_dgrad else None for i in range(e)]
+        return rows, cols
+    rows, cols = [], []
+    for i in range(e):
+        r, c = plan.weight.quantize_storages(weight[i], rowwise=True, columnwise=need_dgrad,
+                                             state=plan.states["weight"][i])
+        rows.append(r)
+        cols.append(c)
+    return rows, cols
+
+
+def bf16_values(st: DirectionStorage) -> torch.Tensor:
+    """bf16 stored ``[R, C]``, block scales applied, per-tensor scale not (module doc)."""
+    cuda = st.device.type == "cuda"
+    if isinstance(st, Float8Storage):
+        return st.data.to(BF16)
+    if isinstance(st, IdentityStorage):
+        return st.data.to(BF16)
+    if cuda and isinstance(st, (MXFP8Storage, NVFP4Storage)):
+        from hybrid_dist.kernels import dequant  # Triton: CUDA installs only
+
+        if isinstance(st, MXFP8Storage):
+            return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous())
+        return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows)
+    if isinstance(st, (MXFP8Storage, NVFP4Storage, Float8BlockStorage)):
+        # torch ops; NVFP4 on CPU only (its decode table is a host-built tensor)
+        return st.values(undo_rht=False).to(BF16)
+    raise NotImplementedError(f"no bf16 values for {type(st).__name__}")
+
+
+def fold_source(st: DirectionStorage) -> torch.Tensor:
+    """What ``fold_*`` multiplies: FP8 codes as stored (cast once, in fp32, with the
+    scale), else ``bf16_values``."""
+    return st.data if isinstance(st, Float8Storage) else bf16_values(st)
+
+
+def _combine(*scales: torch.Tensor | None) -> torch.Tensor | None:
+    out = None
+    for s in scales:
+        if s is not None:
+            out = s.float() if out is None else out * s.float()
+    return out
+
+
+def fold_experts(v: torch.Tensor, num_experts: int, *scales: torch.Tensor | None) -> torch.Tensor:
+    """``v [E·R, C]`` (any float dtype) → bf16 ``[E, R, C]`` times ``Π scales[e]`` (fp32)."""
+    v = v.reshape(num_experts, -1, v.shape[-1])
+    s = _combine(*scales)
+    if s is None:
+        return v.to(BF16)
+    return (v.float() * s[:, None, None]).to(BF16)
+
+
+def row_scales(scale: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[C]``: ``scale[e]`` of each packed row's expert (1 past the last expert)."""
+    return torch.cat([scale.float(), scale.new_ones(1, dtype=torch.float32)])[row_expert]
+
+
+def fold_columns(v: torch.Tensor, row_expert: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
+    """``v [R, C]`` (C = packed token axis) → bf16 times ``Π scales[expert of column]``."""
+    s = _combine(*scales)
+    if s is None:
+        return v.to(BF16)
+    return (v.float() * row_scales(s, row_expert)[None, :]).to(BF16)
