@@ -15,10 +15,15 @@ import hybrid_dist as hd
 from hybrid_dist.launch.presets import PRESETS
 
 
+BASELINES = ("none", "torchao-float8")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     preset: str = "tiny"
+    layers: int = 0                 # 0 = the preset's n_layers; N overrides it (e.g. a shorter 8b stack)
     recipe: str = "bf16"            # a name in hd.RECIPE_NAMES or "package.module:attr"
+    baseline: str = "none"          # none, or torchao-float8 (torchao's float8 tensorwise training)
     steps: int = 100
     batch_size: int = 4             # sequences per data-parallel rank
     seq_len: int = 64
@@ -48,6 +53,7 @@ class TrainConfig:
     resume: str | None = None       # a checkpoint step dir, or a checkpoint_dir (latest step)
     metrics: str | None = None      # JSONL path (rank 0 writes)
     log_every: int = 1
+    timing_warmup: int = 2          # first steps left out of the summary's tokens/s (allocator, JIT, compile)
     run_name: str | None = None
     quiet: bool = False
 
@@ -57,6 +63,14 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.layers < 0:
+            raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
+        if self.timing_warmup < 0:
+            raise ValueError(f"--timing-warmup must be >= 0, got {self.timing_warmup}")
+        if self.baseline not in BASELINES:
+            raise ValueError(f"--baseline {self.baseline!r} is unknown; choose one of {', '.join(BASELINES)}")
+        if self.baseline != "none":
+            self._check_baseline()
         if self.fsdp != -1 and self.fsdp < 1:
             raise ValueError(f"--fsdp must be >= 1 (or -1 for 'all remaining ranks'), got {self.fsdp}")
         if self.dtype not in ("auto", "bf16", "fp32"):
@@ -76,9 +90,20 @@ class TrainConfig:
         if self.ep > 1 and not self.moe_experts:
             raise ValueError(f"--ep {self.ep} needs an MoE model: pass --moe-experts N (a multiple of {self.ep})")
 
+    def _check_baseline(self) -> None:
+        if self.recipe != "bf16":
+            raise ValueError(f"--baseline {self.baseline} replaces the recipe; it needs --recipe bf16 (the default), "
+                             f"got --recipe {self.recipe}")
+        for flag, on in (("--quantized-init", self.quantized_init), ("--moe-experts", self.moe_experts),
+                         ("--tp > 1", self.tp > 1)):
+            if on:
+                raise NotImplementedError(f"--baseline {self.baseline} with {flag} is not supported (torchao "
+                                          "converts the dense nn.Linear layers only); drop one of the two")
+
     @property
     def name(self) -> str:
-        return self.run_name or f"{self.preset}-{self.recipe}"
+        base = self.recipe if self.baseline == "none" else self.baseline
+        return self.run_name or f"{self.preset}-{base}"
 
 
 def load_recipe(spec: str) -> hd.Recipe:
@@ -97,7 +122,11 @@ def load_recipe(spec: str) -> hd.Recipe:
 
 _HELP = {
     "preset": "model shape: tiny (CPU), 125m, 1b, 8b (Llama-3-8B shaped)",
+    "layers": "number of blocks (0 = the preset's), e.g. a shorter 8b stack that fits fewer GPUs",
     "recipe": "a named recipe (bf16, fp8_current, mxfp8_fwd_nvfp4_bwd, ...) or package.module:attr",
+    "baseline": "none, or torchao-float8: torchao float8 tensorwise training with float8 FSDP all-gather "
+                "(needs torchao; with --recipe bf16)",
+    "timing_warmup": "first steps left out of the summary's tokens/s and MFU",
     "batch_size": "sequences per data-parallel rank (batch*seq must fit the recipe's blocks: 128 for fp8_block)",
     "fsdp": "FSDP (dp_shard) degree; -1 = world / (hsdp*tp)",
     "hsdp": "HSDP replicas (dp_replicate degree)",

@@ -13,11 +13,12 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
 from hybrid_dist.fsdp2 import track_all_gather
-from hybrid_dist.launch import checkpoint
+from hybrid_dist.launch import checkpoint, torchao_baseline
 from hybrid_dist.launch.config import TrainConfig, load_recipe
 from hybrid_dist.launch.data import make_data
 from hybrid_dist.launch.dry_run import check_alignment, check_tp
@@ -28,6 +29,7 @@ from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.quantized_init import check_quantized_init
+from hybrid_dist.launch.torchao_baseline import TORCHAO_FLOAT8
 
 
 def init_distributed() -> torch.device:
@@ -59,8 +61,10 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.device):
     """The parallelized model and the recipe. ``--init direct`` (CPU default) initialises
     weights before sharding (identical for every world size); ``--init meta`` (GPU default,
-    for large presets) builds on the meta device and initialises the shards in place."""
-    mcfg = preset(cfg.preset, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k)
+    for large presets) builds on the meta device and initialises the shards in place.
+    ``--baseline torchao-float8`` builds ``nn.Linear`` projections and converts them with
+    torchao instead of applying the (bf16) recipe."""
+    mcfg = preset(cfg.preset, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, layers=cfg.layers)
     if cfg.seq_len > mcfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds preset {cfg.preset!r}'s max_seq_len {mcfg.max_seq_len}")
     recipe = load_recipe(cfg.recipe)
@@ -68,6 +72,10 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
     check_tp(mcfg, dims.tp, where)  # fail before building anything, with the config named
     check_alignment(mcfg, recipe, tp=dims.tp, tokens=cfg.batch_size * cfg.seq_len, where=where)
     compute = compute_dtype(cfg, device)
+    torchao = cfg.baseline == TORCHAO_FLOAT8
+    if torchao:
+        torchao_baseline.check_available()  # before building anything
+    linear = nn.Linear if torchao else hd.Linear
     torch.manual_seed(cfg.seed)
     on_meta = cfg.init == "meta" or (cfg.init == "auto" and device.type == "cuda" and not cfg.quantized_init)
     if mcfg.moe_experts:
@@ -80,11 +88,14 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
             model = Transformer(mcfg, ep_group=ep_group)
     else:
         with torch.device("meta" if on_meta else device):
-            model = Transformer(mcfg, ep_group=ep_group)
+            model = Transformer(mcfg, ep_group=ep_group, linear=linear)
     if not on_meta:
         torch.manual_seed(cfg.seed)  # construction draws depend on the layout (e.g. experts per EP rank)
         model.init_weights()
-    apply_recipe(model, recipe)
+    if torchao:
+        torchao_baseline.convert(model)
+    else:
+        apply_recipe(model, recipe)
     parallelize(model, cfg, dims, meshes, param_dtype=compute, device_type=device.type)
     if on_meta:  # with CPU offload the sharded parameters live on CPU, the buffers on the GPU
         model.to_empty(device="cpu" if cfg.cpu_offload else device)
@@ -102,16 +113,17 @@ def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int,
     if dims.fsdp == 1:
         return 0
 
-    def gathered(params) -> int:  # local shard x fsdp = the TP-local unsharded size
+    def gathered(params) -> int:  # local shard x fsdp = the TP-local unsharded size, in bytes
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        return sum(t.numel() * dims.fsdp for t in locals_
-                   if not (skip_quantized and isinstance(t, hd.QuantizedTensor)))
+        # torchao float8 weights gather as float8 (1 byte per element)
+        return sum(t.numel() * dims.fsdp * (1 if torchao_baseline.is_float8_weight(t) else param_dtype_bytes)
+                   for t in locals_ if not (skip_quantized and isinstance(t, hd.QuantizedTensor)))
 
     blocks = list(model.layers.values())
     total = sum(gathered(b.parameters()) * (2 if i < len(blocks) - 1 else 1) for i, b in enumerate(blocks))
     block_ids = {id(p) for b in blocks for p in b.parameters()}
     total += gathered(p for p in model.parameters() if id(p) not in block_ids)
-    return total * param_dtype_bytes
+    return total
 
 
 def make_optimizer(model, cfg: TrainConfig):
@@ -132,8 +144,10 @@ def _has_sharded_quantized_params(model) -> bool:
     return any(isinstance(getattr(p, "_local_tensor", None), hd.QuantizedTensor) for p in model.parameters())
 
 
-def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_group=None) -> torch.Tensor:
-    """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss."""
+def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_group=None,
+               after_step=None) -> torch.Tensor:
+    """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss.
+    ``after_step()`` runs after ``optimizer.step()`` (torchao's scale precompute)."""
     logits, aux = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
@@ -141,8 +155,21 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
         experts = [p for m in expert_modules(model) for p in m.parameters()]
         clip_grad_norm_(model.parameters(), cfg.grad_clip, expert_params=experts, ep_group=ep_group)
     optimizer.step()
+    if after_step is not None:
+        after_step()
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, start: int, data) -> dict:
+    """The metrics JSONL's ``start`` record: what was run (the throughput table reads it)."""
+    return {"name": cfg.name, "recipe": recipe.name, "baseline": cfg.baseline, "preset": cfg.preset,
+            "n_layers": mcfg.n_layers, "world_size": dims.world_size, "fsdp": dims.fsdp, "hsdp": dims.hsdp,
+            "tp": dims.tp, "ep": dims.ep, "start_step": start, "moe_experts": mcfg.moe_experts,
+            "moe_top_k": mcfg.moe_top_k, "params": mcfg.num_params(), "batch_size": cfg.batch_size,
+            "seq_len": cfg.seq_len, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
+            "activation_checkpointing": cfg.activation_checkpointing, "timing_warmup": cfg.timing_warmup,
+            "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -160,11 +187,9 @@ def train(cfg: TrainConfig) -> dict:
     meter = Meter(total_steps=cfg.steps, flops_per_token=mcfg.flops_per_token(cfg.seq_len),
                   world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
                   log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=measured,
-                  ag_bytes_per_step=hp_ag_bytes,
-                  run={"name": cfg.name, "recipe": recipe.name, "preset": cfg.preset, "world_size": dims.world_size,
-                       "fsdp": dims.fsdp, "hsdp": dims.hsdp, "tp": dims.tp, "ep": dims.ep, "start_step": start,
-                       "moe_experts": mcfg.moe_experts, "params": mcfg.num_params(),
-                       "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)})
+                  ag_bytes_per_step=hp_ag_bytes, timing_warmup=cfg.timing_warmup,
+                  run=_run_info(cfg, dims, mcfg, recipe, start, data))
+    after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
     losses = []
     with track_all_gather() as acct:
         for step in range(start + 1, cfg.steps + 1):
@@ -172,7 +197,8 @@ def train(cfg: TrainConfig) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             tokens = data.batch(step).to(device)
-            loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None)
+            loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
+                              after_step=after_step)
             losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))
             if measured:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()

@@ -36,6 +36,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def timed_steps(steps: list[dict], warmup: int) -> list[dict]:
+    """The step records that count for throughput: all but the first ``warmup`` (allocator
+    warm-up, Triton JIT, torch.compile), and at least the last one."""
+    return steps[warmup:] or steps[-1:]
+
+
+def timed_tokens_per_s(steps: list[dict], warmup: int) -> float:
+    """Tokens / wall time over ``timed_steps`` (not a mean of per-step rates)."""
+    timed = timed_steps(steps, warmup)
+    tokens = sum(r.get("tokens", r["tokens_per_s"] * r["step_time_s"]) for r in timed)
+    return tokens / max(sum(r["step_time_s"] for r in timed), 1e-12)
+
+
 def _bar(frac: float, width: int = 20) -> str:
     n = int(round(frac * width))
     return "█" * n + "·" * (width - n)
@@ -46,10 +59,11 @@ class Meter:
 
     def __init__(self, *, total_steps: int, flops_per_token: int, world_size: int, device: torch.device,
                  rank: int, jsonl_path: str | None, log_every: int, quiet: bool, run: dict,
-                 ag_bytes_per_step: int | None, ag_measured: bool):
+                 ag_bytes_per_step: int | None, ag_measured: bool, timing_warmup: int = 2):
         self.total, self.flops_per_token, self.world = total_steps, flops_per_token, world_size
         self.device, self.is_main, self.log_every, self.quiet = device, rank == 0, log_every, quiet
         self.peak = peak_flops(device)
+        self.timing_warmup = timing_warmup
         self.ag_key = "ag_bytes" if ag_measured else "ag_bytes_est"
         self.ag_bytes = ag_bytes_per_step  # measured runs set it before each step()
         self.records: list[dict] = []
@@ -75,7 +89,8 @@ class Meter:
         self._tokens_total += tokens
         tps = tokens / dt
         mfu = (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None
-        rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tps, "step_time_s": dt,
+        rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_s": tps,
+               "step_time_s": dt,
                "mfu": mfu, "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: self.ag_bytes}
         self.records.append(rec)
         self._emit(rec)
@@ -90,10 +105,13 @@ class Meter:
 
     def finish(self, extra: dict) -> dict:
         steps = self.records
-        timed = steps[1:] or steps  # the first step includes warm-up
-        tps = sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1)
+        # the first steps include allocator warm-up, Triton JIT and torch.compile: leave them
+        # out (keep at least the last step); tokens/s = timed tokens / timed wall time
+        timed = timed_steps(steps, self.timing_warmup)
+        tps = timed_tokens_per_s(steps, self.timing_warmup)
         summary = {"event": "summary", "steps": len(steps), "first_loss": steps[0]["loss"] if steps else None,
                    "final_loss": steps[-1]["loss"] if steps else None, "tokens_per_s": tps,
+                   "timed_steps": [r["step"] for r in timed],
                    "mfu": (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None,
                    "peak_mem_bytes": peak_memory_bytes(self.device),
                    "wall_s": time.perf_counter() - self._t0, **extra}

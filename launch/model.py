@@ -42,14 +42,14 @@ def apply_rope(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, linear: type[nn.Linear] = hd.Linear):
         super().__init__()
         self.head_dim = cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
-        self.wq = hd.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = hd.Linear(cfg.dim, kv_dim, bias=False)
-        self.wv = hd.Linear(cfg.dim, kv_dim, bias=False)
-        self.wo = hd.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wq = linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = linear(cfg.dim, kv_dim, bias=False)
+        self.wv = linear(cfg.dim, kv_dim, bias=False)
+        self.wo = linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSD.shape
@@ -64,20 +64,20 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
 
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, ffn_dim: int, *, linear: type[nn.Linear] = hd.Linear):
         super().__init__()
-        self.w1 = hd.Linear(dim, ffn_dim, bias=False)
-        self.w3 = hd.Linear(dim, ffn_dim, bias=False)
-        self.w2 = hd.Linear(ffn_dim, dim, bias=False)
+        self.w1 = linear(dim, ffn_dim, bias=False)
+        self.w3 = linear(dim, ffn_dim, bias=False)
+        self.w2 = linear(ffn_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def build_mlp(cfg: ModelConfig, *, ep_group=None) -> nn.Module:
+def build_mlp(cfg: ModelConfig, *, ep_group=None, linear: type[nn.Linear] = hd.Linear) -> nn.Module:
     """Dense SwiGLU, or the MoE MLP of ``hybrid_dist.moe`` when ``cfg.moe_experts > 0``."""
     if not cfg.moe_experts:
-        return FeedForward(cfg.dim, cfg.ffn_dim)
+        return FeedForward(cfg.dim, cfg.ffn_dim, linear=linear)
     from hybrid_dist.launch.moe_mlp import MoEFeedForward
 
     return MoEFeedForward(cfg, ep_group=ep_group)
@@ -87,12 +87,12 @@ class Block(nn.Module):
     """``forward(x, cos, sin) -> (x, aux)``: ``aux`` is the MoE load-balancing loss
     added to the incoming ``aux`` (dense blocks pass it through)."""
 
-    def __init__(self, cfg: ModelConfig, *, ep_group=None):
+    def __init__(self, cfg: ModelConfig, *, ep_group=None, linear: type[nn.Linear] = hd.Linear):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, linear=linear)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = build_mlp(cfg, ep_group=ep_group)
+        self.feed_forward = build_mlp(cfg, ep_group=ep_group, linear=linear)
         self.is_moe = bool(cfg.moe_experts)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, aux: torch.Tensor):
@@ -106,13 +106,15 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """``forward(tokens [B, S] int64) -> (logits [B, S, V] fp32, aux)`` with ``aux`` the
     summed MoE load-balancing loss (0 for dense models). ``ep_group``: the expert-parallel
-    process group (each rank then builds only its experts)."""
+    process group (each rank then builds only its experts). ``linear``: the class of the
+    block projections (``nn.Linear`` for a baseline that converts them itself, e.g. torchao)."""
 
-    def __init__(self, cfg: ModelConfig, *, ep_group=None):
+    def __init__(self, cfg: ModelConfig, *, ep_group=None, linear: type[nn.Linear] = hd.Linear):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, ep_group=ep_group) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ep_group=ep_group, linear=linear)
+                                     for i in range(cfg.n_layers)})
         # (EP rank, EP size): this rank holds experts [rank·E/size, (rank+1)·E/size)
         self.ep_slot = (0, 1) if ep_group is None else (dist.get_rank(ep_group), dist.get_world_size(ep_group))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)

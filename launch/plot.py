@@ -28,10 +28,11 @@ def load_run(path: str) -> dict:
                 steps.append(rec)
     if not steps:
         raise ValueError(f"{path}: no step records; pass a metrics file written by launch.train --metrics")
-    timed = steps[1:] or steps
+    from hybrid_dist.launch.metrics import timed_tokens_per_s
+
     return {"name": (start or {}).get("name") or os.path.basename(path),
             "steps": [r["step"] for r in steps], "losses": [r["loss"] for r in steps],
-            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
+            "tokens_per_s": timed_tokens_per_s(steps, (start or {}).get("timing_warmup", 1)),
             "entropy_floor": (start or {}).get("entropy_floor")}
 
 

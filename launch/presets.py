@@ -70,11 +70,14 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset(name: str, *, moe_experts: int = 0, moe_top_k: int = 2) -> ModelConfig:
-    """The named preset, optionally as an MoE variant (each expert keeps ``ffn_dim``)."""
+def preset(name: str, *, moe_experts: int = 0, moe_top_k: int = 2, layers: int = 0) -> ModelConfig:
+    """The named preset, optionally as an MoE variant (each expert keeps ``ffn_dim``) and
+    with ``layers`` blocks instead of the preset's ``n_layers`` (0 keeps it)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets are {', '.join(PRESETS)}")
     cfg = PRESETS[name]
+    if layers:
+        cfg = dataclasses.replace(cfg, n_layers=layers)
     if moe_experts:
         cfg = dataclasses.replace(cfg, moe_experts=moe_experts, moe_top_k=moe_top_k)
     return cfg

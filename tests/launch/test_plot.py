@@ -15,7 +15,9 @@ def _write_run(path, name, losses, tps):
     with open(path, "w") as f:
         f.write(json.dumps({"event": "start", "name": name, "start_step": 0, "entropy_floor": 1.08}) + "\n")
         for i, loss in enumerate(losses, 1):
-            f.write(json.dumps({"event": "step", "step": i, "loss": loss, "tokens_per_s": tps}) + "\n")
+            dt = 3.0 if i == 1 else 0.5  # the first (warm-up) step is slow and left out
+            f.write(json.dumps({"event": "step", "step": i, "loss": loss, "tokens": tps * dt, "tokens_per_s": tps,
+                                "step_time_s": dt}) + "\n")
         f.write(json.dumps({"event": "summary", "final_loss": losses[-1]}) + "\n")
 
 

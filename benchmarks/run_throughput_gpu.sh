@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Throughput benchmark (issue 7) on one host with NGPU GPUs (default 4; NCCL is picked by
+# the launcher): `torchrun -m hybrid_dist.launch.train` with FSDP=NGPU for the 8b and 1b
+# presets (dense) and a 1b MoE variant (8 experts, top-2) per recipe -- bf16, fp8_current
+# (+ --quantized-init: float8 all-gather), mxfp8_fwd_nvfp4_bwd, nvfp4 -- plus torchao float8
+# tensorwise (`--baseline torchao-float8 --compile`, skipped when torchao does not import)
+# next to compiled bf16 and compiled fp8_current+qinit. Each run: STEPS steps, the first 2
+# left out of tokens/s (--timing-warmup 2); metrics JSONL and log per run in $OUT; at the
+# end ONE markdown table (python -m benchmarks.throughput) in $OUT/throughput.md.
+#
+# Runs go in priority order and none starts once BUDGET_S seconds have passed (default
+# 400 s, so the script ends within ~7 min); runs left out appear as "(skipped)" rows.
+# ONLY=REGEX runs only the runs whose name matches (e.g. ONLY='^1b' for a second call that
+# fills in the skipped 1b rows; earlier files are kept, so the table covers both calls);
+# SKIP=REGEX leaves out matching runs; M8B/M1B/MOE override the model options (CPU check:
+# NGPU=2 INSTALL=0 SKIP=compile M8B="--preset tiny --batch-size 2 --seq-len 64" ...).
+# A failing run (crash, timeout, OOM) is reported with the tail of its log and the script
+# goes on.
+#
+#   OUT=gpu_logs bash benchmarks/run_throughput_gpu.sh
+set -o pipefail
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+NGPU=${NGPU:-4}
+STEPS=${STEPS:-6}
+BUDGET_S=${BUDGET_S:-400}
+ONLY=${ONLY:-}
+SKIP=${SKIP:-}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+[ "${INSTALL:-1}" = 1 ] && python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/thr_gpus.txt"
+[ -z "$ONLY" ] && rm -f "$OUT"/thr_*.jsonl "$OUT"/thr_*.log
+if python3 -c "import torchao.float8" > /dev/null 2>&1; then TORCHAO=1; else TORCHAO=0
+  echo "torchao.float8 does not import here: the torchao-float8 rows are skipped"; fi
+
+# model shapes: 8b 1 x 4096 tokens per GPU, 1b 4 x 2048, 1b MoE 2 x 2048
+M8B=${M8B:-"--preset 8b --batch-size 1 --seq-len 4096"}
+M1B=${M1B:-"--preset 1b --batch-size 4 --seq-len 2048"}
+MOE=${MOE:-"--preset 1b --moe-experts 8 --moe-top-k 2 --batch-size 2 --seq-len 2048"}
+QI="--recipe fp8_current --quantized-init"
+TAO="--baseline torchao-float8 --compile"
+# name | time cap (s) | needs torchao | launcher options   (priority order)
+PLAN="
+8b_bf16|75|0|$M8B --recipe bf16
+8b_fp8_current_qinit|90|0|$M8B $QI
+8b_bf16_compile|120|0|$M8B --recipe bf16 --compile
+8b_torchao_float8_compile|120|1|$M8B $TAO
+8b_fp8_current_qinit_compile|120|0|$M8B $QI --compile
+8b_mxfp8_fwd_nvfp4_bwd|90|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
+8b_nvfp4|90|0|$M8B --recipe nvfp4
+8b_fp8_current|75|0|$M8B --recipe fp8_current
+1b_bf16|60|0|$M1B --recipe bf16
+1b_fp8_current_qinit|75|0|$M1B $QI
+1b_mxfp8_fwd_nvfp4_bwd|75|0|$M1B --recipe mxfp8_fwd_nvfp4_bwd
+1b_nvfp4|75|0|$M1B --recipe nvfp4
+1b_moe8_bf16|75|0|$MOE --recipe bf16
+1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
+1b_moe8_mxfp8_fwd_nvfp4_bwd|90|0|$MOE --recipe mxfp8_fwd_nvfp4_bwd
+1b_bf16_compile|100|0|$M1B --recipe bf16 --compile
+1b_torchao_float8_compile|100|1|$M1B $TAO
+1b_fp8_current_qinit_compile|100|0|$M1B $QI --compile
+1b_fp8_current|60|0|$M1B --recipe fp8_current
+"
+
+stub() {  # stub NAME STATUS OPTIONS: a start record, so the table shows a run that never started
+  python3 - "$OUT/thr_$1.jsonl" "$1" "$2" $3 <<'EOF'
+import json, sys
+from hybrid_dist.launch.config import parse_args
+path, name, status, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+cfg, _ = parse_args(argv)
+rec = {"event": "start", "name": name, "status": status, "preset": cfg.preset, "recipe": cfg.recipe,
+       "baseline": cfg.baseline, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
+       "moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k, "fsdp": cfg.fsdp}
+with open(path, "w") as f:
+    f.write(json.dumps(rec) + "\n")
+EOF
+}
+
+port=29600
+while IFS='|' read -r name cap needs_tao opts; do
+  [ -z "$name" ] && continue
+  [ -n "$ONLY" ] && ! [[ $name =~ $ONLY ]] && continue
+  [ -n "$SKIP" ] && [[ $name =~ $SKIP ]] && continue
+  f="$OUT/thr_$name.jsonl"; log="$OUT/thr_$name.log"
+  rm -f "$f" "$log"
+  if [ "$needs_tao" = 1 ] && [ "$TORCHAO" = 0 ]; then stub "$name" "no torchao" "$opts --fsdp $NGPU"; continue; fi
+  left=$((BUDGET_S - SECONDS))
+  if [ "$left" -lt 30 ]; then stub "$name" skipped "$opts --fsdp $NGPU"; echo "-- $name: skipped (budget)"; continue; fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  port=$((port + 1)); t0=$SECONDS
+  # shellcheck disable=SC2086
+  timeout -k 15 "$cap" torchrun --nproc-per-node "$NGPU" --master-port "$port" -m hybrid_dist.launch.train \
+    $opts --fsdp "$NGPU" --steps "$STEPS" --timing-warmup 2 --run-name "$name" --metrics "$f" < /dev/null > "$log" 2>&1
+  rc=$?
+  if [ "$rc" = 0 ] || grep -q '"event": "summary"' "$f" 2> /dev/null; then
+    [ "$rc" = 0 ] || echo "   ($name exited with rc=$rc after writing its summary)"
+    echo "-- $name ($((SECONDS - t0)) s): $(grep '^summary:' "$log" | tail -n 1)"
+  else
+    [ -f "$f" ] || stub "$name" "failed rc=$rc" "$opts --fsdp $NGPU"
+    echo "-- $name FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); last lines of $log:"
+    grep -v "^W1\|^\[W" "$log" | tail -n 8 | sed 's/^/     /'
+  fi
+done <<< "$PLAN"
+
+echo "total wall: ${SECONDS} s"
+python3 -m benchmarks.throughput "$OUT"/thr_*.jsonl | tee "$OUT/throughput.md"

@@ -1,0 +1,154 @@
+"""Throughput table of ``launch.train`` runs: ``python -m benchmarks.throughput RUN.jsonl ...``.
+
+Reads metrics JSONL files written by ``torchrun ... -m hybrid_dist.launch.train --metrics F``
+(``benchmarks/run_throughput_gpu.sh`` writes one per run) and prints ONE markdown table,
+one row per run, grouped by model:
+
+| column | from |
+|---|---|
+| preset | the ``start`` record: preset, ``moe<E>top<k>`` for MoE, ``L<n>`` when ``--layers`` changed the depth, ``fsdp<N>`` |
+| recipe | the recipe, or the baseline (``torchao-float8``); ``+qinit`` (``--quantized-init``), ``+compile`` |
+| tokens/s | the ``summary`` record: all ranks' tokens / wall time over the timed steps (the first ``--timing-warmup`` steps excluded) |
+| MFU | the summary's model FLOP/s ÷ (ranks × dense bf16 peak); ``n/a`` off known GPUs |
+| peak GiB | the summary's peak memory of rank 0 (``torch.cuda.max_memory_allocated``) |
+| all-gather/step | the last step's all-gather output bytes per rank: measured for quantized parameters (``hybrid_dist.fsdp2``), else estimated (``~``) |
+| × bf16 | tokens/s ÷ the tokens/s of the ``bf16`` run (no baseline, no ``--quantized-init``) of the same model, with the same ``--compile`` setting when there is one |
+
+A file whose last run has no ``summary`` (it crashed or timed out) gives a row of ``—``
+marked ``failed`` (or with the ``status`` of a stub ``start`` record that
+``run_throughput_gpu.sh`` writes for runs it skipped), so a partial benchmark still prints
+every configuration it tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from hybrid_dist.launch.presets import PRESETS
+
+
+def load_last_run(path: str) -> dict:
+    """``{"start", "steps", "summary"}`` of the last run appended to ``path`` (``summary``
+    is None when that run did not finish)."""
+    runs: list[dict] = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            event = rec.get("event")
+            if event == "start" or not runs:
+                runs.append({"start": rec if event == "start" else {}, "steps": [], "summary": None})
+            if event == "step":
+                runs[-1]["steps"].append(rec)
+            elif event == "summary":
+                runs[-1]["summary"] = rec
+    if not runs:
+        raise ValueError(f"{path}: no records; pass metrics files written by launch.train --metrics")
+    return {**runs[-1], "path": path}
+
+
+def model_label(start: dict) -> str:
+    preset = start.get("preset", "?")
+    label = preset
+    if start.get("moe_experts"):
+        label += f" moe{start['moe_experts']}top{start.get('moe_top_k', 2)}"
+    n_layers = start.get("n_layers")
+    if preset in PRESETS and n_layers and n_layers != PRESETS[preset].n_layers:
+        label += f" L{n_layers}"
+    return label + f" fsdp{start.get('fsdp', '?')}"
+
+
+def recipe_label(start: dict) -> str:
+    base = start.get("baseline", "none")
+    label = base if base and base != "none" else start.get("recipe", "?")
+    if start.get("quantized_init"):
+        label += " +qinit"
+    if start.get("compile"):
+        label += " +compile"
+    return label
+
+
+def _is_bf16_reference(start: dict) -> bool:
+    return (start.get("recipe") == "bf16" and start.get("baseline", "none") in (None, "none")
+            and not start.get("quantized_init"))
+
+
+def _bf16_tps(run: dict, runs: list[dict]) -> float | None:
+    """tokens/s of the bf16 run of the same model (same compile setting preferred)."""
+    same = [r for r in runs if r["summary"] and _is_bf16_reference(r["start"])
+            and model_label(r["start"]) == model_label(run["start"])]
+    match = [r for r in same if bool(r["start"].get("compile")) == bool(run["start"].get("compile"))]
+    pick = (match or same)[:1]
+    return pick[0]["summary"]["tokens_per_s"] if pick else None
+
+
+def _gib(b) -> str:
+    return f"{b / 2**30:.1f}" if b is not None else "—"
+
+
+def _bytes(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+
+def _ag(steps: list[dict]) -> str:
+    if not steps:
+        return "—"
+    last = steps[-1]
+    if last.get("ag_bytes") is not None:
+        return _bytes(last["ag_bytes"])
+    if last.get("ag_bytes_est") is not None:
+        return "~" + _bytes(last["ag_bytes_est"])
+    return "—"
+
+
+def table_rows(runs: list[dict]) -> list[list[str]]:
+    rows = []
+    order = {label: i for i, label in enumerate(dict.fromkeys(model_label(r["start"]) for r in runs))}
+    def key(r):  # by model (first appearance), eager before compiled, the bf16 reference first
+        st = r["start"]
+        return order[model_label(st)], bool(st.get("compile")), not _is_bf16_reference(st), recipe_label(st)
+
+    for run in sorted(runs, key=key):
+        start, s = run["start"], run["summary"]
+        if s is None:  # crashed, timed out, or never started (the GPU script's stub says why)
+            rows.append([model_label(start), f"{recipe_label(start)} ({start.get('status', 'failed')})", "—", "—",
+                         _gib(max((r.get("peak_mem_bytes") or 0 for r in run["steps"]), default=None)),
+                         _ag(run["steps"]), "—"])
+            continue
+        ref = _bf16_tps(run, runs)
+        mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "n/a"
+        ratio = f"{s['tokens_per_s'] / ref:.2f}" if ref else "—"
+        rows.append([model_label(start), recipe_label(start), f"{s['tokens_per_s']:,.0f}", mfu,
+                     _gib(s.get("peak_mem_bytes")), _ag(run["steps"]), ratio])
+    return rows
+
+
+HEADER = ["preset", "recipe", "tokens/s", "MFU", "peak GiB", "all-gather/step", "× bf16"]
+
+
+def format_table(runs: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|---|---|" + "---:|" * (len(HEADER) - 2)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n")[0])
+    p.add_argument("paths", nargs="+", help="metrics JSONL files (launch.train --metrics)")
+    args = p.parse_args(argv)
+    runs = []
+    for path in args.paths:
+        if not os.path.exists(path):
+            raise ValueError(f"{path}: no such metrics file")
+        runs.append(load_last_run(path))
+    print(format_table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
