@@ -30,8 +30,19 @@ def _check_every_recipe(results, world: int, **kw) -> None:
             try:
                 numerics._check({name: r[name]}, world, gpu=True, **kw)
             except AssertionError as e:
-                fails.append(f"rank {rank} {name}: {str(e).splitlines()[0]}")
+                fails.append(f"rank {rank} {name}: {str(e).splitlines()[0]}\n{_diagnosis(r[name])}")
     assert not fails, f"{len(fails)} failing (rank, recipe) pairs:\n" + "\n".join(fails)
+
+
+def _diagnosis(r) -> str:
+    """Everything a failing recipe measured, so one GPU run locates the fault: per-step
+    losses, the unsharded fields that differ from the full quantized tensor, the shards
+    that differ from the reference rows, and the masters' SQNR."""
+    unsharded = {k: v for k, v in r["unsharded"].items() if v}
+    shards = {f"{fqn}.{k}": v for fqn, p in r["params"].items() for k, v in p["shard"].items() if v}
+    sqnr = {fqn: round(p["master_sqnr"], 1) for fqn, p in r["params"].items()}
+    return (f"    losses (unsharded, sharded): {r['losses']}\n    unsharded mismatches: {unsharded}\n"
+            f"    shard mismatches: {shards}\n    master SQNR dB: {sqnr}")
 
 
 def test_nccl_fsdp2_trains_like_unsharded_2_ranks_every_recipe():
@@ -45,3 +56,51 @@ def test_nccl_fsdp2_4_ranks_no_reshard():
     names = ["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
     results = run_nccl(numerics.train_and_compare, 4, names, False, "cuda", 2)
     _check_every_recipe(results, 4, exact=False, reshard=False)
+
+
+def probe_forward(rank, world, names, device_type="cuda"):
+    """Per recipe, step 0, one forward: each layer's output of the sharded model against
+    the unsharded one (max |diff| / max |ref|), and the same layer recomputed from a
+    contiguous copy of FSDP's unsharded weight (tells wrong gathered bytes from a GEMM
+    that misreads the gathered views)."""
+    device = numerics.rank_device(rank, device_type)
+    out = {}
+    for name in names:
+        recipe = hd.recipe_from_name(name)
+        ref = numerics.build(recipe, device=device)
+        model = numerics.shard(numerics.build(recipe, device=device), reshard=True)
+        outs = {"ref": [], "sh": [], "sh_copy": [], "sh_views": []}
+
+        def grab(key):
+            return lambda m, a, y: outs[key].append(y.detach().clone())
+
+        def grab_copy(m, a):  # pre-hook: FSDP's unsharded weight is installed now
+            w = m.weight
+            w_copy = hd.QuantizedTensor(w.shape, w.dtype, *(
+                None if w.storage_of(d) is None else w.storage_of(d).map_tensors(lambda t: t.clone())
+                for d in ("rowwise", "columnwise")), w.quantizer)
+            outs["sh_copy"].append(torch.nn.functional.linear(a[0], w_copy.dequantize().to(a[0].dtype)))
+            outs["sh_views"].append(torch.nn.functional.linear(a[0], w.dequantize().to(a[0].dtype)))
+
+        for layer in ref:
+            layer.register_forward_hook(grab("ref"))
+        for layer in model:
+            layer.register_forward_hook(grab("sh"))
+            layer.register_forward_pre_hook(grab_copy)
+        x = torch.randn(numerics.TOKENS, numerics.LAYERS[0][1], generator=torch.Generator().manual_seed(1)).to(device)
+        with hd.autocast(recipe), torch.no_grad():
+            ref(x)
+            model(x)
+        rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+        out[name] = [{"sharded_vs_ref": rel(sh, r), "dequant_views_vs_copy": rel(v, c)}
+                     for r, sh, v, c in zip(outs["ref"], outs["sh"], outs["sh_views"], outs["sh_copy"])]
+    return out
+
+
+def test_nccl_fsdp2_forward_probe_2_ranks():
+    """Step-0 forward per layer (see ``probe_forward``); fails naming each bad layer."""
+    _need(2)
+    results = run_nccl(probe_forward, 2, list(hd.RECIPE_NAMES))
+    bad = [f"rank {rank} {name} layer {i}: {d}" for rank, r in enumerate(results) for name, layers in r.items()
+           for i, d in enumerate(layers) if d["sharded_vs_ref"] > 1e-6 or d["dequant_views_vs_copy"] > 0]
+    assert not bad, "\n".join(bad)
