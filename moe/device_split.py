@@ -19,9 +19,14 @@ transformed columnwise values when ``rht``), broadcast per row (rowwise) or per 
 block (columnwise) into the block-scale encoding.
 
 Supported: identity, MXFP8, FP8 block (1x128, 128x128), per-tensor FP8 (current or
-delayed) and NVFP4 with 1D blocks and without stochastic rounding, alone or paired in a
-``HybridQuantizer``. NVFP4 stochastic rounding (one generator per expert, drawing for its
-padded shape) and 2D blocks (weights) raise ``NotImplementedError``: use ``split_quantize``.
+delayed) and NVFP4 with 1D blocks, alone or paired in a ``HybridQuantizer``. NVFP4 2D
+blocks (weights) raise ``NotImplementedError``: use ``split_quantize``.
+
+NVFP4 stochastic rounding draws ONE uniform tensor over the packed buffer (per direction,
+from expert 0's state generator; ``split_quantize`` draws per expert for its padded
+shape, which needs the sizes on the host). Same rounding law, other random numbers: SR
+results are statistically, not bitwise, those of ``split_quantize``; without SR the two
+are bitwise equal. The encode avoids host-built tensors (``_nvfp4_sr``).
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ from typing import Any, Sequence
 import torch
 
 from hybrid_dist.moe._checks import check_token_counts
+from hybrid_dist.moe._nvfp4_sr import nvfp4_quantize_rows_sr
 from hybrid_dist.formats._numerics import cast_to_fp8
 from hybrid_dist.formats.float8 import Float8Quantizer
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
-from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, nvfp4_global_scale, nvfp4_quantize_rows
+from hybrid_dist.formats import _traced_rng
+from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, nvfp4_global_scale, nvfp4_quantize_rows
 from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
@@ -94,9 +101,10 @@ def _per_expert_fp8(q: Float8Quantizer, x, x_pad, eid_rows, row_expert, states, 
     return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
 
-def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, *, direction):
-    """NVFP4 (1D blocks, no SR) with one global scale per expert; RHT on the columnwise
-    direction as the quantizer does (16-blocks along tokens never straddle experts)."""
+def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, state, *, direction):
+    """NVFP4 (1D blocks) with one global scale per expert; RHT on the columnwise direction
+    as the quantizer does (16-blocks along tokens never straddle experts). Stochastic
+    rounding: one draw over the packed buffer from ``state`` (module doc)."""
     v = x_pad.float() if direction == "rowwise" else x_pad.t().float()
     if direction == "columnwise" and q.rht:
         v = apply_hadamard16(v, hadamard16(q.rht_seed, v.device))
@@ -106,7 +114,12 @@ def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, *, direction):
     gs = nvfp4_global_scale(amax)
     gs_tok = torch.cat([gs, gs.new_ones(1)])[row_expert]
     gs_b = gs_tok[:, None] if direction == "rowwise" else gs_tok[::NV_BLOCK][None, :]
-    data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=None)
+    if q.stochastic_rounding:
+        rand = _traced_rng.state_rand(state, v, v.shape, draw=int(direction == "columnwise")) \
+            if isinstance(state, NVFP4State) else torch.rand(v.shape, device=v.device)
+        data, bs = nvfp4_quantize_rows_sr(v, gs_b, rand)
+    else:
+        data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=None)
     return {"data": data, "block_scale": bs, "global_scale": gs}
 
 
@@ -114,8 +127,8 @@ def unsupported_reason(q) -> str | None:
     """None when ``split_quantize_packed`` quantizes both directions of ``q``; else why not."""
     for d in ("rowwise", "columnwise"):
         dq = q.direction_quantizer(d)
-        if isinstance(dq, NVFP4Quantizer) and (dq.stochastic_rounding or dq.block_2d):
-            return f"NVFP4 {d} with {'stochastic rounding' if dq.stochastic_rounding else '2D blocks'}"
+        if isinstance(dq, NVFP4Quantizer) and dq.block_2d:
+            return f"NVFP4 {d} with 2D blocks"
         if not isinstance(dq, (Float8Quantizer, NVFP4Quantizer) + _BLOCK_ONLY):
             return f"{type(dq).__name__} ({d})"
     return None
@@ -123,8 +136,9 @@ def unsupported_reason(q) -> str | None:
 
 def _direction_fields(q, x, x_pad, eid_rows, row_expert, states, e, direction):
     dq = q.direction_quantizer(direction)
-    if isinstance(dq, NVFP4Quantizer) and not (dq.stochastic_rounding or dq.block_2d):
-        return _per_expert_nvfp4(dq, x_pad, row_expert, e, direction=direction)
+    if isinstance(dq, NVFP4Quantizer) and not dq.block_2d:
+        state = q.direction_state(states[0], direction) if states else None
+        return _per_expert_nvfp4(dq, x_pad, row_expert, e, state, direction=direction)
     if isinstance(dq, Float8Quantizer):
         st = [q.direction_state(s, direction) for s in states]
         return _per_expert_fp8(dq, x, x_pad, eid_rows, row_expert, st, e, direction=direction)

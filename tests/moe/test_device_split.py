@@ -6,7 +6,7 @@ import torch
 import hybrid_dist as hd
 from hybrid_dist.moe import split_quantize
 from hybrid_dist.moe.device_split import split_quantize_packed
-from tests._helpers import assert_bitwise_equal
+from tests._helpers import assert_bitwise_equal, sqnr_db
 
 SPLITS = [37, 0, 90, 73, 1]
 QUANTIZERS = {
@@ -52,10 +52,58 @@ def test_packed_equals_reference(name):
     _compare(name, QUANTIZERS[name])
 
 
-def test_nvfp4_stochastic_rounding_not_supported():
-    q = hd.NVFP4Quantizer(stochastic_rounding=True)
+def test_nvfp4_2d_blocks_not_supported():
+    q = hd.NVFP4Quantizer(block_2d=True)
     with pytest.raises(NotImplementedError, match="split_quantize"):
         split_quantize_packed(torch.randn(32, 64), torch.tensor([16, 16]), q)
+
+
+def test_sync_free_sr_encode_is_the_reference_encode():
+    """Same rand: the host-tensor-free E2M1 stochastic encode and quantize-rows are bitwise
+    the reference's (grid points, ties and the clamp at 6 included)."""
+    from hybrid_dist.formats._numerics import e2m1_encode
+    from hybrid_dist.formats.nvfp4 import nvfp4_quantize_rows
+    from hybrid_dist.moe._nvfp4_sr import e2m1_encode_sr, nvfp4_quantize_rows_sr
+
+    torch.manual_seed(0)
+    v = torch.cat([torch.linspace(-6.5, 6.5, 2001), torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0])])
+    rand = torch.rand(v.shape)
+    assert_bitwise_equal(e2m1_encode_sr(v, rand), e2m1_encode(v, rand), "e2m1 SR codes")
+    x = torch.randn(48, 64) * torch.logspace(-3, 3, 48)[:, None]
+    gs = torch.rand(48, 1) + 0.01
+    rand = torch.rand(x.shape)
+    for got, want, f in zip(nvfp4_quantize_rows_sr(x, gs, rand), nvfp4_quantize_rows(x, gs, block_rows=1, rand=rand),
+                            ("data", "block_scale")):
+        assert_bitwise_equal(got, want, f"SR quantize rows {f}")
+
+
+def test_packed_stochastic_rounding_per_expert_scales():
+    """SR: per-expert global scales equal the reference's (they depend on amax only); the
+    codes are stochastic (differ from round-to-nearest) and unbiased on average."""
+    q_sr, q_rn = hd.NVFP4Quantizer(rht=True, stochastic_rounding=True), hd.NVFP4Quantizer(rht=True)
+    torch.manual_seed(0)
+    x = torch.randn(sum(SPLITS), 128)
+    tpe = torch.tensor(SPLITS)
+    states = [q_sr.make_state() for _ in SPLITS]
+    got = split_quantize_packed(x, tpe, q_sr, states=states)
+    rn = split_quantize_packed(x, tpe, q_rn)
+    for d in ("rowwise", "columnwise"):
+        fields = getattr(got, d)
+        assert_bitwise_equal(fields["global_scale"], getattr(rn, d)["global_scale"], f"SR {d} global scales")
+        assert not torch.equal(fields["data"], getattr(rn, d)["data"]), f"SR {d}: codes equal round-to-nearest"
+    def dequantized(p):
+        from hybrid_dist.formats.nvfp4 import NVFP4Storage
+
+        row = p.rowwise
+        st = NVFP4Storage(data=row["data"], block_scale=row["block_scale"], global_scale=row["global_scale"],
+                          block_rows=1, rht_seed=None, transposed=False)
+        return (st.values() * torch.cat([row["global_scale"], torch.ones(1)])[p.row_expert][:, None])[p.dest]
+
+    # unbiased: the mean of 16 SR draws is much closer to x than one round-to-nearest
+    mean = sum(dequantized(split_quantize_packed(x, tpe, q_sr, states=states, columnwise=False))
+               for _ in range(16)) / 16
+    sr_db, rn_db = sqnr_db(x, mean), sqnr_db(x, dequantized(rn))
+    assert sr_db > rn_db + 6, f"mean of 16 SR draws {sr_db:.1f} dB vs round-to-nearest {rn_db:.1f} dB"
 
 
 @pytest.mark.gpu
