@@ -1,0 +1,65 @@
+"""The previous MXFP8 quantize kernel (autotuned, one ``[BM, BK]`` tile, 8-bit in-register
+transpose), kept verbatim as the baseline of ``benchmarks/quantize.py --sweep`` and for the
+GPU tests that compare the new kernel with it. Not registered; not used by the library.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.formats.mxfp8 import MX_BLOCK
+from hybrid_dist.kernels._jit_common import cdiv, cast_fp8, e8m0_from_amax, exp2_int
+
+_CONFIGS = [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
+            for bm, bk, w in ((64, 64, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8))]
+
+
+@triton.autotune(configs=_CONFIGS, key=["M", "K", "ROW", "COL"])
+@triton.jit
+def _mxfp8_kernel(
+    x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
+    FMAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)[:, None]
+    rk = pid_k * BK + tl.arange(0, BK)[None, :]
+    mask = (rm < M) & (rk < K)
+    x = tl.load(x_ptr + rm * stride_m + rk, mask=mask, other=0.0).to(tl.float32)
+    if ROW:
+        blocks = tl.reshape(x, (BM, BK // 32, 32))
+        e = e8m0_from_amax(tl.max(tl.abs(blocks), axis=2), FMAX)  # [BM, BK/32]
+        inv = exp2_int(127 - e)
+        q = cast_fp8(blocks * inv[:, :, None], FMAX, row_ptr.dtype.element_ty)
+        tl.store(row_ptr + rm * K + rk, tl.reshape(q, (BM, BK)), mask=mask)
+        sk = pid_k * (BK // 32) + tl.arange(0, BK // 32)[None, :]
+        tl.store(row_s_ptr + rm * (K // 32) + sk, e.to(tl.uint8), mask=(rm < M) & (sk < K // 32))
+    if COL:  # blocks of 32 along M, computed in x's orientation, stored transposed
+        ck = pid_k * BK + tl.arange(0, BK)[:, None]
+        cm = pid_m * BM + tl.arange(0, BM)[None, :]
+        blocks = tl.reshape(x, (BM // 32, 32, BK))
+        e = e8m0_from_amax(tl.max(tl.abs(blocks), axis=1), FMAX)  # [BM/32, BK]
+        inv = exp2_int(127 - e)
+        q = cast_fp8(blocks * inv[:, None, :], FMAX, col_ptr.dtype.element_ty)
+        q_t = tl.trans(tl.reshape(q, (BM, BK)))
+        tl.store(col_ptr + ck * M + cm, q_t, mask=(ck < K) & (cm < M))
+        sm = pid_m * (BM // 32) + tl.arange(0, BM // 32)[None, :]
+        tl.store(col_s_ptr + ck * (M // 32) + sm, tl.trans(e).to(tl.uint8), mask=(ck < K) & (sm < M // 32))
+
+
+
+def mxfp8_quantize_v1(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool):
+    """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty."""
+    m, k = x.shape
+    dev = x.device
+    row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=dev)
+    row_s = torch.empty((m, k // MX_BLOCK) if rowwise else (0, 0), dtype=torch.uint8, device=dev)
+    col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=dev)
+    col_s = torch.empty((k, m // MX_BLOCK) if columnwise else (0, 0), dtype=torch.uint8, device=dev)
+    if x.numel():
+        grid = lambda meta: (cdiv(m, meta["BM"]), cdiv(k, meta["BK"]))  # noqa: E731
+        _mxfp8_kernel[grid](x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype],
+                            ROW=rowwise, COL=columnwise)
+    return row, row_s, col, col_s

@@ -1,0 +1,299 @@
+"""NVFP4 Triton kernels: the fused quantize pass and the per-tensor amax pass.
+
+[Note: 16 interleaved row sets] A program owns ``x[BM, BK]`` and loads it as 16 row sets
+``x_j = x[m ≡ j (mod 16)]``, each ``[R = BM/16, BK]`` and all in one register layout. Row
+``i`` of every set belongs to the same 16-row group ``m = 16i .. 16i+15`` (one columnwise
+block), so everything columnwise is elementwise across the 16 sets:
+
+* columnwise block amax (16 along M): ``max_j |x_j|`` — no cross-thread reduction;
+* the RHT ``y = T x`` of each 16-group is a 16-point Walsh–Hadamard butterfly across the
+  sets on ``u_j = x_j · T[0, j]`` (``T = H16 · diag(s) / 4``, so ``T[0, j] = s_j / 4``; the
+  products are the reference's exact products, only the fp32 summation order differs);
+* the 16 columnwise codes of a group are packed into one int64 (codes of sets 0..7 in the
+  low word, code ``j`` at bits ``4j``) **before** the transpose: the ``[K, M/2]`` store
+  writes ``[BK, R]`` int64 (8 bytes = 16 consecutive m of one stored row).
+
+Rowwise blocks (1×16, or 16×16 for 2D) reduce along K inside each set. 2D without RHT
+derives columnwise from the rowwise codes (exact transpose, as the reference).
+Stochastic rounding: Philox ``tl.rand4x`` at the previous kernel's offsets (one counter
+per 4 consecutive elements along K, rowwise ``m·⌈K/4⌉ + k/4``, columnwise ``M·⌈K/4⌉`` +
+the same), so the stream is unchanged.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
+
+
+@triton.jit
+def _load16(x_ptr, rs, rk, M, K, stride_m):
+    """The 16 row sets ``x[rs + j, rk]`` (fp32 ``[R, BK]``), zero outside ``[M, K]``."""
+    p = x_ptr + rs * stride_m + rk
+    mk = rk < K
+    x0 = tl.load(p, mask=(rs < M) & mk, other=0.0).to(tl.float32)
+    x1 = tl.load(p + stride_m, mask=(rs + 1 < M) & mk, other=0.0).to(tl.float32)
+    x2 = tl.load(p + 2 * stride_m, mask=(rs + 2 < M) & mk, other=0.0).to(tl.float32)
+    x3 = tl.load(p + 3 * stride_m, mask=(rs + 3 < M) & mk, other=0.0).to(tl.float32)
+    x4 = tl.load(p + 4 * stride_m, mask=(rs + 4 < M) & mk, other=0.0).to(tl.float32)
+    x5 = tl.load(p + 5 * stride_m, mask=(rs + 5 < M) & mk, other=0.0).to(tl.float32)
+    x6 = tl.load(p + 6 * stride_m, mask=(rs + 6 < M) & mk, other=0.0).to(tl.float32)
+    x7 = tl.load(p + 7 * stride_m, mask=(rs + 7 < M) & mk, other=0.0).to(tl.float32)
+    x8 = tl.load(p + 8 * stride_m, mask=(rs + 8 < M) & mk, other=0.0).to(tl.float32)
+    x9 = tl.load(p + 9 * stride_m, mask=(rs + 9 < M) & mk, other=0.0).to(tl.float32)
+    x10 = tl.load(p + 10 * stride_m, mask=(rs + 10 < M) & mk, other=0.0).to(tl.float32)
+    x11 = tl.load(p + 11 * stride_m, mask=(rs + 11 < M) & mk, other=0.0).to(tl.float32)
+    x12 = tl.load(p + 12 * stride_m, mask=(rs + 12 < M) & mk, other=0.0).to(tl.float32)
+    x13 = tl.load(p + 13 * stride_m, mask=(rs + 13 < M) & mk, other=0.0).to(tl.float32)
+    x14 = tl.load(p + 14 * stride_m, mask=(rs + 14 < M) & mk, other=0.0).to(tl.float32)
+    x15 = tl.load(p + 15 * stride_m, mask=(rs + 15 < M) & mk, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
+def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, t_ptr):
+    """``y_p = Σ_q T[p, q] x_q`` for the 16 sets: ``x_q · T[0, q]`` then the Sylvester
+    butterflies (``H16[p, q] = (-1)^popcount(p & q)``). ``t_ptr``: fp32 ``T[0, :]``."""
+    x0 *= tl.load(t_ptr)
+    x1 *= tl.load(t_ptr + 1)
+    x2 *= tl.load(t_ptr + 2)
+    x3 *= tl.load(t_ptr + 3)
+    x4 *= tl.load(t_ptr + 4)
+    x5 *= tl.load(t_ptr + 5)
+    x6 *= tl.load(t_ptr + 6)
+    x7 *= tl.load(t_ptr + 7)
+    x8 *= tl.load(t_ptr + 8)
+    x9 *= tl.load(t_ptr + 9)
+    x10 *= tl.load(t_ptr + 10)
+    x11 *= tl.load(t_ptr + 11)
+    x12 *= tl.load(t_ptr + 12)
+    x13 *= tl.load(t_ptr + 13)
+    x14 *= tl.load(t_ptr + 14)
+    x15 *= tl.load(t_ptr + 15)
+    x0, x1 = x0 + x1, x0 - x1
+    x2, x3 = x2 + x3, x2 - x3
+    x4, x5 = x4 + x5, x4 - x5
+    x6, x7 = x6 + x7, x6 - x7
+    x8, x9 = x8 + x9, x8 - x9
+    x10, x11 = x10 + x11, x10 - x11
+    x12, x13 = x12 + x13, x12 - x13
+    x14, x15 = x14 + x15, x14 - x15
+    x0, x2 = x0 + x2, x0 - x2
+    x1, x3 = x1 + x3, x1 - x3
+    x4, x6 = x4 + x6, x4 - x6
+    x5, x7 = x5 + x7, x5 - x7
+    x8, x10 = x8 + x10, x8 - x10
+    x9, x11 = x9 + x11, x9 - x11
+    x12, x14 = x12 + x14, x12 - x14
+    x13, x15 = x13 + x15, x13 - x15
+    x0, x4 = x0 + x4, x0 - x4
+    x1, x5 = x1 + x5, x1 - x5
+    x2, x6 = x2 + x6, x2 - x6
+    x3, x7 = x3 + x7, x3 - x7
+    x8, x12 = x8 + x12, x8 - x12
+    x9, x13 = x9 + x13, x9 - x13
+    x10, x14 = x10 + x14, x10 - x14
+    x11, x15 = x11 + x15, x11 - x15
+    x0, x8 = x0 + x8, x0 - x8
+    x1, x9 = x1 + x9, x1 - x9
+    x2, x10 = x2 + x10, x2 - x10
+    x3, x11 = x3 + x11, x3 - x11
+    x4, x12 = x4 + x12, x4 - x12
+    x5, x13 = x5 + x13, x5 - x13
+    x6, x14 = x6 + x14, x6 - x14
+    x7, x15 = x7 + x15, x7 - x15
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
+def _kmax(v, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr):
+    """max|v| over each 16 consecutive k (``[R, BK/16]``) if ``K16``, else ``|v|``."""
+    if K16:
+        return tl.max(tl.reshape(tl.abs(v), (R, BK // 16, 16)), axis=2)
+    else:
+        return tl.abs(v)
+
+
+@triton.jit
+def _max16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    a0 = tl.maximum(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)),
+                    tl.maximum(tl.maximum(a4, a5), tl.maximum(a6, a7)))
+    a8 = tl.maximum(tl.maximum(tl.maximum(a8, a9), tl.maximum(a10, a11)),
+                    tl.maximum(tl.maximum(a12, a13), tl.maximum(a14, a15)))
+    return tl.maximum(a0, a8)
+
+
+@triton.jit
+def _block_scale(bamax, gs):
+    """E4M3 ``sat(amax_block / 6 / gs)`` and the fp32 encode multiplier ``1/(bs·gs)`` (0 if 0)."""
+    bs = cast_fp8(div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), tl.zeros_like(bamax) + gs),
+                  448.0, tl.float8e4nv)
+    denom = bs.to(tl.float32) * gs
+    return bs, tl.where(denom > 0, div_rn(tl.zeros_like(denom) + 1.0, denom), 0.0)
+
+
+@triton.jit
+def _codes(v, enc, seed, offs_q, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr,
+           SR: tl.constexpr):
+    """E2M1 codes (int32 ``[R, BK]``) of ``v · enc`` (``enc`` per 16 k if ``K16``, else per
+    element). SR draws 4 uniforms per Philox call at ``offs_q [R, BK/4]``."""
+    if K16:
+        scaled = tl.reshape(tl.reshape(v, (R, BK // 16, 16)) * enc[:, :, None], (R, BK))
+    else:
+        scaled = v * enc
+    scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
+    if SR:
+        u0, u1, u2, u3 = tl.rand4x(seed, offs_q)
+        rand = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (R, BK))
+        return e2m1_stochastic(scaled, rand)
+    else:
+        return e2m1_rne(scaled)
+
+
+@triton.jit
+def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, row_s_ptr, M, K, R: tl.constexpr,
+             BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, STORE: tl.constexpr):
+    """Rowwise codes of one set (1×16 blocks from its own amax, or the 16×16 ``enc_2d``);
+    with ``STORE`` writes packed ``[R, BK/2]`` bytes (and the 1×16 scales) at ``rows``."""
+    if TWO_D:
+        codes = _codes(x, enc_2d, seed, offs_q, R, BK, True, SR)
+    else:
+        bs, enc = _block_scale(_kmax(x, R, BK, True), gs)
+        codes = _codes(x, enc, seed, offs_q, R, BK, True, SR)
+        if STORE:
+            sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
+            tl.store(row_s_ptr + rows * (K // 16) + sk, bs, mask=(rows < M) & (sk < K // 16))
+    if STORE:
+        pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
+        tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK), mask=(rows < M) & (pk < K // 2))
+    return codes
+
+
+@triton.jit
+def _pack8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Eight 4-bit codes (int32) → one int32, code ``j`` at bits ``4j``."""
+    return (c0 | (c1 << 4) | (c2 << 8) | (c3 << 12) | (c4 << 16) | (c5 << 20) | (c6 << 24)
+            | (c7 << 28))
+
+
+@triton.jit
+def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.constexpr,
+               BK: tl.constexpr, K16: tl.constexpr):
+    """Columnwise store: words ``[R, BK]`` → ``data [K, M/2]`` (as int64 ``[K, M/16]``),
+    block scales ``bs [R, BK/16 or BK]`` → ``[K/16 or K, M/16]`` (32-bit transposes)."""
+    w = (w_lo.to(tl.int64) & 0xFFFFFFFF) | (w_hi.to(tl.int64) << 32)
+    ck = pid_k * BK + tl.arange(0, BK)[:, None]
+    cw = pid_m * R + tl.arange(0, R)[None, :]
+    tl.store(col64_ptr + ck * (M // 16) + cw, tl.trans(w), mask=(ck < K) & (cw < M // 16))
+    if K16:
+        sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[:, None]
+        nk = K // 16
+    else:
+        sk = ck
+        nk = K
+    bs_t = tl.trans(bs.to(tl.float32)).to(tl.float8e4nv)
+    tl.store(col_s_ptr + sk * (M // 16) + cw, bs_t, mask=(sk < nk) & (cw < M // 16))
+
+
+@triton.jit
+def nvfp4_quantize_kernel(
+    x_ptr, t_ptr, gs_ptr, seed_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K, stride_m,
+    ROW: tl.constexpr, COL: tl.constexpr, DERIVE_COL: tl.constexpr, RHT: tl.constexpr,
+    SR: tl.constexpr, TWO_D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + scales and/or columnwise
+    ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales. ``gs_ptr``:
+    fp32 (rowwise, columnwise) decode scales; ``t_ptr``: fp32 ``T[0, :]``; ``seed_ptr``: int64."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    R: tl.constexpr = BM // 16
+    rs = pid_m * BM + tl.arange(0, R)[:, None] * 16  # first row of each 16-row group
+    rk = pid_k * BK + tl.arange(0, BK)[None, :]
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(x_ptr, rs, rk, M, K, stride_m)
+    seed = tl.load(seed_ptr) if SR else 0
+    kq = tl.cdiv(K, 4)  # Philox counters per row: one per 4 elements along K
+    oq = rs * kq + pid_k * (BK // 4) + tl.arange(0, BK // 4)[None, :]  # set 0; set j adds j * kq
+    if ROW or DERIVE_COL:
+        gs = tl.load(gs_ptr)
+        enc2 = gs  # unused by 1×16 blocks
+        if TWO_D:  # 16×16 blocks: amax over the 16 sets of each set's 16-along-K max
+            bs2, enc2 = _block_scale(_max16(
+                _kmax(x0, R, BK, True), _kmax(x1, R, BK, True), _kmax(x2, R, BK, True),
+                _kmax(x3, R, BK, True), _kmax(x4, R, BK, True), _kmax(x5, R, BK, True),
+                _kmax(x6, R, BK, True), _kmax(x7, R, BK, True), _kmax(x8, R, BK, True),
+                _kmax(x9, R, BK, True), _kmax(x10, R, BK, True), _kmax(x11, R, BK, True),
+                _kmax(x12, R, BK, True), _kmax(x13, R, BK, True), _kmax(x14, R, BK, True),
+                _kmax(x15, R, BK, True)), gs)
+            if ROW:
+                sb = pid_m * R + tl.arange(0, R)[:, None]
+                sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
+                tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
+        c0 = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c1 = _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c2 = _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c3 = _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c4 = _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c5 = _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c6 = _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c7 = _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c8 = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c9 = _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c10 = _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c11 = _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c12 = _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c13 = _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c14 = _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        c15 = _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
+        if DERIVE_COL:  # 2D blocks: columnwise is the exact transpose of rowwise
+            _store_col(_pack8(c0, c1, c2, c3, c4, c5, c6, c7), _pack8(c8, c9, c10, c11, c12, c13, c14, c15),
+                       bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
+    if COL and not DERIVE_COL:
+        if RHT:
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, t_ptr)
+        bs, enc = _block_scale(_max16(
+            _kmax(x0, R, BK, TWO_D), _kmax(x1, R, BK, TWO_D), _kmax(x2, R, BK, TWO_D),
+            _kmax(x3, R, BK, TWO_D), _kmax(x4, R, BK, TWO_D), _kmax(x5, R, BK, TWO_D),
+            _kmax(x6, R, BK, TWO_D), _kmax(x7, R, BK, TWO_D), _kmax(x8, R, BK, TWO_D),
+            _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
+            _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
+            _kmax(x15, R, BK, TWO_D)), tl.load(gs_ptr + 1))
+        co = M * kq + oq
+        w_lo = _pack8(
+            _codes(x0, enc, seed, co, R, BK, TWO_D, SR), _codes(x1, enc, seed, co + kq, R, BK, TWO_D, SR),
+            _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR), _codes(x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR),
+            _codes(x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR), _codes(x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR),
+            _codes(x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR), _codes(x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR))
+        w_hi = _pack8(
+            _codes(x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR), _codes(x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR),
+            _codes(x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR), _codes(x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR),
+            _codes(x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR), _codes(x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR),
+            _codes(x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR), _codes(x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR))
+        _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
+
+
+@triton.jit
+def nvfp4_amax_kernel(x_ptr, t_ptr, amax_ptr, M, K, stride_m, n_tiles_k, n_tiles, RHT: tl.constexpr,
+                      BM: tl.constexpr, BK: tl.constexpr):
+    """``amax[0] = max|x|``, ``amax[1] = max|RHT(x)|`` (columnwise Hadamard domain) if ``RHT``.
+    Each program max-reduces tiles ``pid, pid + P, ...`` then does one atomic per output."""
+    R: tl.constexpr = BM // 16
+    acc = tl.zeros((R, BK), dtype=tl.float32)
+    acc_h = tl.zeros((R, BK), dtype=tl.float32)
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rs = (t // n_tiles_k) * BM + tl.arange(0, R)[:, None] * 16
+        rk = (t % n_tiles_k) * BK + tl.arange(0, BK)[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(x_ptr, rs, rk, M, K, stride_m)
+        acc = tl.maximum(acc, _max16(
+            tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5), tl.abs(x6), tl.abs(x7),
+            tl.abs(x8), tl.abs(x9), tl.abs(x10), tl.abs(x11), tl.abs(x12), tl.abs(x13), tl.abs(x14), tl.abs(x15)))
+        if RHT:
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, t_ptr)
+            acc_h = tl.maximum(acc_h, _max16(
+                tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5), tl.abs(x6), tl.abs(x7),
+                tl.abs(x8), tl.abs(x9), tl.abs(x10), tl.abs(x11), tl.abs(x12), tl.abs(x13), tl.abs(x14), tl.abs(x15)))
+    tl.atomic_max(amax_ptr, sem="relaxed", val=tl.max(tl.max(acc, axis=1), axis=0))
+    if RHT:
+        tl.atomic_max(amax_ptr + 1, sem="relaxed", val=tl.max(tl.max(acc_h, axis=1), axis=0))

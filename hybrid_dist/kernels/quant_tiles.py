@@ -1,0 +1,61 @@
+"""Tile configurations of the fused MXFP8 / NVFP4 quantize kernels.
+
+A config is a plain frozen dataclass passed to the launch functions (no autotuning: the
+choice is explicit, deterministic and the same under ``torch.compile``).
+``benchmarks/quantize.py --sweep`` times every config of :data:`MXFP8_SWEEP` /
+:data:`NVFP4_SWEEP` so the default can be picked on the target GPU.
+
+Tile shapes: a program owns ``x[BM, BK]`` and reads it as ``G`` interleaved row sets
+(``G = 4`` for MXFP8, ``16`` for NVFP4), each ``[BM/G, BK]``: set ``j`` holds rows
+``m ≡ j (mod G)``. ``BM/G * BK`` should be at least ``4 * 32 * num_warps`` so no thread holds
+a replicated element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileConfig:
+    """``bm`` rows (M) × ``bk`` columns (K) per program, ``num_warps`` per program."""
+
+    bm: int
+    bk: int
+    num_warps: int
+
+    def __post_init__(self):
+        for name in ("bm", "bk", "num_warps"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} must be a positive power of two, got {v}")
+        if self.bm < 32 or self.bk < 32:
+            raise ValueError(f"TileConfig needs bm >= 32 and bk >= 32 (one MXFP8 block), got {self}")
+
+    def label(self) -> str:
+        return f"{self.bm}x{self.bk}/w{self.num_warps}"
+
+
+MXFP8_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
+NVFP4_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
+
+MXFP8_SWEEP = (
+    MXFP8_DEFAULT,
+    TileConfig(bm=64, bk=128, num_warps=8),
+    TileConfig(bm=128, bk=128, num_warps=8),
+    TileConfig(bm=128, bk=64, num_warps=4),
+    TileConfig(bm=64, bk=256, num_warps=8),
+    TileConfig(bm=32, bk=128, num_warps=2),
+    TileConfig(bm=32, bk=256, num_warps=4),
+)
+NVFP4_SWEEP = (
+    NVFP4_DEFAULT,
+    TileConfig(bm=64, bk=128, num_warps=2),
+    TileConfig(bm=64, bk=256, num_warps=4),
+    TileConfig(bm=64, bk=64, num_warps=2),
+    TileConfig(bm=128, bk=128, num_warps=8),
+    TileConfig(bm=128, bk=64, num_warps=4),
+    TileConfig(bm=32, bk=256, num_warps=4),
+)
+
+__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_DEFAULT", "NVFP4_SWEEP", "TileConfig"]
