@@ -1,9 +1,11 @@
 """Save and resume with ``torch.distributed.checkpoint`` (DCP).
 
 Layout: ``<checkpoint_dir>/step_<N>/`` holds the DCP checkpoint of the (sharded) model and
-optimizer state, plus ``rank<r>.pt`` with what is local to each rank: the quantizer states
-of every ``hd.Linear`` (delayed-scaling amax histories, stochastic-rounding generators),
-so a resumed run reproduces the uninterrupted run bitwise. The data is stateless (a
+optimizer state (with ``--quantized-init``: the fp32 master weights in place of the
+quantized parameters, which are requantized from them on load; under expert parallelism
+each EP rank's experts under a key naming its EP slot), plus ``rank<r>.pt`` with what is
+local to each rank: the quantizer states of every ``hd.Linear`` (delayed-scaling amax
+histories, stochastic-rounding generators), so a resumed run reproduces the uninterrupted run bitwise. The data is stateless (a
 function of the step), so only the step number is needed to continue it.
 """
 
@@ -77,11 +79,63 @@ def load_quantizer_states(model: nn.Module, snaps: dict[str, Any], device: torch
             _restore(s, snaps[f"{name}/{t}"], device)
 
 
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+_EXPERTS = ("moe.fc1.weight", "moe.fc2.weight")
+
+
+def _clean(fqn: str) -> str:
+    for w in _WRAPPERS:
+        fqn = fqn.replace(w, "")
+    return fqn
+
+
+def _disk_key(model: nn.Module, fqn: str) -> str:
+    """The checkpoint key of parameter ``fqn``. Under expert parallelism each EP rank holds
+    different experts under the same name (sharded over the ranks holding the same ones),
+    so their keys carry the EP slot; everything else keeps its name."""
+    ep_rank, ep_size = getattr(model, "ep_slot", (0, 1))
+    return f"{fqn}@ep{ep_rank}of{ep_size}" if ep_size > 1 and fqn.endswith(_EXPERTS) else fqn
+
+
+def _rename(model: nn.Module, sd: dict, *, to_disk: bool) -> dict:
+    """``sd`` keyed by checkpoint keys (``to_disk``) or back by parameter names."""
+    if to_disk:
+        return {_disk_key(model, k): v for k, v in sd.items()}
+    names = {_disk_key(model, _clean(n)): _clean(n) for n, _ in model.named_parameters()}
+    return {names.get(k, k): v for k, v in sd.items()}
+
+
+def _master_state(model: nn.Module, optimizer: hd.MasterWeightOptimizer) -> tuple[dict, dict]:
+    """FQN-keyed state of a model trained through ``MasterWeightOptimizer`` (``--quantized-init``):
+    the fp32 masters stand in for the quantized parameters (which are requantized from them
+    on load), and AdamW's state is keyed by the parameter's name. A parameter not stepped yet
+    gets zero state (what AdamW would create). The param groups are not saved: the loop sets
+    the learning rate every step and the rest comes from the config. Returns (model, optim)."""
+    model_sd, state = {}, {}
+    for name, p in model.named_parameters():
+        m = optimizer.master_of(p)
+        key = _disk_key(model, _clean(name))
+        model_sd[key] = m
+        st = optimizer.state[m]
+        if not st:  # AdamW's lazy initial state
+            st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+        state[key] = st
+    return model_sd, {"state": state}
+
+
+def _state(model: nn.Module, optimizer) -> dict:
+    if isinstance(optimizer, hd.MasterWeightOptimizer):
+        model_sd, optim_sd = _master_state(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    optim_sd["state"] = _rename(model, optim_sd["state"], to_disk=True)
+    return {"model": _rename(model, model_sd, to_disk=True), "optim": optim_sd}
+
+
 def save(directory: str, step: int, model: nn.Module, optimizer, device: torch.device) -> str:
     """Write ``directory/step_<step>`` and return its path."""
     path = os.path.join(directory, f"step_{step:06d}")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dcp.save(_state(model, optimizer), checkpoint_id=path)
     torch.save({"step": step, "quantizer_states": quantizer_states(model, device)},
                os.path.join(path, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
@@ -101,10 +155,16 @@ def resolve(path: str) -> str:
 def load(path: str, model: nn.Module, optimizer, device: torch.device) -> int:
     """Restore model, optimizer and quantizer states; return the step the checkpoint was taken at."""
     path = resolve(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=path)  # in place into the tensors of ``state``
+    if isinstance(optimizer, hd.MasterWeightOptimizer):
+        # masters and AdamW state were loaded in place; this round trip requantizes the
+        # quantized parameters from their masters, as after a step
+        optimizer.load_state_dict(optimizer.state_dict())
+    else:
+        state["optim"]["state"] = _rename(model, state["optim"]["state"], to_disk=False)
+        set_state_dict(model, optimizer, model_state_dict=_rename(model, state["model"], to_disk=False),
+                       optim_state_dict=state["optim"])
     local = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
     load_quantizer_states(model, local["quantizer_states"], device)
     return int(local["step"])

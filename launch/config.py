@@ -82,11 +82,6 @@ class TrainConfig:
                                       "made at construction; use --init direct")
         if self.save_every and not self.checkpoint_dir:
             raise ValueError("--save-every needs --checkpoint-dir DIR")
-        if self.ep > 1 and (self.save_every or self.resume):
-            raise NotImplementedError(
-                f"--ep {self.ep} with --save-every/--resume is not supported yet: each EP rank's experts are "
-                "different tensors under the same names, which a DCP checkpoint cannot tell apart; "
-                "checkpoint with --ep 1")
         if self.ep > 1 and not self.moe_experts:
             raise ValueError(f"--ep {self.ep} needs an MoE model: pass --moe-experts N (a multiple of {self.ep})")
 

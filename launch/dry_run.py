@@ -123,7 +123,7 @@ def dry_run(cfg: TrainConfig, *, world_size: int) -> dict:
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     dims = ParallelDims(world_size=world_size, hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
-    m = preset(cfg.preset, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k)
+    m = preset(cfg.preset, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, layers=cfg.layers)
     if cfg.seq_len > m.max_seq_len:
         raise ValueError(f"{where}: --seq-len {cfg.seq_len} exceeds the preset's max_seq_len {m.max_seq_len}")
     if m.moe_experts and m.moe_experts % dims.ep:

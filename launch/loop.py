@@ -82,8 +82,7 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
         require("moe", EP_API, f"--moe-experts {mcfg.moe_experts}")
     ep_group = meshes.ep.get_group() if dims.ep > 1 else None
     if cfg.quantized_init:
-        check_quantized_init(needs_fsdp=needs_fsdp(cfg, dims, compute), tp=dims.tp,
-                             checkpointing=bool(cfg.save_every or cfg.resume))
+        check_quantized_init(needs_fsdp=needs_fsdp(cfg, dims, compute), tp=dims.tp)
         with torch.device(device), hd.quantized_model_init(recipe, keep_high_precision_init=False):
             model = Transformer(mcfg, ep_group=ep_group)
     else:

@@ -15,11 +15,8 @@ def fsdp2_supports_quantized_params() -> bool:
     return hasattr(hd.QuantizedTensor, "fsdp_pre_all_gather")
 
 
-def check_quantized_init(*, needs_fsdp: bool, tp: int, checkpointing: bool = False) -> None:
-    if checkpointing:
-        raise NotImplementedError(
-            "--quantized-init with --save-every/--resume is not supported yet: DCP would have to save "
-            "QuantizedTensor shards and the fp32 master weights; drop one of the two")
+def check_quantized_init(*, needs_fsdp: bool, tp: int) -> None:
+    """Checkpoints of quantized-init runs hold the fp32 masters (``launch.checkpoint``)."""
     if tp > 1:
         raise NotImplementedError(
             "--quantized-init with --tp > 1 is not supported yet: the tensor-parallel styles shard "

@@ -5,7 +5,8 @@ One spawned run covers every configuration (spawning is the expensive part):
   untrained ``log(vocab)`` and matches bf16's first loss (same init and data; quantized
   forward), the loss falls, and both ranks report the same (all-reduced) losses;
 * resuming from a DCP checkpoint taken mid-run reproduces the uninterrupted run's later
-  losses bitwise (recipes with stochastic rounding and delayed-scaling state);
+  losses bitwise (recipes with stochastic rounding and delayed-scaling state; MoE with
+  expert parallelism; ``--quantized-init``, whose checkpoint holds the fp32 masters);
 * the metrics JSONL holds one record per step with the logged loss;
 * an MoE model trains the same with EP=2 as with EP=1 (bf16; same init, data and gradient
   scaling, only reduction orders differ);
@@ -30,6 +31,12 @@ RESUME = {
     "mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd"),
     "fp8_delayed": dict(recipe="fp8_delayed"),
     "moe4_nvfp4": dict(recipe="nvfp4", moe_experts=4),
+    # each EP rank's experts are different tensors under one name (checkpoint keys carry the EP slot)
+    "moe4_ep2_nvfp4": dict(recipe="nvfp4", moe_experts=4, ep=2),
+    # quantized parameters: the checkpoint holds the fp32 masters, requantized on load
+    "quantized_init_fp8_current": dict(recipe="fp8_current", quantized_init=True),
+    "quantized_init_moe4_ep2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", quantized_init=True,
+                                                        moe_experts=4, ep=2),
 }
 VARIANTS = {
     "moe4_fsdp2_ep2_mxfp8": dict(recipe="mxfp8", moe_experts=4, ep=2),
