@@ -3,10 +3,18 @@
 
 Bytes counted: the input read once plus every output byte written (the fewest a fused
 kernel must move); formats with a per-tensor current amax read the input a second time,
-which is counted too (``reads`` column). Run: ``python benchmarks/quantize.py``.
+which is counted too (``reads`` column). Run: ``python -m benchmarks.quantize``.
+
+``--sweep``: instead, one table of the MXFP8 / NVFP4 fused passes per tile config of
+``hybrid_dist.kernels.quant_tiles`` (and the previous ``*_v1`` kernels as the baseline),
+each pass timed alone (NVFP4 with precomputed global scales; the amax pass in its own
+rows). ``differs`` = bytes of the outputs that differ from the v1 kernel's (0 expected,
+except the RHT columnwise direction: different fp32 summation order).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -14,7 +22,7 @@ import hybrid_dist as hd
 from benchmarks._bench import bench_ms, copy_gbps, print_table
 
 M, K = 16384, 8192
-E5M2 = torch.float8_e5m2
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 CASES = [  # (name, quantizer, rowwise, columnwise, input reads)
     ("fp8 current e4m3", hd.Float8Quantizer(), True, True, 2),
@@ -30,6 +38,79 @@ CASES = [  # (name, quantizer, rowwise, columnwise, input reads)
     ("nvfp4 rht (col RHT)", hd.NVFP4Quantizer(rht=True), True, True, 2),
     ("nvfp4 rht+sr (grads)", hd.NVFP4Quantizer(rht=True, stochastic_rounding=True), True, True, 2),
 ]
+
+NVFP4_SWEEP_CASES = [  # (name, rht, stochastic rounding, block rows)
+    ("nvfp4 1d", False, False, 1),
+    ("nvfp4 2d", False, False, 16),
+    ("nvfp4 rht", True, False, 1),
+    ("nvfp4 rht+sr", True, True, 1),
+]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _n_differ(a, b) -> int:
+    return sum(int((x.contiguous().view(torch.uint8) != y.contiguous().view(torch.uint8)).sum())
+               for x, y in zip(a, b))
+
+
+def _row(name, label, fn, ref_out, copy):
+    out = fn()
+    ms = bench_ms(fn)
+    gbps = (M * K * 2 + _nbytes(out)) / ms / 1e6
+    differs = "" if ref_out is None else _n_differ(out, ref_out)
+    return [name, label, ms, gbps, gbps / copy, differs]
+
+
+def _sweep_mxfp8(x, copy) -> list[list]:
+    from hybrid_dist.kernels.mxfp8 import mxfp8_quantize_tiles
+    from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
+    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP
+
+    base = mxfp8_quantize_v1(x, E4M3, True, True)
+    rows = [_row("mxfp8 row+col", "v1 (autotuned)", lambda: mxfp8_quantize_v1(x, E4M3, True, True), None, copy)]
+    for cfg in MXFP8_SWEEP:
+        rows.append(_row("mxfp8 row+col", cfg.label(),
+                         lambda cfg=cfg: mxfp8_quantize_tiles(x, E4M3, True, True, cfg), base, copy))
+    return rows
+
+
+def _sweep_nvfp4(x, copy) -> list[list]:
+    from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
+    from hybrid_dist.kernels.nvfp4_v1 import nvfp4_amax_v1, nvfp4_quantize_v1
+    from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
+
+    t = _rht_row(0, x.device)
+    gs = torch.tensor([x.float().abs().max().item() / 2688.0] * 2, device=x.device)
+    seed = torch.tensor([1234], dtype=torch.int64, device=x.device)
+    rows = []
+    for name, rht, sr, br in NVFP4_SWEEP_CASES:
+        derive = br == 16 and not rht
+        args = (True, True, derive, rht, sr, br)
+        base = nvfp4_quantize_v1(x, gs, seed, *args)
+        rows.append(_row(f"{name} row+col", "v1 (autotuned)", lambda a=args: nvfp4_quantize_v1(x, gs, seed, *a),
+                         None, copy))
+        for cfg in NVFP4_SWEEP:
+            rows.append(_row(f"{name} row+col", cfg.label(),
+                             lambda a=args, cfg=cfg: nvfp4_quantize_tiles(x, t, gs, seed, *a, cfg), base, copy))
+    for rht in (False, True):
+        name = f"nvfp4 amax pass{' +rht' if rht else ''}"
+        rows.append(_row(name, "v1", lambda r=rht: (nvfp4_amax_v1(x, r),), None, copy))
+        rows.append(_row(name, "new", lambda r=rht: (nvfp4_amax_tiles(x, t, r),), None, copy))
+    return rows
+
+
+def sweep() -> None:
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    copy = copy_gbps(M * K)
+    rows = [["device copy", "", "", copy, 1.0, ""]]
+    rows += _sweep_mxfp8(x, copy)
+    rows += _sweep_nvfp4(x, copy)
+    dev = torch.cuda.get_device_name()
+    print_table(["kernel pass", "tile config", "ms", "GB/s", "x copy", "differs"], rows,
+                f"quantize tile sweep {M}x{K} bf16 on {dev} (one pass each; GB/s = input once + outputs)")
 
 
 def main() -> None:
@@ -56,4 +137,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time every MXFP8/NVFP4 tile config")
+    if parser.parse_args().sweep:
+        sweep()
+    else:
+        main()
