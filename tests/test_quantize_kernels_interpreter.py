@@ -1,0 +1,189 @@
+"""The MXFP8 / NVFP4 Triton quantize kernels under the Triton interpreter, on CPU (CI).
+
+Not marked ``gpu``: runs wherever Triton is installed. ``TRITON_INTERPRET=1`` must be set
+before the kernels are defined, so the checks run in one subprocess.
+
+The interpreter's fp32 → fp8 cast does not round like the GPU's ``cvt.rn.satfinite``
+(ties, and carries into the exponent), so the inputs are built so that every fp8 cast is
+exact (values with few mantissa bits, global scales that are powers of two); then the
+kernels must be bitwise equal to the reference — every scale byte, FP8 byte and FP4
+code, for every tile config of ``quant_tiles`` and every direction set. The
+stochastic-rounding stream (not the reference's) is compared with the previous kernel
+(``*_v1``, same interpreter casts on both sides): bitwise. The bitwise GPU comparison on
+random data is ``tests/gpu/test_quantize_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DIRS = [(True, True), (True, False), (False, True)]
+
+
+def _mant(shape, bits, gen):
+    return 1.0 + torch.randint(0, 2**bits, shape, generator=gen).float() / 2**bits
+
+
+def _sign(shape, gen):
+    return torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
+
+
+def mxfp8_input(shape, bits, gen):
+    """Values ``±1.m · 2^E`` (``bits`` mantissa bits, E spread over 8 binades by row):
+    every scaled value is an exact normal fp8."""
+    m, k = shape
+    e = torch.randint(-3, 4, (m, 1), generator=gen) + torch.randint(-2, 1, shape, generator=gen)
+    x = _sign(shape, gen) * _mant(shape, bits, gen) * torch.exp2(e.float())
+    x[:32, :32] = 0.0  # a zero block in both directions
+    return x.bfloat16()
+
+
+def nvfp4_input(shape, gen):
+    """``±6 · 1.mmm · 2^E``: with global scale 1 every block scale ``amax / 6`` is exact E4M3."""
+    e = torch.randint(-3, 6, (shape[0], 1), generator=gen) + torch.randint(-2, 1, shape, generator=gen)
+    x = 6.0 * _sign(shape, gen) * _mant(shape, 3, gen) * torch.exp2(e.float())
+    x[:16, :16] = 0.0
+    return x.bfloat16()
+
+
+def nvfp4_rht_input(shape, seed, gen):
+    """``x = Tᵀ y`` per 16-group along M with one non-zero ``y`` per group and column,
+    ``|y| = 6 · E4M3`` and ``max |y| = 2688``: ``y`` (kernel and reference) is exact, the
+    columnwise global scale is 1 and the rowwise one 1/4."""
+    from hybrid_dist.formats._numerics import hadamard16
+
+    m, k = shape
+    t = hadamard16(seed)
+    y = torch.zeros(m // 16, 16, k)
+    pos = torch.randint(0, 16, (m // 16, k), generator=gen)
+    e = torch.randint(-3, 6, (m // 16, k), generator=gen).float()
+    c = 6.0 * _sign((m // 16, k), gen) * _mant((m // 16, k), 3, gen) * torch.exp2(e)
+    c[0, 0] = 2688.0
+    y.scatter_(1, pos[:, None, :], c[:, None, :])
+    x = torch.einsum("pq,gpk->gqk", t, y).reshape(m, k)
+    return x.bfloat16()
+
+
+def _bits_equal(a, b, what):
+    assert (a is None) == (b is None), what
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    n = int((a.reshape(-1).contiguous().view(torch.uint8) != b.reshape(-1).contiguous().view(torch.uint8)).sum())
+    assert n == 0, f"{what}: {n} bytes differ"
+
+
+def _storages_equal(k, r, what):
+    assert (k is None) == (r is None), f"{what}: one direction missing"
+    if r is None:
+        return
+    assert k.same_meta(r), f"{what}: metadata differs"
+    for f in r.TENSOR_FIELDS:
+        _bits_equal(getattr(k, f), getattr(r, f), f"{what}.{f}")
+
+
+def _check_mxfp8():
+    import hybrid_dist as hd
+    from hybrid_dist.kernels import mxfp8
+    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP
+    from hybrid_dist.formats.mxfp8 import mxfp8_quantize_rows
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, bits in ((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 2)):
+        x = mxfp8_input((96, 160), bits, gen)
+        ref = (*mxfp8_quantize_rows(x, dtype), *mxfp8_quantize_rows(x.t(), dtype))
+        for cfg in MXFP8_SWEEP[:2]:
+            out = mxfp8.mxfp8_quantize_tiles(x, dtype, True, True, cfg)
+            for name, a, b in zip(("row", "row_scale", "col", "col_scale"), out, ref):
+                _bits_equal(a, b, f"mxfp8 {dtype} {cfg.label()} {name}")
+        q = hd.MXFP8Quantizer(dtype=dtype)
+        for rw, cw in DIRS:  # the registry entry point (default config)
+            k = mxfp8.quantize_mxfp8(q, x, rowwise=rw, columnwise=cw, state=None, amax=None)
+            r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=None)
+            _storages_equal(k[0], r[0], f"mxfp8 {dtype} dirs={rw, cw} row")
+            _storages_equal(k[1], r[1], f"mxfp8 {dtype} dirs={rw, cw} col")
+
+
+def _check_nvfp4_reference():
+    import hybrid_dist as hd
+    from hybrid_dist.kernels import nvfp4
+    from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
+
+    gen = torch.Generator().manual_seed(1)
+    x = nvfp4_input((96, 160), gen)
+    amax = torch.tensor(2688.0)
+    for block_2d in (False, True):
+        q = hd.NVFP4Quantizer(block_2d=block_2d)
+        for rw, cw in DIRS:
+            k = nvfp4.quantize_nvfp4(q, x, rowwise=rw, columnwise=cw, state=None, amax=amax)
+            r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=amax)
+            _storages_equal(k[0], r[0], f"nvfp4 2d={block_2d} dirs={rw, cw} row")
+            _storages_equal(k[1], r[1], f"nvfp4 2d={block_2d} dirs={rw, cw} col")
+    xr = nvfp4_rht_input((64, 96), 5, gen)
+    for block_2d in (False, True):
+        q = hd.NVFP4Quantizer(rht=True, rht_seed=5, block_2d=block_2d)
+        r = q._quantize_2d(xr, rowwise=True, columnwise=True, state=None, amax=None)
+        assert float(r[1].global_scale) == 1.0 and float(r[0].global_scale) == 0.25
+        for cfg in NVFP4_SWEEP[:2]:
+            k = _nvfp4_with_config(q, xr, cfg)
+            _storages_equal(k[0], r[0], f"nvfp4 rht 2d={block_2d} {cfg.label()} row")
+            _storages_equal(k[1], r[1], f"nvfp4 rht 2d={block_2d} {cfg.label()} col")
+
+
+def _nvfp4_with_config(q, x, cfg):
+    """The registry path's steps with an explicit tile config (amax pass included)."""
+    from hybrid_dist.formats.nvfp4 import NVFP4Storage, nvfp4_global_scale
+    from hybrid_dist.kernels import nvfp4
+
+    t = nvfp4._rht_row(q.rht_seed, x.device)
+    gs = nvfp4_global_scale(nvfp4.nvfp4_amax_tiles(x, t, True))
+    seed = torch.zeros(1, dtype=torch.int64)
+    row, row_s, col, col_s = nvfp4.nvfp4_quantize_tiles(x, t, gs, seed, True, True, False, True, False,
+                                                        q.block_rows, cfg)
+    br = q.block_rows
+    return (NVFP4Storage(data=row, block_scale=row_s, global_scale=gs[0], block_rows=br, rht_seed=None,
+                         transposed=False),
+            NVFP4Storage(data=col, block_scale=col_s, global_scale=gs[1], block_rows=br, rht_seed=q.rht_seed,
+                         transposed=True))
+
+
+def _check_nvfp4_sr_stream():
+    """Random data, stochastic rounding: bitwise the previous kernel (same Philox stream)."""
+    from hybrid_dist.kernels import nvfp4, nvfp4_v1
+    from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
+
+    gen = torch.Generator().manual_seed(2)
+    m, k = 64, 128
+    x = (torch.randn(m, k, generator=gen) * 4).bfloat16()
+    gs = torch.tensor([0.0125, 0.0125])
+    seed = torch.tensor([77], dtype=torch.int64)
+    for br in (1, 16):
+        shapes = [((m, k // 2), torch.uint8), ((m // br, k // 16), torch.float8_e4m3fn),
+                  ((k, m // 2), torch.uint8), ((k // br, m // 16), torch.float8_e4m3fn)]
+        old = [torch.empty(s, dtype=d) for s, d in shapes]
+        nvfp4_v1._nvfp4_kernel.fn[(1, 2)](x, x, gs, seed, *old, m, k, k, ROW=True, COL=True, DERIVE_COL=br == 16,
+                                          RHT=False, SR=True, BR=br, BM=64, BK=64, num_warps=4)
+        new = nvfp4.nvfp4_quantize_tiles(x, x, gs, seed, True, True, br == 16, False, True, br, NVFP4_SWEEP[0])
+        for name, a, b in zip(("row", "row_scale", "col", "col_scale"), new, old):
+            _bits_equal(a, b, f"nvfp4 sr br={br} {name} vs v1")
+
+
+def _run_all():
+    _check_mxfp8()
+    _check_nvfp4_reference()
+    _check_nvfp4_sr_stream()
+    print("interpreter checks passed")
+
+
+def test_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    code = "from tests.test_quantize_kernels_interpreter import _run_all; _run_all()"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "interpreter checks passed" in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]
