@@ -8,6 +8,7 @@ One spawned run covers every configuration (spawning is the expensive part):
   losses bitwise (recipes with stochastic rounding and delayed-scaling state; MoE with
   expert parallelism; ``--quantized-init``, whose checkpoint holds the fp32 masters);
 * the metrics JSONL holds one record per step with the logged loss;
+* with torchao installed, ``--baseline torchao-float8`` (float8 all-gather) trains too;
 * an MoE model trains the same with EP=2 as with EP=1 (bf16; same init, data and gradient
   scaling, only reduction orders differ);
 * the parallel variants train too: MoE with expert parallelism (EP=2), tensor parallelism
@@ -18,6 +19,7 @@ One spawned run covers every configuration (spawning is the expensive part):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -65,6 +67,8 @@ def _train_all(rank, world_size, tmp):
     for recipe in hd.RECIPE_NAMES:
         metrics = os.path.join(tmp, f"{recipe}.jsonl")
         out["recipes"][recipe] = train(_cfg(recipe, metrics=metrics))["losses"]
+    if importlib.util.find_spec("torchao") is not None:  # optional baseline (not a CI dependency)
+        out["torchao"] = train(_cfg(baseline="torchao-float8"))["losses"]
     for name, kw in RESUME.items():
         ckpt = os.path.join(tmp, f"ckpt-{name}")
         full = train(_cfg(**kw, checkpoint_dir=ckpt, save_every=STEPS // 2))["losses"]
@@ -111,6 +115,11 @@ def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
     if early > 1e-5 or late > 1e-3:
         failures.append(f"MoE bf16 fsdp=2: EP=2 losses {ep2} differ from EP=1 {ep1} (max |diff| {early:.2e} over "
                         f"3 steps, {late:.2e} over {STEPS}; same init and data, only reduction orders differ)")
+    tao = r0.get("torchao")
+    if tao is not None and not (all(math.isfinite(x) for x in tao) and abs(tao[0] - bf16_first) < 0.05
+                                and tao[-1] < tao[0] - 0.5):
+        failures.append(f"baseline torchao-float8 tiny fsdp=2: losses {tao} (first must be within 0.05 of bf16's "
+                        f"{bf16_first:.4f}, then fall by 0.5)")
     q_first = r0["variants"]["quantized_init_fsdp2_mxfp8_fwd_nvfp4_bwd"][0]
     if q_first != r0["recipes"]["mxfp8_fwd_nvfp4_bwd"][0]:
         failures.append(f"quantized init: first loss {q_first} != high-precision init's "

@@ -1,0 +1,129 @@
+"""Throughput plumbing of the launcher: ``--layers``, ``--baseline torchao-float8`` option
+checks, warm-up steps left out of the summary's tokens/s, and the table of
+``benchmarks.throughput``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks import throughput
+from hybrid_dist.launch.config import TrainConfig, parse_args
+from hybrid_dist.launch.metrics import Meter, timed_tokens_per_s
+from hybrid_dist.launch.model import Transformer
+from hybrid_dist.launch.presets import preset
+
+
+def test_layers_override_changes_depth_only():
+    cfg, _ = parse_args(["--preset", "8b", "--layers", "4"])
+    m = preset(cfg.preset, layers=cfg.layers)
+    full = preset("8b")
+    assert (m.n_layers, m.dim, m.ffn_dim, m.vocab_size) == (4, full.dim, full.ffn_dim, full.vocab_size)
+    per_layer = (full.num_params(embeddings=False) - full.dim) // 32
+    assert full.num_params() - m.num_params() == 28 * per_layer
+    assert preset("8b", layers=0) == full
+    with pytest.raises(ValueError, match="--layers must be >= 1"):
+        TrainConfig(layers=-1)
+
+
+@pytest.mark.parametrize("kw, exc, pattern", [
+    (dict(baseline="torchao-float8", recipe="fp8_current"), ValueError, r"needs --recipe bf16.*got --recipe fp8_current"),
+    (dict(baseline="torchao-float8", quantized_init=True), NotImplementedError, r"--quantized-init"),
+    (dict(baseline="torchao-float8", moe_experts=4), NotImplementedError, r"--moe-experts"),
+    (dict(baseline="torchao-fp8"), ValueError, r"unknown; choose one of none, torchao-float8"),
+], ids=["recipe", "quantized_init", "moe", "unknown"])
+def test_baseline_option_checks(kw, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        TrainConfig(**kw)
+
+
+def test_torchao_missing_raises_clear_import_error(monkeypatch):
+    from hybrid_dist.launch import torchao_baseline
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what `import` sees without torchao
+    with pytest.raises(ImportError, match=r"--baseline torchao-float8 needs torchao.*pip install torchao"):
+        torchao_baseline.check_available()
+
+
+def test_torchao_converts_block_linears_not_the_head():
+    pytest.importorskip("torchao.float8")
+    from hybrid_dist.launch import torchao_baseline
+
+    model = Transformer(preset("tiny"), linear=nn.Linear)
+    torchao_baseline.convert(model)
+    names = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert len(names) == 2 * 7 and "output" not in names, sorted(names)
+    w = model.layers["0"].attention.wq.weight
+    assert torchao_baseline.is_float8_weight(w), type(w)  # gathered as float8 by FSDP2
+    with pytest.raises(RuntimeError, match="no nn.Linear was converted"):
+        torchao_baseline.convert(Transformer(preset("tiny")))  # hd.Linear blocks: nothing to convert
+
+
+def test_summary_leaves_out_warmup_steps(tmp_path):
+    meter = Meter(total_steps=5, flops_per_token=1, world_size=1, device=torch.device("cpu"), rank=0,
+                  jsonl_path=str(tmp_path / "m.jsonl"), log_every=1, quiet=True, run={}, ag_bytes_per_step=None,
+                  ag_measured=False, timing_warmup=2)
+    for step in range(1, 6):
+        meter.step(step, 1.0, 1000, 0.1)
+    # replace the measured times: two slow warm-up steps (compile), then 0.5 s per 1000 tokens
+    for rec, dt in zip(meter.records, (30.0, 5.0, 0.5, 0.5, 0.5)):
+        rec["step_time_s"] = dt
+    s = meter.finish({})
+    assert s["timed_steps"] == [3, 4, 5]
+    assert s["tokens_per_s"] == pytest.approx(2000.0)
+    assert timed_tokens_per_s(meter.records, 0) == pytest.approx(5000 / 36.5)
+    assert timed_tokens_per_s(meter.records[:2], 2) == pytest.approx(200.0)  # too few steps: the last one
+
+
+def _write(path, start, tps=None, steps=3, ag=None, ag_est=None, mode="w"):
+    with open(path, mode) as f:
+        f.write(json.dumps({"event": "start", "fsdp": 4, **start}) + "\n")
+        for i in range(1, steps + 1):
+            rec = {"event": "step", "step": i, "loss": 1.0, "peak_mem_bytes": 10 * 2**30}
+            rec.update({"ag_bytes": ag} if ag is not None else {"ag_bytes_est": ag_est})
+            f.write(json.dumps(rec) + "\n")
+        if tps is not None:
+            f.write(json.dumps({"event": "summary", "tokens_per_s": tps, "mfu": tps / 1e5,
+                                "peak_mem_bytes": 20 * 2**30}) + "\n")
+
+
+def test_throughput_table(tmp_path):
+    base = {"preset": "8b", "n_layers": 32, "baseline": "none"}
+    runs = {
+        "a_fp8q": ({**base, "recipe": "fp8_current", "quantized_init": True}, 1300.0, dict(ag=2**30)),
+        "b_bf16": ({**base, "recipe": "bf16"}, 1000.0, dict(ag_est=2 * 2**30)),
+        "c_tao": ({**base, "recipe": "bf16", "baseline": "torchao-float8", "compile": True}, 1500.0,
+                  dict(ag_est=2**30)),
+        "d_bf16c": ({**base, "recipe": "bf16", "compile": True}, 1200.0, dict(ag_est=2 * 2**30)),
+        "e_nvfp4": ({**base, "recipe": "nvfp4"}, None, dict(ag_est=2 * 2**30)),  # crashed: no summary
+        "f_moe": ({"preset": "1b", "n_layers": 4, "recipe": "bf16", "moe_experts": 8, "moe_top_k": 2}, 500.0,
+                  dict(ag_est=2**20)),
+        "g_skip": ({"preset": "1b", "recipe": "mxfp8", "moe_experts": 8, "status": "skipped"}, None,
+                   dict(ag_est=None)),
+    }
+    paths = []
+    for name, (start, tps, ag) in runs.items():
+        p = tmp_path / f"{name}.jsonl"
+        if name == "b_bf16":  # an older run in the same file: the last one counts
+            _write(p, {"name": name, **start}, 1.0, ag_est=1)
+        _write(p, {"name": name, **start}, tps, steps=0 if name == "g_skip" else 3, mode="a", **ag)
+        paths.append(str(p))
+    rows = throughput.table_rows([throughput.load_last_run(p) for p in paths])
+    got = {(r[0], r[1]): r[2:] for r in rows}
+    assert got[("8b fsdp4", "bf16")] == ["1,000", "1.0%", "20.0", "~2.00 GiB", "1.00"]
+    assert got[("8b fsdp4", "fp8_current +qinit")] == ["1,300", "1.3%", "20.0", "1.00 GiB", "1.30"]
+    assert got[("8b fsdp4", "bf16 +compile")][-1] == "1.00"  # compiled runs compare with compiled bf16
+    assert got[("8b fsdp4", "torchao-float8 +compile")] == ["1,500", "1.5%", "20.0", "~1.00 GiB", "1.25"]
+    assert got[("8b fsdp4", "nvfp4 (failed)")] == ["—", "—", "10.0", "~2.00 GiB", "—"]
+    assert got[("1b moe8top2 L4 fsdp4", "bf16")][-2:] == ["~1.00 MiB", "1.00"]
+    assert got[("1b moe8top2 fsdp4", "mxfp8 (skipped)")] == ["—", "—", "—", "—", "—"]
+    # one table: header, separator, one row per run; 8b rows first (file order), eager before compiled
+    table = throughput.format_table([throughput.load_last_run(p) for p in paths]).splitlines()
+    assert table[0].startswith("| preset | recipe | tokens/s | MFU | peak GiB | all-gather/step | × bf16 |")
+    assert len(table) == 2 + len(runs)
+    order = [line.split(" | ")[1] for line in table[2:6]]
+    assert order == ["bf16", "fp8_current +qinit", "nvfp4 (failed)", "bf16 +compile"], order
