@@ -96,7 +96,7 @@ def _per_expert_fp8(q: Float8Quantizer, x, x_pad, eid_rows, row_expert, states, 
     else:
         scale = q.compute_scale(x_pad, None, amax)
     scale_rows = torch.cat([scale, scale.new_ones(1)])[row_expert]  # rows past the experts: zeros anyway
-    data = cast_to_fp8(x_pad.float() * scale_rows[:, None], q.dtype)
+    data = cast_to_fp8(x_pad * scale_rows[:, None], q.dtype)  # fp32 product (type promotion)
     data = data if direction == "rowwise" else data.t().contiguous()
     return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
@@ -121,6 +121,13 @@ def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, state, *, directi
     else:
         data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=None)
     return {"data": data, "block_scale": bs, "global_scale": gs}
+
+
+def _fp8_shared(q) -> bool:
+    """Both directions the same per-tensor FP8 quantizer (and state): the columnwise
+    codes are the rowwise codes transposed."""
+    row = q.direction_quantizer("rowwise")
+    return isinstance(row, Float8Quantizer) and row == q.direction_quantizer("columnwise")
 
 
 def unsupported_reason(q) -> str | None:
@@ -178,7 +185,12 @@ def split_quantize_packed(
     x = x.detach()
     x_pad, off, poff, dest, row_expert, cap = _layout(x, tokens_per_expert, mult)
     eid_rows = torch.repeat_interleave(torch.arange(e, device=x.device), tokens_per_expert, output_size=x.shape[0])
-    fields = {d: _direction_fields(quantizer, x, x_pad, eid_rows, row_expert, states, e, d) if want else None
-              for d, want in (("rowwise", rowwise), ("columnwise", columnwise))}
+    row = _direction_fields(quantizer, x, x_pad, eid_rows, row_expert, states, e, "rowwise") if rowwise else None
+    if columnwise and row is not None and _fp8_shared(quantizer):  # one cast, transposed (as the quantizer)
+        col = {"data": row["data"].t().contiguous(), "scale_inv": row["scale_inv"]}
+    else:
+        col = _direction_fields(quantizer, x, x_pad, eid_rows, row_expert, states, e, "columnwise") \
+            if columnwise else None
+    fields = {"rowwise": row, "columnwise": col}
     return PackedSplit(rowwise=fields["rowwise"], columnwise=fields["columnwise"], offsets=off,
                        padded_offsets=poff, dest=dest, row_expert=row_expert, capacity=cap, multiple=mult)
