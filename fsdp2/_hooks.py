@@ -111,6 +111,7 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
     refresh ``out`` in place (FSDP re-allocated the inner tensors before calling)."""
     from hybrid_dist.quantized_tensor import QuantizedTensor
 
+    _claim_scalars_for_current_stream(meta)
     views = _gathered_views(outputs, meta)
     if out is None:
         storages, owned = {}, []
@@ -125,6 +126,21 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
     for d in meta.gathered:
         fsdp_assign_gathered(views[d], meta.dirs[d], meta.world_size, out=target.storage_of(d))
     return None
+
+
+def _claim_scalars_for_current_stream(meta: GatherMeta) -> None:
+    """The per-tensor scalars travel in the metadata, made by ``pre_all_gather`` on FSDP's
+    all-gather copy-in stream and read here on the compute stream, after which FSDP drops
+    the metadata. Without ``record_stream`` the caching allocator hands their blocks back
+    to the copy-in stream at once, and the next parameter's pre-all-gather may overwrite
+    them before this stream's pending reads run (seen on NCCL: one rank's gathered FP8
+    ``scale_inv`` replaced by another layer's, step-0 loss 4x off)."""
+    if not torch.cuda.is_available():
+        return
+    for dm in meta.dirs.values():
+        for s in dm.scalars.values():
+            if s.is_cuda:
+                s.record_stream(torch.cuda.current_stream(s.device))
 
 
 def _expose_rowwise(t, valid: bool) -> None:
