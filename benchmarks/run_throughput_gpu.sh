@@ -42,22 +42,22 @@ TAO="--baseline torchao-float8 --compile"
 PLAN="
 8b_bf16|75|0|$M8B --recipe bf16
 8b_fp8_current_qinit|90|0|$M8B $QI
-8b_bf16_compile|120|0|$M8B --recipe bf16 --compile
 8b_torchao_float8_compile|120|1|$M8B $TAO
-8b_fp8_current_qinit_compile|120|0|$M8B $QI --compile
+8b_bf16_compile|120|0|$M8B --recipe bf16 --compile
 8b_mxfp8_fwd_nvfp4_bwd|90|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
 8b_nvfp4|90|0|$M8B --recipe nvfp4
-8b_fp8_current|75|0|$M8B --recipe fp8_current
 1b_bf16|60|0|$M1B --recipe bf16
 1b_fp8_current_qinit|75|0|$M1B $QI
-1b_mxfp8_fwd_nvfp4_bwd|75|0|$M1B --recipe mxfp8_fwd_nvfp4_bwd
-1b_nvfp4|75|0|$M1B --recipe nvfp4
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
+8b_fp8_current_qinit_compile|120|0|$M8B $QI --compile
+1b_mxfp8_fwd_nvfp4_bwd|75|0|$M1B --recipe mxfp8_fwd_nvfp4_bwd
+1b_nvfp4|75|0|$M1B --recipe nvfp4
 1b_moe8_mxfp8_fwd_nvfp4_bwd|90|0|$MOE --recipe mxfp8_fwd_nvfp4_bwd
-1b_bf16_compile|100|0|$M1B --recipe bf16 --compile
 1b_torchao_float8_compile|100|1|$M1B $TAO
+1b_bf16_compile|100|0|$M1B --recipe bf16 --compile
 1b_fp8_current_qinit_compile|100|0|$M1B $QI --compile
+8b_fp8_current|75|0|$M8B --recipe fp8_current
 1b_fp8_current|60|0|$M1B --recipe fp8_current
 "
 
@@ -88,7 +88,7 @@ while IFS='|' read -r name cap needs_tao opts; do
   [ "$cap" -gt "$left" ] && cap=$left
   port=$((port + 1)); t0=$SECONDS
   # shellcheck disable=SC2086
-  timeout -k 15 "$cap" torchrun --nproc-per-node "$NGPU" --master-port "$port" -m hybrid_dist.launch.train \
+  timeout -k 30 "$cap" torchrun --nproc-per-node "$NGPU" --master-port "$port" -m hybrid_dist.launch.train \
     $opts --fsdp "$NGPU" --steps "$STEPS" --timing-warmup 2 --run-name "$name" --metrics "$f" < /dev/null > "$log" 2>&1
   rc=$?
   if [ "$rc" = 0 ] || grep -q '"event": "summary"' "$f" 2> /dev/null; then
@@ -98,6 +98,12 @@ while IFS='|' read -r name cap needs_tao opts; do
     [ -f "$f" ] || stub "$name" "failed rc=$rc" "$opts --fsdp $NGPU"
     echo "-- $name FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); last lines of $log:"
     grep -v "^W1\|^\[W" "$log" | tail -n 8 | sed 's/^/     /'
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # workers run in their own sessions: end any left on the GPUs
+      sleep 3
+      for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2> /dev/null); do
+        kill -9 "$pid" 2> /dev/null && echo "   killed leftover GPU process $pid"
+      done
+    fi
   fi
 done <<< "$PLAN"
 
