@@ -130,26 +130,9 @@ def _check_nvfp4_reference():
         r = q._quantize_2d(xr, rowwise=True, columnwise=True, state=None, amax=None)
         assert float(r[1].global_scale) == 1.0 and float(r[0].global_scale) == 0.25
         for cfg in NVFP4_SWEEP[:2]:
-            k = _nvfp4_with_config(q, xr, cfg)
+            k = nvfp4.quantize_nvfp4(q, xr, rowwise=True, columnwise=True, state=None, amax=None, config=cfg)
             _storages_equal(k[0], r[0], f"nvfp4 rht 2d={block_2d} {cfg.label()} row")
             _storages_equal(k[1], r[1], f"nvfp4 rht 2d={block_2d} {cfg.label()} col")
-
-
-def _nvfp4_with_config(q, x, cfg):
-    """The registry path's steps with an explicit tile config (amax pass included)."""
-    from hybrid_dist.formats.nvfp4 import NVFP4Storage, nvfp4_global_scale
-    from hybrid_dist.kernels import nvfp4
-
-    t = nvfp4._rht_row(q.rht_seed, x.device)
-    gs = nvfp4_global_scale(nvfp4.nvfp4_amax_tiles(x, t, True))
-    seed = torch.zeros(1, dtype=torch.int64)
-    row, row_s, col, col_s = nvfp4.nvfp4_quantize_tiles(x, t, gs, seed, True, True, False, True, False,
-                                                        q.block_rows, cfg)
-    br = q.block_rows
-    return (NVFP4Storage(data=row, block_scale=row_s, global_scale=gs[0], block_rows=br, rht_seed=None,
-                         transposed=False),
-            NVFP4Storage(data=col, block_scale=col_s, global_scale=gs[1], block_rows=br, rht_seed=q.rht_seed,
-                         transposed=True))
 
 
 def _check_nvfp4_sr_stream():

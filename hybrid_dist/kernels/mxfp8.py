@@ -143,19 +143,25 @@ def _(x, dtype, rowwise, columnwise):
             x.new_empty(s_col, dtype=dtype), x.new_empty(s_cs, dtype=torch.uint8))
 
 
-def quantize_mxfp8(q: MXFP8Quantizer, x2d, *, rowwise, columnwise, state, amax):
-    """Registry impl for :class:`MXFP8Quantizer` (bitwise the reference).
+def quantize_mxfp8(q: MXFP8Quantizer, x2d, *, rowwise, columnwise, state, amax, config: TileConfig | None = None):
+    """Registry impl for :class:`MXFP8Quantizer` (bitwise the reference). ``config``: a tile
+    config other than the default (eager only: tests and benchmarks).
 
     The fused in-register transpose is used for bf16 inputs; other inputs quantize
     ``x`` and ``x.T`` (a torch transpose) rowwise, since an 8-bit in-register transpose
-    gave wrong bytes for fp32 inputs in the FP8 kernel on Triton 3.6 / H100."""
+    gave wrong bytes for fp32 inputs in the FP8 kernel on Triton 3.6 / H100 (the columnwise
+    bytes now move as 32-bit words, but fp32 inputs are not tested on that path)."""
+    kw = dict(state=state, amax=amax, config=config)
     if columnwise and x2d.dtype != torch.bfloat16:
-        row_st = quantize_mxfp8(q, x2d, rowwise=True, columnwise=False, state=state, amax=amax)[0] if rowwise else None
-        col = quantize_mxfp8(q, x2d.t().contiguous(), rowwise=True, columnwise=False, state=state, amax=amax)[0]
+        row_st = quantize_mxfp8(q, x2d, rowwise=True, columnwise=False, **kw)[0] if rowwise else None
+        col = quantize_mxfp8(q, x2d.t().contiguous(), rowwise=True, columnwise=False, **kw)[0]
         return row_st, MXFP8Storage(data=col.data, scale=col.scale, transposed=True)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    row, row_s, col, col_s = mxfp8_quantize(x2d, q.dtype, rowwise, columnwise)
+    if config is None:
+        row, row_s, col, col_s = mxfp8_quantize(x2d, q.dtype, rowwise, columnwise)
+    else:
+        row, row_s, col, col_s = mxfp8_quantize_tiles(x2d, q.dtype, rowwise, columnwise, config)
     row_st = MXFP8Storage(data=row, scale=row_s, transposed=False) if rowwise else None
     col_st = MXFP8Storage(data=col, scale=col_s, transposed=True) if columnwise else None
     return row_st, col_st

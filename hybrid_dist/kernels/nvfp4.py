@@ -139,10 +139,11 @@ def _seed_tensor(q: NVFP4Quantizer, state, device, like: torch.Tensor) -> torch.
     return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 
 
-def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax):
+def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, config: TileConfig | None = None):
     """Registry impl for :class:`NVFP4Quantizer` (see module doc for the exactness).
     Columnwise from non-bf16 inputs defers to the reference (only bf16 tiles are tested
-    with the in-register transposes, see ``fp8_tensor``)."""
+    with the in-register transposes, see ``fp8_tensor``). ``config``: a tile config other
+    than the default (eager only: tests and benchmarks)."""
     if columnwise and x2d.dtype != torch.bfloat16:
         return NotImplemented
     if x2d.stride(-1) != 1:
@@ -158,9 +159,12 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax):
     else:
         amax_row = amax_col = amax.float().to(dev).reshape(())
     gs = nvfp4_global_scale(torch.stack([amax_row, amax_col]))
-    row, row_s, col, col_s = nvfp4_quantize(
-        x2d, t, gs, _seed_tensor(q, state, dev, x2d), rowwise, columnwise, derive_col, col_rht,
-        q.stochastic_rounding, q.block_rows)
+    args = (x2d, t, gs, _seed_tensor(q, state, dev, x2d), rowwise, columnwise, derive_col, col_rht,
+            q.stochastic_rounding, q.block_rows)
+    if config is None:
+        row, row_s, col, col_s = nvfp4_quantize(*args)
+    else:
+        row, row_s, col, col_s = nvfp4_quantize_tiles(*args, config)
     br = q.block_rows
     row_st = col_st = None
     if rowwise:

@@ -5,7 +5,8 @@ RHT/SR. NVFP4 with RHT multiplies by the Hadamard matrix in a different summatio
 than the reference's fp32 matmul, so codes may flip where a value sits within an ulp of a
 rounding boundary: bounded mismatch fraction, matching global scales to 1e-6.
 Stochastic rounding uses a Philox stream (not torch.rand's): tested for reproducibility
-and unbiasedness instead.
+and unbiasedness instead, and bitwise against the previous kernel (``*_v1``: same stream).
+Every tile config of ``kernels.quant_tiles`` is tested the same way as the default one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import hybrid_dist as hd
+from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_SWEEP
 from tests.gpu._gpu_helpers import assert_storages_bitwise, kernel_quantize, n_bit_diffs, reference_quantize
 
 pytestmark = pytest.mark.gpu
@@ -30,8 +32,9 @@ def _x(shape, seed=0, dtype=torch.bfloat16):
     return x.to(dtype)
 
 
-def _check(q, x, rowwise, columnwise, what, **kw):
-    k = kernel_quantize(q, x, rowwise=rowwise, columnwise=columnwise, **kw)
+def _check(q, x, rowwise, columnwise, what, config=None, **kw):
+    extra = {} if config is None else {"config": config}  # a non-default tile config
+    k = kernel_quantize(q, x, rowwise=rowwise, columnwise=columnwise, **kw, **extra)
     r = reference_quantize(q, x, rowwise=rowwise, columnwise=columnwise, **kw)
     assert_storages_bitwise(k[0], r[0], f"{what} rowwise")
     assert_storages_bitwise(k[1], r[1], f"{what} columnwise")
@@ -98,26 +101,28 @@ def test_nvfp4_rne_bitwise(shape, block_2d):
     _check(q, x, True, True, f"nvfp4 amax= {shape}", amax=torch.tensor(40.0, device="cuda"))
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
-def test_nvfp4_rht_within_bound(shape, block_2d):
-    q = hd.NVFP4Quantizer(rht=True, block_2d=block_2d)
-    x = _x(shape)
-    k = kernel_quantize(q, x, rowwise=True, columnwise=True)
+def _check_rht_within_bound(q, x, what, **kw):
+    k = kernel_quantize(q, x, rowwise=True, columnwise=True, **kw)
     r = reference_quantize(q, x, rowwise=True, columnwise=True)
-    assert_storages_bitwise(k[0], r[0], "rht rowwise (not transformed)")
+    assert_storages_bitwise(k[0], r[0], f"{what} rht rowwise (not transformed)")
     kc, rc = k[1], r[1]
     assert kc.rht_seed == rc.rht_seed == q.rht_seed
-    assert torch.allclose(kc.global_scale, rc.global_scale, rtol=1e-6, atol=0)
+    assert torch.allclose(kc.global_scale, rc.global_scale, rtol=1e-6, atol=0), what
     codes = n_bit_diffs(kc.data, rc.data, "rht data")
     scales = n_bit_diffs(kc.block_scale, rc.block_scale, "rht block_scale")
-    assert codes <= 1e-3 * rc.data.numel(), f"{codes} of {rc.data.numel()} packed bytes differ"
-    assert scales <= 1e-2 * rc.block_scale.numel(), f"{scales} block scales differ"
+    assert codes <= 1e-3 * rc.data.numel(), f"{what}: {codes} of {rc.data.numel()} packed bytes differ"
+    assert scales <= 1e-2 * rc.block_scale.numel(), f"{what}: {scales} block scales differ"
     # in the transformed domain the kernel's values are as close to x as the reference's
     v_k, v_r = kc.dequantize(), rc.dequantize()
     err_k = (v_k - x.float()).norm() / x.float().norm()
     err_r = (v_r - x.float()).norm() / x.float().norm()
-    assert err_k <= err_r * 1.01 + 1e-6, (err_k, err_r)
+    assert err_k <= err_r * 1.01 + 1e-6, (what, err_k, err_r)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
+def test_nvfp4_rht_within_bound(shape, block_2d):
+    _check_rht_within_bound(hd.NVFP4Quantizer(rht=True, block_2d=block_2d), _x(shape), f"{shape} 2d={block_2d}")
 
 
 def test_nvfp4_stochastic_rounding_reproducible_and_unbiased():
@@ -141,3 +146,66 @@ def test_nvfp4_stochastic_rounding_reproducible_and_unbiased():
     err_rtn = (rtn - x.float()).norm() / x.float().norm()
     assert bias_sr < 2e-3, f"SR mean bias {bias_sr}"
     assert err_sr < 0.5 * err_rtn, f"mean of {n} SR draws ({err_sr}) should beat one RTN ({err_rtn})"
+
+
+def _bytes_equal(a, b, what):
+    n = n_bit_diffs(a, b, what)
+    assert n == 0, f"{what}: {n} of {b.numel()} elements differ bitwise"
+
+
+@pytest.mark.parametrize("cfg", MXFP8_SWEEP, ids=lambda c: c.label())
+def test_mxfp8_tile_configs_bitwise(cfg):
+    for dtype in (E4M3, E5M2):
+        q = hd.MXFP8Quantizer(dtype=dtype)
+        for shape in ((384, 640), (96, 160)):
+            x = _x(shape)
+            x[3, 40] = 1e-30
+            for rw, cw in DIRS:
+                _check(q, x, rw, cw, f"mxfp8 {cfg.label()} {dtype} {shape} dirs={rw, cw}", config=cfg)
+
+
+@pytest.mark.parametrize("cfg", NVFP4_SWEEP, ids=lambda c: c.label())
+def test_nvfp4_tile_configs(cfg):
+    """RNE bitwise the reference; RHT within the bound; SR bitwise the v1 kernel."""
+    for shape in ((384, 640), (96, 160)):
+        x = _x(shape)
+        for block_2d in (False, True):
+            q = hd.NVFP4Quantizer(block_2d=block_2d)
+            for rw, cw in DIRS:
+                _check(q, x, rw, cw, f"nvfp4 {cfg.label()} 2d={block_2d} {shape} dirs={rw, cw}", config=cfg)
+            _check(q, x, True, True, f"nvfp4 {cfg.label()} amax= {shape}", config=cfg,
+                   amax=torch.tensor(40.0, device="cuda"))
+    x = _x((384, 640))
+    for block_2d in (False, True):
+        _check_rht_within_bound(hd.NVFP4Quantizer(rht=True, block_2d=block_2d), x,
+                                f"{cfg.label()} 2d={block_2d}", config=cfg)
+        _check_sr_matches_v1(x, block_2d, cfg)
+
+
+def _check_sr_matches_v1(x, block_2d, cfg):
+    from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
+    from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_quantize_tiles
+    from hybrid_dist.kernels.nvfp4_v1 import nvfp4_quantize_v1
+
+    gs = nvfp4_global_scale(x.float().abs().amax().repeat(2))
+    seed = torch.tensor([12345], dtype=torch.int64, device="cuda")
+    br = 16 if block_2d else 1
+    args = (True, True, block_2d, False, True, br)
+    new = nvfp4_quantize_tiles(x, _rht_row(0, x.device), gs, seed, *args, cfg)
+    old = nvfp4_quantize_v1(x, gs, seed, *args)
+    for name, a, b in zip(("row", "row_scale", "col", "col_scale"), new, old):
+        _bytes_equal(a, b, f"nvfp4 sr {cfg.label()} 2d={block_2d} {name} vs v1")
+
+
+@pytest.mark.parametrize("shape", [(384, 640), (4096, 2048)], ids=str)
+def test_nvfp4_amax_pass(shape):
+    from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16
+    from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles
+
+    x = _x(shape)
+    for seed in (0, 3):
+        out = nvfp4_amax_tiles(x, _rht_row(seed, x.device), True)
+        assert out[0] == x.float().abs().amax(), (shape, seed)
+        ref_h = apply_hadamard16(x.t().float(), hadamard16(seed, x.device)).abs().amax()
+        assert torch.allclose(out[1], ref_h, rtol=1e-6, atol=0), (shape, seed, out[1], ref_h)
+    assert nvfp4_amax_tiles(x, _rht_row(0, x.device), False)[1] == 0
