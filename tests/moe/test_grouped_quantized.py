@@ -78,6 +78,8 @@ def run_paths(recipe, *, quantized_init: bool, steps: int = 2, splits=SPLITS):
 def _check(recipe, quantized_init, steps=2, splits=SPLITS):
     for what, got, ref, hp in run_paths(recipe, quantized_init=quantized_init, steps=steps, splits=splits):
         assert got.dtype == ref.dtype and got.shape == ref.shape, what
+        if got.numel() == 0:
+            continue
         sr = recipe.name in SR_RECIPES and not what.endswith(" y")
         if sr:
             got_db, ref_db = sqnr_db(hp, got.float()), sqnr_db(hp, ref.float())
@@ -148,3 +150,8 @@ def test_emulated_kernels_equal_torch_grouped_mm_on_cpu():
     got_rows, got_tok = _emulated(a, b, offs), _emulated(at, bt, offs)
     assert sqnr_db(want_rows[:80].float(), got_rows[:80].float()) > 60
     assert sqnr_db(want_tok.float(), got_tok.float()) > 60
+
+
+@pytest.mark.parametrize("splits", [[0, 0, 200, 0], [0, 0, 0, 0]], ids=["one_expert", "no_tokens"])
+def test_grouped_path_all_tokens_on_one_expert_and_no_tokens(splits):
+    _check(hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd"), quantized_init=False, steps=1, splits=splits)
