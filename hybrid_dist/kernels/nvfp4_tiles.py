@@ -198,6 +198,101 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
 
 
 @triton.jit
+def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            gs_ptr, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
+            R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr,
+            DERIVE_COL: tl.constexpr):
+    """Rowwise codes of the 16 sets (stored if ``ROW``); with ``DERIVE_COL`` (2D blocks)
+    also their exact transpose as the columnwise direction."""
+    gs = tl.load(gs_ptr)
+    enc2 = gs  # unused by 1×16 blocks
+    if TWO_D:  # 16×16 blocks: amax over the 16 sets of each set's 16-along-K max
+        bs2, enc2 = _block_scale(_max16(
+            _kmax(x0, R, BK, True), _kmax(x1, R, BK, True), _kmax(x2, R, BK, True),
+            _kmax(x3, R, BK, True), _kmax(x4, R, BK, True), _kmax(x5, R, BK, True),
+            _kmax(x6, R, BK, True), _kmax(x7, R, BK, True), _kmax(x8, R, BK, True),
+            _kmax(x9, R, BK, True), _kmax(x10, R, BK, True), _kmax(x11, R, BK, True),
+            _kmax(x12, R, BK, True), _kmax(x13, R, BK, True), _kmax(x14, R, BK, True),
+            _kmax(x15, R, BK, True)), gs)
+        if ROW:
+            sb = pid_m * R + tl.arange(0, R)[:, None]
+            sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
+            tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
+    c0 = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c1 = _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c2 = _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c3 = _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c4 = _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c5 = _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c6 = _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c7 = _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c8 = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c9 = _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c10 = _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c11 = _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c12 = _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c13 = _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c14 = _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    c15 = _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, row_s_ptr,
+                  M, K, R, BK, TWO_D, SR, ROW)
+    if DERIVE_COL:
+        _store_col(_pack8(c0, c1, c2, c3, c4, c5, c6, c7), _pack8(c8, c9, c10, c11, c12, c13, c14, c15),
+                   bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
+
+
+@triton.jit
+def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            t_ptr, gs_ptr, seed, co, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R: tl.constexpr,
+            BK: tl.constexpr, RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr):
+    """Columnwise direction (16 along M, × 16 along K if ``TWO_D``), optionally in the
+    Hadamard domain; Philox offsets ``co + j·kq`` for set ``j``."""
+    if RHT:
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, t_ptr)
+    bs, enc = _block_scale(_max16(
+        _kmax(x0, R, BK, TWO_D), _kmax(x1, R, BK, TWO_D), _kmax(x2, R, BK, TWO_D),
+        _kmax(x3, R, BK, TWO_D), _kmax(x4, R, BK, TWO_D), _kmax(x5, R, BK, TWO_D),
+        _kmax(x6, R, BK, TWO_D), _kmax(x7, R, BK, TWO_D), _kmax(x8, R, BK, TWO_D),
+        _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
+        _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
+        _kmax(x15, R, BK, TWO_D)), tl.load(gs_ptr + 1))
+    w_lo = _pack8(
+        _codes(x0, enc, seed, co, R, BK, TWO_D, SR),
+        _codes(x1, enc, seed, co + 1 * kq, R, BK, TWO_D, SR),
+        _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR),
+        _codes(x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR),
+        _codes(x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR),
+        _codes(x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR),
+        _codes(x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR),
+        _codes(x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR))
+    w_hi = _pack8(
+        _codes(x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR),
+        _codes(x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR),
+        _codes(x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR),
+        _codes(x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR),
+        _codes(x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR),
+        _codes(x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR),
+        _codes(x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR),
+        _codes(x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR))
+    _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
+
+
+@triton.jit
 def nvfp4_quantize_kernel(
     x_ptr, t_ptr, gs_ptr, seed_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K, stride_m,
     ROW: tl.constexpr, COL: tl.constexpr, DERIVE_COL: tl.constexpr, RHT: tl.constexpr,
@@ -215,62 +310,13 @@ def nvfp4_quantize_kernel(
     kq = tl.cdiv(K, 4)  # Philox counters per row: one per 4 elements along K
     oq = rs * kq + pid_k * (BK // 4) + tl.arange(0, BK // 4)[None, :]  # set 0; set j adds j * kq
     if ROW or DERIVE_COL:
-        gs = tl.load(gs_ptr)
-        enc2 = gs  # unused by 1×16 blocks
-        if TWO_D:  # 16×16 blocks: amax over the 16 sets of each set's 16-along-K max
-            bs2, enc2 = _block_scale(_max16(
-                _kmax(x0, R, BK, True), _kmax(x1, R, BK, True), _kmax(x2, R, BK, True),
-                _kmax(x3, R, BK, True), _kmax(x4, R, BK, True), _kmax(x5, R, BK, True),
-                _kmax(x6, R, BK, True), _kmax(x7, R, BK, True), _kmax(x8, R, BK, True),
-                _kmax(x9, R, BK, True), _kmax(x10, R, BK, True), _kmax(x11, R, BK, True),
-                _kmax(x12, R, BK, True), _kmax(x13, R, BK, True), _kmax(x14, R, BK, True),
-                _kmax(x15, R, BK, True)), gs)
-            if ROW:
-                sb = pid_m * R + tl.arange(0, R)[:, None]
-                sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
-                tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
-        c0 = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c1 = _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c2 = _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c3 = _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c4 = _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c5 = _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c6 = _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c7 = _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c8 = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c9 = _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c10 = _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c11 = _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c12 = _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c13 = _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c14 = _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        c15 = _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, row_s_ptr, M, K, R, BK, TWO_D, SR, ROW)
-        if DERIVE_COL:  # 2D blocks: columnwise is the exact transpose of rowwise
-            _store_col(_pack8(c0, c1, c2, c3, c4, c5, c6, c7), _pack8(c8, c9, c10, c11, c12, c13, c14, c15),
-                       bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
+        _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                gs_ptr, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
+                R, BK, TWO_D, SR, ROW, DERIVE_COL)
     if COL and not DERIVE_COL:
-        if RHT:
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
-                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, t_ptr)
-        bs, enc = _block_scale(_max16(
-            _kmax(x0, R, BK, TWO_D), _kmax(x1, R, BK, TWO_D), _kmax(x2, R, BK, TWO_D),
-            _kmax(x3, R, BK, TWO_D), _kmax(x4, R, BK, TWO_D), _kmax(x5, R, BK, TWO_D),
-            _kmax(x6, R, BK, TWO_D), _kmax(x7, R, BK, TWO_D), _kmax(x8, R, BK, TWO_D),
-            _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
-            _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
-            _kmax(x15, R, BK, TWO_D)), tl.load(gs_ptr + 1))
-        co = M * kq + oq
-        w_lo = _pack8(
-            _codes(x0, enc, seed, co, R, BK, TWO_D, SR), _codes(x1, enc, seed, co + kq, R, BK, TWO_D, SR),
-            _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR), _codes(x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR),
-            _codes(x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR), _codes(x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR),
-            _codes(x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR), _codes(x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR))
-        w_hi = _pack8(
-            _codes(x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR), _codes(x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR),
-            _codes(x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR), _codes(x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR),
-            _codes(x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR), _codes(x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR),
-            _codes(x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR), _codes(x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR))
-        _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
+        _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                t_ptr, gs_ptr, seed, M * kq + oq, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R, BK,
+                RHT, TWO_D, SR)
 
 
 @triton.jit
