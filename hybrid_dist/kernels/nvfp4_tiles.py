@@ -172,13 +172,6 @@ def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, row_s_ptr, M, K,
 
 
 @triton.jit
-def _pack8(c0, c1, c2, c3, c4, c5, c6, c7):
-    """Eight 4-bit codes (int32) → one int32, code ``j`` at bits ``4j``."""
-    return (c0 | (c1 << 4) | (c2 << 8) | (c3 << 12) | (c4 << 16) | (c5 << 20) | (c6 << 24)
-            | (c7 << 28))
-
-
-@triton.jit
 def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.constexpr,
                BK: tl.constexpr, K16: tl.constexpr):
     """Columnwise store: words ``[R, BK]`` → ``data [K, M/2]`` (as int64 ``[K, M/16]``),
@@ -218,41 +211,40 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
             sb = pid_m * R + tl.arange(0, R)[:, None]
             sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
             tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
-    c0 = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c1 = _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c2 = _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c3 = _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c4 = _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c5 = _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c6 = _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c7 = _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c8 = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c9 = _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c10 = _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c11 = _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c12 = _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c13 = _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c14 = _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    c15 = _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, row_s_ptr,
-                  M, K, R, BK, TWO_D, SR, ROW)
-    if DERIVE_COL:
-        _store_col(_pack8(c0, c1, c2, c3, c4, c5, c6, c7), _pack8(c8, c9, c10, c11, c12, c13, c14, c15),
-                   bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
+    w_lo = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 4
+    w_lo |= _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 8
+    w_lo |= _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 12
+    w_lo |= _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 16
+    w_lo |= _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 20
+    w_lo |= _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 24
+    w_lo |= _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 28
+    w_hi = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 4
+    w_hi |= _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 8
+    w_hi |= _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 12
+    w_hi |= _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 16
+    w_hi |= _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 20
+    w_hi |= _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 24
+    w_hi |= _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, row_s_ptr,
+        M, K, R, BK, TWO_D, SR, ROW) << 28
+    if DERIVE_COL:  # codes packed as they are made (``w |= code << 4j``: few live registers)
+        _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
 
 
 @triton.jit
@@ -271,24 +263,22 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
         _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
         _kmax(x15, R, BK, TWO_D)), tl.load(gs_ptr + 1))
-    w_lo = _pack8(
-        _codes(x0, enc, seed, co, R, BK, TWO_D, SR),
-        _codes(x1, enc, seed, co + 1 * kq, R, BK, TWO_D, SR),
-        _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR),
-        _codes(x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR),
-        _codes(x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR),
-        _codes(x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR),
-        _codes(x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR),
-        _codes(x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR))
-    w_hi = _pack8(
-        _codes(x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR),
-        _codes(x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR),
-        _codes(x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR),
-        _codes(x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR),
-        _codes(x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR),
-        _codes(x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR),
-        _codes(x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR),
-        _codes(x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR))
+    w_lo = _codes(x0, enc, seed, co, R, BK, TWO_D, SR)
+    w_lo |= _codes(x1, enc, seed, co + kq, R, BK, TWO_D, SR) << 4
+    w_lo |= _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR) << 8
+    w_lo |= _codes(x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR) << 12
+    w_lo |= _codes(x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR) << 16
+    w_lo |= _codes(x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR) << 20
+    w_lo |= _codes(x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR) << 24
+    w_lo |= _codes(x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR) << 28
+    w_hi = _codes(x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR)
+    w_hi |= _codes(x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR) << 4
+    w_hi |= _codes(x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR) << 8
+    w_hi |= _codes(x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR) << 12
+    w_hi |= _codes(x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR) << 16
+    w_hi |= _codes(x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR) << 20
+    w_hi |= _codes(x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR) << 24
+    w_hi |= _codes(x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR) << 28
     _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
 
 
