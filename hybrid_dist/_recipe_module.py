@@ -15,7 +15,59 @@ from torch import nn
 
 from hybrid_dist._tensor_ops import stateless
 from hybrid_dist.autocast import current_recipe, model_init_recipe
+from hybrid_dist.formats.float8 import DelayedScalingState
+from hybrid_dist.hybrid import HybridState
 from hybrid_dist.recipes import Recipe
+
+# [Note: quantizer states in the state dict]
+# Delayed-scaling amax histories and scales are module state: a module with a plan whose
+# quantizers keep a DelayedScalingState puts them in its state dict under
+# ``<prefix>_extra_state`` as ``{recipe name: {tensor_type: {"amax_history", "scale"}}}``
+# (hybrid states nest ``"rowwise"`` / ``"columnwise"``, per-expert lists ``"0"``, ``"1"``,
+# ...). The key is absent for modules without such state, so their state dicts are as
+# before; the name is the one torch.distributed.checkpoint's state_dict helpers accept.
+# The tensors are the live ones (plain, replicated): DCP saves one copy and loads it on
+# every rank, in place. A loaded recipe the module has no plan for yet is kept and applied
+# when the plan is built (the module's first forward under that recipe).
+QUANTIZER_STATE_KEY = "_extra_state"
+
+
+def _state_tensors(state: Any) -> dict | None:
+    """The delayed-scaling tensors of a plan state as a nested dict (live), or None."""
+    if isinstance(state, DelayedScalingState):
+        return {"amax_history": state.amax_history, "scale": state.scale}
+    if isinstance(state, HybridState):
+        parts = {d: _state_tensors(getattr(state, d)) for d in ("rowwise", "columnwise")}
+    elif isinstance(state, (list, tuple)):
+        parts = {str(i): _state_tensors(s) for i, s in enumerate(state)}
+    else:
+        return None
+    parts = {k: v for k, v in parts.items() if v is not None}
+    return parts or None
+
+
+@torch.no_grad()
+def _load_state_tensors(state: Any, saved: dict, where: str) -> None:
+    """Copy ``saved`` (a ``_state_tensors`` dict) into ``state`` in place."""
+    if isinstance(state, DelayedScalingState):
+        for f in ("amax_history", "scale"):
+            dst, src = getattr(state, f), saved[f]
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(
+                    f"load_state_dict: {where}.{f} has shape {tuple(src.shape)} in the checkpoint but "
+                    f"{tuple(dst.shape)} in the module (a different amax_history_len?); build the "
+                    "module with the recipe the checkpoint was saved with")
+            dst.copy_(src)
+        return
+    children = {"rowwise": getattr(state, "rowwise", None), "columnwise": getattr(state, "columnwise", None)} \
+        if isinstance(state, HybridState) else dict(enumerate(state)) if isinstance(state, (list, tuple)) else {}
+    for k, sub in saved.items():
+        key = int(k) if isinstance(state, (list, tuple)) else k
+        if children.get(key) is None:
+            raise ValueError(
+                f"load_state_dict: the checkpoint has delayed-scaling state {where}.{k}, but this "
+                f"module's quantizer keeps none there; build it with the checkpoint's recipe")
+        _load_state_tensors(children[key], sub, f"{where}.{k}")
 
 
 def in_backward() -> bool:
@@ -41,7 +93,38 @@ class RecipeModuleMixin:
         if plan is None or plan.recipe is not recipe:
             plan = self._build_plan(recipe)
             self._plans[id(recipe)] = plan
+            pending = self.__dict__.get("_hd_pending_states")
+            if pending and recipe.name in pending:  # loaded before this plan existed
+                self._load_plan_states(plan, pending.pop(recipe.name))
         return plan
+
+    def quantizer_state_dict(self) -> dict[str, dict]:
+        """``{recipe name: {tensor_type: nested tensors}}``: the live delayed-scaling
+        states of every plan (see the note above); ``{}`` when there are none."""
+        out: dict[str, dict] = {}
+        for plan in self._plans.values():
+            states = {t: _state_tensors(s) for t, s in plan.states.items()}
+            states = {t: v for t, v in states.items() if v is not None}
+            if states:
+                out[plan.recipe.name] = states
+        return out
+
+    def load_quantizer_state_dict(self, sd: dict[str, dict]) -> None:
+        """Copy ``quantizer_state_dict()`` output into this module's states in place; a
+        recipe without a plan yet is applied when its plan is built."""
+        by_name = {plan.recipe.name: plan for plan in self._plans.values()}
+        for name, states in sd.items():
+            if name in by_name:
+                self._load_plan_states(by_name[name], states)
+            else:
+                self.__dict__.setdefault("_hd_pending_states", {})[name] = states
+
+    def _load_plan_states(self, plan: Any, states: dict) -> None:
+        for t, saved in states.items():
+            if t not in plan.states:
+                raise ValueError(f"load_state_dict: unknown tensor type {t!r} in the quantizer states of "
+                                 f"recipe {plan.recipe.name!r} (expected one of {sorted(plan.states)})")
+            _load_state_tensors(plan.states[t], saved, f"{plan.recipe.name}.{t}")
 
     def active_recipe(self) -> Recipe | None:
         return self._active_recipe(in_backward())

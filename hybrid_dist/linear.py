@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_dist import _saved, gemm
-from hybrid_dist._recipe_module import RecipeModuleMixin, in_backward  # noqa: F401 (re-export)
+from hybrid_dist._recipe_module import QUANTIZER_STATE_KEY, RecipeModuleMixin, in_backward  # noqa: F401 (re-export)
 from hybrid_dist.formats._quantizer import Quantizer
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe, Role
@@ -172,6 +172,21 @@ class Linear(RecipeModuleMixin, nn.Module):
         if not recompute:
             plan.start_forward_pass()
         return _LinearFn.apply(x, self.weight, self.bias, plan)
+
+    # delayed-scaling states in the state dict (see [Note: quantizer states in the state dict])
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        states = self.quantizer_state_dict()
+        if states:
+            destination[prefix + QUANTIZER_STATE_KEY] = states
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        states = state_dict.pop(prefix + QUANTIZER_STATE_KEY, None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if states is not None:
+            self.load_quantizer_state_dict(states)
 
     def extra_repr(self) -> str:
         recipe = self.recipe.name if self.recipe else None
