@@ -70,6 +70,15 @@ class DelayedScalingState:
 
     def advance(self, quantizer: "Float8Quantizer") -> None:
         """Compute the scale for the next pass from the history, then open a new slot."""
+        if self.amax_history.is_cuda and not torch.compiler.is_compiling():
+            from hybrid_dist.kernels import fp8_delayed  # one launch, no host sync
+
+            fp8_delayed.advance_(self.amax_history, self.scale, quantizer)
+        else:
+            self.advance_reference(quantizer)
+
+    def advance_reference(self, quantizer: "Float8Quantizer") -> None:
+        """``advance`` in torch ops (CPU, ``torch.compile``, and the kernel's ground truth)."""
         hist = self.amax_history
         amax = hist.amax() if quantizer.amax_compute == "max" else hist[0]
         floored = torch.clamp(amax, min=quantizer.amax_epsilon)
@@ -78,7 +87,7 @@ class DelayedScalingState:
         # not the epsilon-floored one, or an empty pass would set scale = fp8_max / eps)
         self.scale.copy_(torch.where(torch.isfinite(amax) & (amax > 0), new_scale, self.scale))
         self.amax_history.copy_(torch.roll(hist, 1))
-        self.amax_history[0] = 0.0
+        self.amax_history[:1].zero_()
 
     def to(self, device) -> "DelayedScalingState":
         if self.scale.device != torch.device(device):

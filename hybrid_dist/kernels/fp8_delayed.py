@@ -1,0 +1,58 @@
+"""Delayed-scaling ``advance`` as one kernel: the next scale from the amax history, then
+the history rolled by one slot — one launch instead of ~15 small torch ops, and no host
+sync (the torch form's ``history[0] = 0.0`` copies a host scalar).
+
+Bitwise ``DelayedScalingState.advance`` (``formats/float8.py``), for a history of length
+``L`` (fp32 ``[L]``) and a 0-dim fp32 ``scale``, both updated in place:
+
+    amax  = max(history) ("max", NaN if any is NaN) or history[0] ("most_recent")
+    s     = fmax / max(amax, eps) (IEEE division; 1 if that is 0), clamped to the fp32 max,
+            times 2**-margin, optionally floored to a power of two
+    scale = s if amax is finite and > 0, else unchanged
+    history = [0, history[0], ..., history[L-2]]
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.kernels._jit_common import FP32_MAX, div_rn, pow2_floor
+
+
+@triton.jit
+def _advance_kernel(hist_ptr, scale_ptr, L, FMAX: tl.constexpr, EPS: tl.constexpr, MARGIN_MUL: tl.constexpr,
+                    USE_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.arange(0, BLOCK)
+    hist = tl.load(hist_ptr + idx, mask=idx < L, other=float("-inf"))
+    # roll by one: slot i takes slot i-1; every load happens before the barrier, every store after
+    shifted = tl.load(hist_ptr + idx - 1, mask=(idx >= 1) & (idx < L), other=0.0)
+    old_scale = tl.load(scale_ptr)
+    if USE_MAX:
+        has_nan = tl.sum((hist != hist).to(tl.int32), axis=0) > 0
+        amax = tl.max(hist, axis=0)
+        amax = tl.where(has_nan, float("nan"), amax)
+    else:
+        amax = tl.sum(tl.where(idx == 0, hist, 0.0), axis=0)
+    floored = tl.maximum(amax, EPS)
+    floored = tl.where(amax != amax, amax, floored)  # clamp keeps NaN
+    s = tl.where(floored > 0, div_rn(tl.zeros_like(floored) + FMAX, floored), 1.0)
+    s = tl.minimum(s, FP32_MAX) * MARGIN_MUL
+    if POW2:
+        s = pow2_floor(s)
+    keep = (amax != amax) | (tl.abs(amax) == float("inf")) | (amax <= 0)
+    tl.debug_barrier()
+    tl.store(scale_ptr, tl.where(keep, old_scale, s))
+    tl.store(hist_ptr + idx, shifted, mask=idx < L)
+
+
+def advance_(history: torch.Tensor, scale: torch.Tensor, quantizer) -> None:
+    """In-place ``DelayedScalingState.advance`` on CUDA (see the module doc)."""
+    n = history.numel()
+    _advance_kernel[(1,)](
+        history, scale, n, FMAX=FP8_MAX[quantizer.dtype], EPS=float(quantizer.amax_epsilon),
+        MARGIN_MUL=2.0 ** -quantizer.margin, USE_MAX=quantizer.amax_compute == "max",
+        POW2=quantizer.power_of_2_scales, BLOCK=triton.next_power_of_2(max(n, 2)),
+    )

@@ -1,0 +1,44 @@
+"""The one-kernel delayed-scaling ``advance`` equals the torch reference bitwise."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer
+from tests._helpers import assert_bitwise_equal
+
+pytestmark = pytest.mark.gpu
+
+
+def _histories(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    rand = torch.rand(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g).float()
+    out = {"random": rand, "zeros": torch.zeros(n), "tiny": torch.full((n,), 1e-40)}
+    nan, inf = rand.clone(), rand.clone()
+    nan[n // 2] = float("nan")
+    inf[-1] = float("inf")
+    out.update(nan=nan, inf=inf)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 16, 1024])
+def test_advance_kernel_bitwise_reference(n):
+    quantizers = [Float8Quantizer(scaling="delayed", amax_history_len=n, dtype=dt, margin=m, amax_epsilon=eps,
+                                  power_of_2_scales=p2, amax_compute=ac)
+                  for dt, m, eps, p2, ac in itertools.product(
+                      (torch.float8_e4m3fn, torch.float8_e5m2), (0, 2), (0.0, 1e-3), (False, True),
+                      ("max", "most_recent"))]
+    for q, (kind, hist) in itertools.product(quantizers, _histories(n).items()):
+        kernel, ref = DelayedScalingState(n, "cuda"), DelayedScalingState(n, "cuda")
+        for st in (kernel, ref):
+            st.amax_history.copy_(hist)
+            st.scale.fill_(0.75)
+        for _ in range(3):  # several steps: the rolled history feeds the next scale
+            kernel.advance(q)
+            ref.advance_reference(q)
+            what = f"{kind} history, n={n}, {q}"
+            assert_bitwise_equal(kernel.scale, ref.scale, f"scale {what}")
+            assert_bitwise_equal(kernel.amax_history, ref.amax_history, f"history {what}")
