@@ -36,7 +36,7 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 __all__ = ["TokenOperand", "WeightOperand", "bf16_values", "expert_weight_storages", "fold_experts", "fold_columns",
-           "fold_source", "token_operand", "stack_experts", "row_scales"]
+           "fold_rows", "fold_source", "token_operand", "stack_experts", "row_scales"]
 
 BF16 = torch.bfloat16
 
@@ -144,13 +144,17 @@ def _combine(*scales: torch.Tensor | None) -> torch.Tensor | None:
     return out
 
 
+def _times(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """bf16 of the fp32 product ``v · scale`` (broadcast): one rounding. FP8 codes are
+    widened first (few elementwise kernels take FP8); bf16 promotes in the multiply."""
+    return ((v.float() if v.element_size() == 1 else v) * scale).to(BF16)
+
+
 def fold_experts(v: torch.Tensor, num_experts: int, *scales: torch.Tensor | None) -> torch.Tensor:
     """``v [E·R, C]`` (any float dtype) → bf16 ``[E, R, C]`` times ``Π scales[e]`` (fp32)."""
     v = v.reshape(num_experts, -1, v.shape[-1])
     s = _combine(*scales)
-    if s is None:
-        return v.to(BF16)
-    return (v.float() * s[:, None, None]).to(BF16)
+    return v.to(BF16) if s is None else _times(v, s[:, None, None])
 
 
 def row_scales(scale: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
@@ -158,9 +162,13 @@ def row_scales(scale: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
     return torch.cat([scale.float(), scale.new_ones(1, dtype=torch.float32)])[row_expert]
 
 
+def fold_rows(v: torch.Tensor, row_expert: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
+    """``v [C, R]`` (C = packed token axis) → bf16 times ``Π scales[expert of row]``."""
+    s = _combine(*scales)
+    return v.to(BF16) if s is None else _times(v, row_scales(s, row_expert)[:, None])
+
+
 def fold_columns(v: torch.Tensor, row_expert: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
     """``v [R, C]`` (C = packed token axis) → bf16 times ``Π scales[expert of column]``."""
     s = _combine(*scales)
-    if s is None:
-        return v.to(BF16)
-    return (v.float() * row_scales(s, row_expert)[None, :]).to(BF16)
+    return v.to(BF16) if s is None else _times(v, row_scales(s, row_expert)[None, :])

@@ -19,7 +19,8 @@ Each GEMM picks, from its operand pair:
 * anything else (E5M2 gradients, MXFP8, NVFP4 1D/2D, FP8 blocks, identity, mixed pairs):
   both operands to bf16 (``grouped_operands.bf16_values``: block scales applied, exact but
   for FP8 blocks), the two per-expert per-tensor scales folded in fp32 into ONE operand
-  (the weight for fprop/dgrad, dy's columns for wgrad) before its bf16 cast, then
+  (the one with fewer elements: per expert for the weight, per packed row/column for a
+  token operand) before its bf16 cast, then
   ``torch._grouped_mm`` (fp32 accumulation, bf16 out). NVFP4 operands that share a
   Hadamard seed multiply in the transformed domain (wgrad of the NVFP4 recipes).
 
@@ -43,7 +44,7 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 from hybrid_dist.moe import device_split
 from hybrid_dist.moe.grouped_operands import (
     BF16, TokenOperand, WeightOperand, bf16_values, expert_weight_storages, fold_columns, fold_experts,
-    fold_source, row_scales, stack_experts, token_operand,
+    fold_rows, fold_source, row_scales, stack_experts, token_operand,
 )
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -119,8 +120,11 @@ def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config) -> to
         scale_b = b.scale.float()[:, None].expand(e, r).contiguous()
         return _scaled_grouped_mm(sa.data, sb.data.view(e, r, kc).transpose(1, 2), row_scales(a.scale, row_expert),
                                   scale_b, offs, config.use_fast_accum)
-    vb = fold_experts(fold_source(sb), e, a.scale, b.scale)  # [E, R, Kc]
-    return _grouped_mm(bf16_values(sa), vb.transpose(1, 2), offs)
+    if sa.shape2d[0] < sb.shape2d[0]:  # fold both scales into the smaller operand
+        va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
+    else:
+        va, vb = bf16_values(sa), fold_experts(fold_source(sb), e, a.scale, b.scale)
+    return _grouped_mm(va, vb.transpose(1, 2), offs)  # vb [E, R, Kc]
 
 
 def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, config) -> torch.Tensor:
@@ -131,9 +135,12 @@ def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, conf
         scale_a = a.scale.float()[:, None].expand(e, ra).reshape(-1)
         scale_b = b.scale.float()[:, None].expand(e, rb).reshape(-1)
         out = _scaled_grouped_mm(sa.data, sb.data.t(), scale_a, scale_b, offs, config.use_fast_accum)
-    else:
+    elif ra <= rb:  # fold both scales into the smaller operand
         va = fold_columns(fold_source(sa), row_expert, a.scale, b.scale)
         out = _grouped_mm(va, bf16_values(sb).t(), offs)
+    else:
+        vb = fold_columns(fold_source(sb), row_expert, a.scale, b.scale)
+        out = _grouped_mm(bf16_values(sa), vb.t(), offs)
     return torch.where((counts > 0)[:, None, None], out, out.new_zeros(()))
 
 

@@ -26,15 +26,15 @@ FLOOR_DB = 45.0  # grouped vs reference, non-SR GEMMs (measured >= 51 dB)
 SR_SLACK_DB = 2.0  # SR GEMMs: error vs high precision at most this much worse than the reference's
 
 
-def _modules(recipe, quantized_init: bool):
+def _modules(recipe, quantized_init: bool, e: int, k: int, n: int):
     mods = []
     for _ in range(2):
         torch.manual_seed(0)
         if quantized_init:
             with hd.quantized_model_init(recipe):
-                mods.append(GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16))
+                mods.append(GroupedLinear(e, k, n, recipe=recipe, dtype=torch.bfloat16))
         else:
-            mods.append(GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16))
+            mods.append(GroupedLinear(e, k, n, recipe=recipe, dtype=torch.bfloat16))
     return mods
 
 
@@ -47,17 +47,17 @@ def _high_precision(weight, x, dy, splits):
     return y, dx, dw
 
 
-def run_paths(recipe, *, quantized_init: bool, steps: int = 2, splits=SPLITS):
+def run_paths(recipe, *, quantized_init: bool, steps: int = 2, splits=SPLITS, k=K, n=N):
     """Reference GroupedLinear and the grouped path on the same inputs and states; yields
     ``(what, grouped, reference, high_precision)`` per tensor and step."""
-    g_ref, g_new = _modules(recipe, quantized_init)
+    g_ref, g_new = _modules(recipe, quantized_init, len(splits), k, n)
     tpe = torch.tensor(splits)
     plan = g_new.plan(recipe)
-    reason = grouped_quantized.unsupported_reason(plan, torch.zeros(1, K, dtype=torch.bfloat16), g_new.weight)
+    reason = grouped_quantized.unsupported_reason(plan, torch.zeros(1, k, dtype=torch.bfloat16), g_new.weight)
     assert reason is None, f"{recipe.name}: grouped path refused: {reason}"
     for step in range(steps):
-        x = torch.randn(sum(splits), K, dtype=torch.bfloat16) * (step + 1)
-        dy = torch.randn(sum(splits), N, dtype=torch.bfloat16)
+        x = torch.randn(sum(splits), k, dtype=torch.bfloat16) * (step + 1)
+        dy = torch.randn(sum(splits), n, dtype=torch.bfloat16)
         x_ref, x_new = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         y_ref = g_ref(x_ref, tpe)
         y_ref.backward(dy)
@@ -75,8 +75,8 @@ def run_paths(recipe, *, quantized_init: bool, steps: int = 2, splits=SPLITS):
         g_ref.weight.grad = g_new.weight.grad = None
 
 
-def _check(recipe, quantized_init, steps=2, splits=SPLITS):
-    for what, got, ref, hp in run_paths(recipe, quantized_init=quantized_init, steps=steps, splits=splits):
+def _check(recipe, quantized_init, steps=2, splits=SPLITS, k=K, n=N):
+    for what, got, ref, hp in run_paths(recipe, quantized_init=quantized_init, steps=steps, splits=splits, k=k, n=n):
         assert got.dtype == ref.dtype and got.shape == ref.shape, what
         if got.numel() == 0:
             continue
@@ -155,3 +155,10 @@ def test_emulated_kernels_equal_torch_grouped_mm_on_cpu():
 @pytest.mark.parametrize("splits", [[0, 0, 200, 0], [0, 0, 0, 0]], ids=["one_expert", "no_tokens"])
 def test_grouped_path_all_tokens_on_one_expert_and_no_tokens(splits):
     _check(hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd"), quantized_init=False, steps=1, splits=splits)
+
+
+@pytest.mark.parametrize("recipe_name", ["nvfp4", "fp8_current"])
+def test_grouped_path_folds_scales_into_the_weight_side(recipe_name):
+    """More packed tokens than expert-weight rows (and N > K): the per-expert scales go on
+    the weights in fprop/dgrad and on x's columns in wgrad (the other fold branches)."""
+    _check(hd.recipe_from_name(recipe_name), quantized_init=False, steps=1, splits=[500, 300], k=128, n=256)
