@@ -33,9 +33,9 @@ def e2m1_encode_sr(v: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, sign in bit 3) of fp32 ``v`` in [-6, 6], rounded stochastically
     with uniform ``rand`` (v's shape); bitwise ``e2m1_encode(v, rand)``."""
     mag = v.abs().clamp(max=E2M1_MAX)
-    lo = torch.zeros(mag.shape, dtype=torch.int64, device=mag.device)
+    lo = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)  # small: the buffer is [C, K]
     for t in E2M1_GRID[1:]:
-        lo += (mag >= t).to(torch.int64)
+        lo += (mag >= t).to(torch.uint8)
     lo = lo.clamp(0, 6)
     lo_val, hi_val = _grid(lo), _grid(lo + 1)
     p_up = (mag - lo_val) / (hi_val - lo_val)
