@@ -22,6 +22,18 @@ def _batch_seed(seed: int, step: int, dp_rank: int) -> int:
     return ((seed * 1_000_003 + step) * 65_537 + dp_rank) % (2**63)
 
 
+def _distinct_rows(vocab_size: int, branching: int, g: torch.Generator) -> torch.Tensor:
+    """``[V, branching]`` token ids, distinct within each row: uniform draws, rows with a
+    repeat drawn again (O(V·branching); a randperm per row was O(V²), minutes at V=128k)."""
+    rows = torch.randint(vocab_size, (vocab_size, branching), generator=g)
+    while True:
+        s = rows.sort(-1).values
+        dup = (s[:, 1:] == s[:, :-1]).any(-1)
+        if not bool(dup.any()):
+            return rows
+        rows[dup] = torch.randint(vocab_size, (int(dup.sum()), branching), generator=g)
+
+
 class SyntheticMarkov:
     def __init__(self, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
                  dp_rank: int = 0, branching: int = 4):
@@ -29,8 +41,7 @@ class SyntheticMarkov:
             raise ValueError(f"SyntheticMarkov: branching={branching} exceeds vocab_size={vocab_size}")
         self.batch_size, self.seq_len, self.seed, self.dp_rank = batch_size, seq_len, seed, dp_rank
         g = torch.Generator().manual_seed(10_000 + seed)  # the chain is the same on every rank
-        self.successors = torch.stack([torch.randperm(vocab_size, generator=g)[:branching]
-                                       for _ in range(vocab_size)])          # [V, branching]
+        self.successors = _distinct_rows(vocab_size, branching, g)           # [V, branching]
         probs = -torch.log(torch.rand(vocab_size, branching, generator=g))  # Exp(1) draws
         self.probs = probs / probs.sum(-1, keepdim=True)                     # Dirichlet(1) rows
         self.vocab_size = vocab_size
@@ -45,14 +56,18 @@ class SyntheticMarkov:
         g = torch.Generator().manual_seed(_batch_seed(self.seed, step, self.dp_rank))
         b, s = self.batch_size, self.seq_len + 1
         u = torch.rand(s, b, generator=g)  # [S+1, B]: each step reads a contiguous row
-        cdf = self.probs.cumsum(-1)
-        out = torch.empty(b, s, dtype=torch.int64)
-        out[:, 0] = torch.randint(self.vocab_size, (b,), generator=g)
+        first = torch.randint(self.vocab_size, (b,), generator=g)
+        # the walk in numpy (a few µs per position; torch ops cost ~10x more per call):
+        # successor index = number of cdf entries below u (= searchsorted left), clamped
+        cdf, succ, u_np = self.probs.cumsum(-1).numpy(), self.successors.numpy(), u.numpy()
+        last = cdf.shape[1] - 1
+        out = np.empty((s, b), dtype=np.int64)
+        out[0] = first.numpy()
         for t in range(1, s):
-            prev = out[:, t - 1]
-            idx = torch.searchsorted(cdf[prev], u[t, :, None]).clamp_(max=cdf.shape[1] - 1)
-            out[:, t] = self.successors[prev, idx[:, 0]]
-        return out
+            prev = out[t - 1]
+            idx = np.minimum((cdf[prev] < u_np[t, :, None]).sum(-1), last)
+            out[t] = succ[prev, idx]
+        return torch.from_numpy(np.ascontiguousarray(out.T))
 
 
 class TokenFile:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -195,7 +196,9 @@ def train(cfg: TrainConfig) -> dict:
             lr = lr_at(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            t_data = time.perf_counter()
             tokens = data.batch(step).to(device)
+            meter.exclude(time.perf_counter() - t_data)
             loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
                               after_step=after_step)
             losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))

@@ -3,8 +3,10 @@
 MFU = achieved model FLOP/s ÷ the device's dense **bf16** peak (whatever the recipe), with
 FLOPs per token from ``ModelConfig.flops_per_token``; unknown devices (and CPUs) report
 none. Peak memory is ``torch.cuda.max_memory_allocated`` on GPU and the process's peak
-RSS on CPU. All-gather bytes are per rank per step: measured by ``hybrid_dist.fsdp2`` when
-it exposes accounting, else estimated from the sharded parameters (``ag_bytes_est``).
+RSS on CPU. Step times leave out the synthetic batch generation (``data_time_s``: host
+work while the device idles, up to ~0.1 s per 4k-token sequence). All-gather bytes are per
+rank per step: measured by ``hybrid_dist.fsdp2`` when it exposes accounting, else
+estimated from the sharded parameters (``ag_bytes_est``).
 With quantized parameters ``ag_bytes`` = measured quantized gathers + the high-precision
 parameters' unsharded bytes.
 """
@@ -72,6 +74,7 @@ class Meter:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._file = open(jsonl_path, "a")  # appended: plot reads the last fresh run
         self._t0 = self._t_last = time.perf_counter()
+        self._excluded = 0.0
         self._tokens_total = 0
         self._emit({"event": "start", **run})
 
@@ -80,17 +83,23 @@ class Meter:
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (host-side batch generation, while the device idles) out of this
+        step's time; the step record shows them as ``data_time_s``."""
+        self._excluded += seconds
+
     def step(self, step: int, loss: float, tokens: int, lr: float) -> dict:
         """``tokens``: tokens processed by all ranks in this step."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        dt, self._t_last = now - self._t_last, now
+        data_s, self._excluded = self._excluded, 0.0
+        dt, self._t_last = max(now - self._t_last - data_s, 1e-9), now
         self._tokens_total += tokens
         tps = tokens / dt
         mfu = (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None
         rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_s": tps,
-               "step_time_s": dt,
+               "step_time_s": dt, "data_time_s": data_s,
                "mfu": mfu, "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: self.ag_bytes}
         self.records.append(rec)
         self._emit(rec)

@@ -68,7 +68,9 @@ def test_summary_leaves_out_warmup_steps(tmp_path):
                   jsonl_path=str(tmp_path / "m.jsonl"), log_every=1, quiet=True, run={}, ag_bytes_per_step=None,
                   ag_measured=False, timing_warmup=2)
     for step in range(1, 6):
+        meter.exclude(1e3)  # batch generation: left out of the step time
         meter.step(step, 1.0, 1000, 0.1)
+    assert all(r["data_time_s"] == 1e3 and r["step_time_s"] < 1.0 for r in meter.records), meter.records
     # replace the measured times: two slow warm-up steps (compile), then 0.5 s per 1000 tokens
     for rec, dt in zip(meter.records, (30.0, 5.0, 0.5, 0.5, 0.5)):
         rec["step_time_s"] = dt
