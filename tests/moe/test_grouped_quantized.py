@@ -162,3 +162,34 @@ def test_grouped_path_folds_scales_into_the_weight_side(recipe_name):
     """More packed tokens than expert-weight rows (and N > K): the per-expert scales go on
     the weights in fprop/dgrad and on x's columns in wgrad (the other fold branches)."""
     _check(hd.recipe_from_name(recipe_name), quantized_init=False, steps=1, splits=[500, 300], k=128, n=256)
+
+
+@pytest.mark.parametrize("grads", ["x_only", "weight_only", "none"])
+def test_grouped_path_partial_gradients(grads):
+    """Frozen weights (dgrad only), an input without grad (wgrad only) and no_grad: the
+    directions not needed are not made, and the gradients made equal the full run's."""
+    recipe = hd.recipe_from_name("fp8_current")
+    g_full, g_part = _modules(recipe, False, E, K, N)
+    tpe = torch.tensor(SPLITS)
+    x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16)
+    dy = torch.randn(sum(SPLITS), N, dtype=torch.bfloat16)
+    outs = []
+    for g, part in ((g_full, False), (g_part, True)):
+        plan = g.plan(recipe)
+        plan.advance("input")
+        plan.advance("weight")
+        g.weight.requires_grad_(not (part and grads in ("x_only", "none")))
+        xi = x.clone().requires_grad_(not (part and grads in ("weight_only", "none")))
+        if part and grads == "none":
+            with torch.no_grad():
+                outs.append((grouped_quantized.grouped_linear(xi, g.weight, tpe, plan), None, None))
+            continue
+        y = grouped_quantized.grouped_linear(xi, g.weight, tpe, plan)
+        y.backward(dy)
+        outs.append((y.detach(), xi.grad, g.weight.grad))
+    (y_f, dx_f, dw_f), (y_p, dx_p, dw_p) = outs
+    assert torch.equal(y_f, y_p), f"{grads}: forward differs"
+    if grads == "x_only":
+        assert dw_p is None and torch.equal(dx_p, dx_f)
+    if grads == "weight_only":
+        assert dx_p is None and torch.equal(dw_p, dw_f)
