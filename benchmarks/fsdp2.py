@@ -74,7 +74,29 @@ def hp_forward_gather_bytes(model: nn.Module) -> int:
                if not isinstance(getattr(p, "_local_tensor", p), hd.QuantizedTensor))
 
 
-def run(recipe_name: str, device, warmup: int, steps: int) -> list:
+def _step(model, opt, recipe, x) -> None:
+    with hd.autocast(recipe):
+        model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _profile_step(name: str, step) -> None:
+    """One profiled step: host enqueue time, GPU kernel time, top kernels (``--profile``)."""
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        host = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+    ev = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in ev) / 1e3
+    print(f"\n## profile {name}: host enqueue {host:.1f} ms, GPU kernel time {gpu:.1f} ms (all streams)")
+    print(ev.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
+
+
+def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False) -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(recipe_name, device)
@@ -99,6 +121,9 @@ def run(recipe_name: str, device, warmup: int, steps: int) -> list:
             times.append((time.perf_counter() - t0) * 1e3)
             acct = a
     ms = statistics.median(times)
+    if profile:  # every rank runs the step (matching collectives); rank 0 profiles it
+        step = lambda: _step(model, opt, recipe, x)  # noqa: E731
+        _profile_step(recipe_name, step) if dist.get_rank() == 0 else step()
     hp = hp_forward_gather_bytes(model)
     fwd = acct.output_bytes.get("forward", 0) + acct.output_bytes.get("forward_both", 0) + hp
     total = acct.total_output_bytes() + 2 * hp
@@ -113,12 +138,13 @@ def main() -> None:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="rank 0 prints one profiled step per recipe")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    rows = [run(name, device, args.warmup, args.steps) for name in args.recipes.split(",")]
+    rows = [run(name, device, args.warmup, args.steps, args.profile) for name in args.recipes.split(",")]
     if rank == 0:
         from benchmarks._bench import print_table
 
