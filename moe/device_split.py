@@ -32,6 +32,7 @@ are bitwise equal. The encode avoids host-built tensors (``_nvfp4_sr``).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, Sequence
 
 import torch
@@ -74,31 +75,57 @@ class PackedSplit:
     multiple: int
 
 
-def _layout(x, tokens_per_expert, multiple):
-    t, e = x.shape[0], tokens_per_expert.numel()
-    cap = -(-(t + e * (multiple - 1)) // multiple) * multiple
-    off, poff = padded_offsets(tokens_per_expert, multiple)
-    dev = x.device
-    eid = torch.repeat_interleave(torch.arange(e, device=dev), tokens_per_expert, output_size=t)
-    dest = torch.arange(t, device=dev) - off[eid] + poff[eid]
-    x_pad = x.new_zeros(cap, x.shape[1]).index_copy_(0, dest, x)
-    row_expert = torch.searchsorted(poff[1:], torch.arange(cap, device=dev), right=True)
-    return x_pad, off, poff, dest, row_expert, cap
+class _Layout:
+    """The packed index space of one call (module doc); ``x_pad`` is built on first use
+    (per-tensor FP8 on CUDA writes its codes from ``x`` directly and never needs it)."""
+
+    def __init__(self, x, tokens_per_expert, multiple):
+        t, e = x.shape[0], tokens_per_expert.numel()
+        self.x, self.num_experts = x, e
+        self.cap = -(-(t + e * (multiple - 1)) // multiple) * multiple
+        self.off, self.poff = padded_offsets(tokens_per_expert, multiple)
+        dev = x.device
+        self.eid = torch.repeat_interleave(torch.arange(e, device=dev), tokens_per_expert, output_size=t)
+        self.dest = torch.arange(t, device=dev) - self.off[self.eid] + self.poff[self.eid]
+        self.row_expert = torch.searchsorted(self.poff[1:], torch.arange(self.cap, device=dev), right=True)
+        self._x_pad = None
+
+    @property
+    def x_pad(self) -> torch.Tensor:
+        if self._x_pad is None:
+            self._x_pad = self.x.new_zeros(self.cap, self.x.shape[1]).index_copy_(0, self.dest, self.x)
+        return self._x_pad
 
 
-def _per_expert_fp8(q: Float8Quantizer, x, x_pad, eid_rows, row_expert, states, e, *, direction):
-    """FP8 with one scale per expert; returns this direction's fields."""
+def _fp8_kernel_fits(x) -> bool:
+    """Per-tensor FP8 through the Triton ``_fp8_rows`` kernel (else the torch form)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1) or torch.compiler.is_compiling():
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, columnwise: bool):
+    """FP8 with one scale per expert: ``(rowwise fields or None, columnwise fields or None)``
+    (one cast for both; the columnwise codes are the rowwise ones transposed)."""
+    x, e = lay.x, lay.num_experts
     row_amax = x.abs().amax(dim=1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
     amax = torch.zeros(e, dtype=torch.float32, device=x.device).scatter_reduce(
-        0, eid_rows, row_amax, reduce="amax", include_self=True)
+        0, lay.eid, row_amax, reduce="amax", include_self=True)
     if q.scaling == "delayed":
-        scale = torch.stack([q.compute_scale(x_pad, states[i], amax[i]) for i in range(e)])
+        scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(e)])
     else:
-        scale = q.compute_scale(x_pad, None, amax)
-    scale_rows = torch.cat([scale, scale.new_ones(1)])[row_expert]  # rows past the experts: zeros anyway
-    data = cast_to_fp8(x_pad * scale_rows[:, None], q.dtype)  # fp32 product (type promotion)
-    data = data if direction == "rowwise" else data.t().contiguous()
-    return {"data": data, "scale_inv": torch.reciprocal(scale)}
+        scale = q.compute_scale(x, None, amax)
+    if _fp8_kernel_fits(x):
+        from hybrid_dist.moe._fp8_rows import fp8_rows
+
+        row, col = fp8_rows(x, scale[lay.eid], lay.dest, lay.cap, q.dtype, rowwise=rowwise, columnwise=columnwise)
+    else:
+        scale_rows = torch.cat([scale, scale.new_ones(1)])[lay.row_expert]  # rows past the experts: zeros anyway
+        row = cast_to_fp8(lay.x_pad * scale_rows[:, None], q.dtype)  # fp32 product (type promotion)
+        col = row.t().contiguous() if columnwise else None
+    scale_inv = torch.reciprocal(scale)
+    return ({"data": row, "scale_inv": scale_inv} if rowwise else None,
+            {"data": col, "scale_inv": scale_inv} if columnwise else None)
 
 
 def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, state, *, direction):
@@ -141,16 +168,18 @@ def unsupported_reason(q) -> str | None:
     return None
 
 
-def _direction_fields(q, x, x_pad, eid_rows, row_expert, states, e, direction):
+def _direction_fields(q, lay: _Layout, states, direction):
     dq = q.direction_quantizer(direction)
     if isinstance(dq, NVFP4Quantizer) and not dq.block_2d:
         state = q.direction_state(states[0], direction) if states else None
-        return _per_expert_nvfp4(dq, x_pad, row_expert, e, state, direction=direction)
+        return _per_expert_nvfp4(dq, lay.x_pad, lay.row_expert, lay.num_experts, state, direction=direction)
     if isinstance(dq, Float8Quantizer):
         st = [q.direction_state(s, direction) for s in states]
-        return _per_expert_fp8(dq, x, x_pad, eid_rows, row_expert, st, e, direction=direction)
+        row, col = _per_expert_fp8(dq, lay, st, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+        return row or col
     if isinstance(dq, _BLOCK_ONLY):
-        row, col = dq.quantize_storages(x_pad, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+        row, col = dq.quantize_storages(lay.x_pad, rowwise=direction == "rowwise",
+                                        columnwise=direction == "columnwise")
         return (row or col).tensors()
     raise NotImplementedError(
         f"split_quantize_packed does not support {type(dq).__name__} ({direction}): its scale encoding "
@@ -183,14 +212,13 @@ def split_quantize_packed(
     states = list(states) if states is not None else [None] * e
     mult = multiple or token_multiple(quantizer)
     x = x.detach()
-    x_pad, off, poff, dest, row_expert, cap = _layout(x, tokens_per_expert, mult)
-    eid_rows = torch.repeat_interleave(torch.arange(e, device=x.device), tokens_per_expert, output_size=x.shape[0])
-    row = _direction_fields(quantizer, x, x_pad, eid_rows, row_expert, states, e, "rowwise") if rowwise else None
-    if columnwise and row is not None and _fp8_shared(quantizer):  # one cast, transposed (as the quantizer)
-        col = {"data": row["data"].t().contiguous(), "scale_inv": row["scale_inv"]}
+    lay = _Layout(x, tokens_per_expert, mult)
+    if _fp8_shared(quantizer) and (rowwise or columnwise):  # one cast for both directions
+        st = [quantizer.direction_state(s, "rowwise") for s in states]
+        row, col = _per_expert_fp8(quantizer.direction_quantizer("rowwise"), lay, st, rowwise=rowwise,
+                                   columnwise=columnwise)
     else:
-        col = _direction_fields(quantizer, x, x_pad, eid_rows, row_expert, states, e, "columnwise") \
-            if columnwise else None
-    fields = {"rowwise": row, "columnwise": col}
-    return PackedSplit(rowwise=fields["rowwise"], columnwise=fields["columnwise"], offsets=off,
-                       padded_offsets=poff, dest=dest, row_expert=row_expert, capacity=cap, multiple=mult)
+        row = _direction_fields(quantizer, lay, states, "rowwise") if rowwise else None
+        col = _direction_fields(quantizer, lay, states, "columnwise") if columnwise else None
+    return PackedSplit(rowwise=row, columnwise=col, offsets=lay.off, padded_offsets=lay.poff, dest=lay.dest,
+                       row_expert=lay.row_expert, capacity=lay.cap, multiple=mult)

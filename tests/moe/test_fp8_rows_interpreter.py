@@ -1,0 +1,66 @@
+"""``moe/_fp8_rows`` (per-expert FP8 cast into the packed layout) under the Triton
+interpreter on CPU: bitwise the torch form of ``split_quantize_packed``.
+
+``TRITON_INTERPRET=1`` must be set before the kernel is defined, so the check runs in a
+subprocess. The interpreter's fp32 → fp8 cast does not round like the GPU's (ties), so
+the inputs make every cast exact: values ``±1.mm · 2^e`` times power-of-two per-expert
+scales, plus saturating values (clamped to the fp8 max, exact). The GPU comparison on
+random data is ``test_device_split``'s CUDA case (bitwise the reference).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SPLITS = [37, 0, 90, 22, 1]
+
+
+def _inputs(gen):
+    t, k = sum(SPLITS), 96  # K not a multiple of the 128-column tile, T not of the 64-row tile
+    mant = 1.0 + torch.randint(0, 4, (t, k), generator=gen).float() / 4
+    sign = torch.randint(0, 2, (t, k), generator=gen).float() * 2 - 1
+    e = torch.randint(-4, 4, (t, k), generator=gen).float()
+    x = sign * mant * torch.exp2(e)
+    x[5, :7] = 1e4  # saturates for every scale below
+    x[100] = 0.0
+    scale_e = torch.exp2(torch.tensor([2.0, 0.0, -1.0, 3.0, 1.0]))  # per expert, powers of two
+    return x.bfloat16(), scale_e
+
+
+def _check():
+    from hybrid_dist.formats._numerics import cast_to_fp8
+    from hybrid_dist.moe._fp8_rows import fp8_rows
+    from hybrid_dist.moe.device_split import _Layout
+    from tests._helpers import assert_bitwise_equal
+
+    gen = torch.Generator().manual_seed(0)
+    x, scale_e = _inputs(gen)
+    lay = _Layout(x, torch.tensor(SPLITS), 16)
+    scale_rows = torch.cat([scale_e, torch.ones(1)])[lay.row_expert]
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        want = cast_to_fp8(lay.x_pad * scale_rows[:, None], dtype)
+        for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+            row, col = fp8_rows(x, scale_e[lay.eid], lay.dest, lay.cap, dtype, rowwise=rowwise, columnwise=columnwise)
+            what = f"{dtype} rowwise={rowwise} columnwise={columnwise}"
+            assert (row is None) != rowwise and (col is None) != columnwise, what
+            if rowwise:
+                assert_bitwise_equal(row, want, f"{what} row")
+            if columnwise:
+                assert_bitwise_equal(col, want.t().contiguous(), f"{what} col")
+    print("fp8_rows interpreter checks passed")
+
+
+def test_fp8_rows_under_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    code = "from tests.moe.test_fp8_rows_interpreter import _check; _check()"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "checks passed" in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]
