@@ -6,7 +6,9 @@ inside the block, the bytes this rank contributed (``input_bytes``) and received
 
 * ``"forward"``  — rowwise direction only (``reshard_after_forward=True``);
 * ``"backward"`` — columnwise direction only (re-gather after the forward reshard);
-* ``"forward_both"`` — both directions once (``reshard_after_forward=False``, the root).
+* ``"forward_both"`` — both directions once (``reshard_after_forward=False``, the root),
+  or the forward of a module whose forward is recomputed in backward;
+* ``"recompute_both"`` — both directions in backward for a recomputed module.
 
 ``payload_bytes`` excludes the padding of the packed mode (see ``_hooks``). Trackers are
 kept in a process-wide list (not a context variable) because FSDP may run the backward
@@ -21,7 +23,7 @@ import threading
 from collections import defaultdict
 from typing import Iterator
 
-PASSES = ("forward", "backward", "forward_both")
+PASSES = ("forward", "backward", "forward_both", "recompute_both")
 
 
 @dataclasses.dataclass

@@ -13,7 +13,8 @@ same count, numels and dtypes. Three modes keep that true:
   numels): each pass sends only its direction's buffers through the same slots. The
   rowwise fields of the unsharded tensor alias the slots (zero copy); columnwise fields
   are transposed back into owned buffers.
-* ``"both"`` — ``reshard_after_forward=False``: rowwise then columnwise buffers, once.
+* ``"both"`` — ``reshard_after_forward=False``: rowwise then columnwise buffers, once;
+  and every gather of a recomputed module (``_pass`` [Note: activation recompute]).
 * ``"packed"`` — a hybrid of two formats with different signatures: this pass's buffers
   are packed into one uint8 buffer of ``max(rowwise bytes, columnwise bytes)`` per rank,
   so the larger direction travels unpadded and the smaller one pays the padding. A
@@ -23,8 +24,8 @@ The unsharded tensor always holds both directions as storage objects: backward s
 columnwise storage in forward, FSDP frees it at the forward reshard and re-allocates it
 (``inner tensors``) before backward, where ``post_all_gather(out=...)`` refills it. After
 a backward gather its rowwise direction is hidden (``None``) until the next forward
-gather, so nothing reads stale rowwise bytes (activation recompute inside backward needs
-``reshard_after_forward=False`` for the recomputed modules).
+gather, so nothing reads stale rowwise bytes (a recomputed module gathers both
+directions in backward instead, see ``_pass``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from hybrid_dist.fsdp2._buffers import (
     fsdp_gather_meta,
     fsdp_transport_buffers,
 )
-from hybrid_dist.fsdp2._pass import BACKWARD, BOTH, FORWARD, gather_pass
+from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both
 
 ROW, COL = "rowwise", "columnwise"
 
@@ -78,7 +79,8 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
 def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
     """All-gather inputs of the quantized shard ``t`` for ``pass_`` (see the note)."""
     present = tuple(d for d in (ROW, COL) if t.storage_of(d) is not None)
-    wanted = present if pass_ == BOTH else ((ROW,) if pass_ == FORWARD else (COL,))
+    both = gathers_both(pass_)
+    wanted = present if both else ((ROW,) if pass_ == FORWARD else (COL,))
     if any(d not in present for d in wanted):
         raise ValueError(
             f"hybrid_dist.fsdp2: the {pass_} all-gather needs the {wanted[0]} direction, but this "
@@ -89,9 +91,9 @@ def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
     bufs = {d: fsdp_transport_buffers(t.storage_of(d), metas[d]) for d in wanted}  # one meta per direction
     capacity = 0
     if world == 1:  # FSDP2 copies only the first all-gather input when it has one rank
-        capacity = sum(metas[d].nbytes() for d in wanted) if pass_ == BOTH else max(m.nbytes() for m in metas.values())
+        capacity = sum(metas[d].nbytes() for d in wanted) if both else max(m.nbytes() for m in metas.values())
         mode, inputs = "packed", [_pack([b for d in wanted for b in bufs[d]], capacity)]
-    elif pass_ == BOTH:
+    elif both:
         mode, inputs = "both", [b for d in wanted for b in bufs[d]]
     elif len({metas[d].signature() for d in present}) == 1:
         mode, inputs = "slots", bufs[wanted[0]]
@@ -212,7 +214,8 @@ def _check_stable(t, mode: str, inputs: list[torch.Tensor]) -> None:
     if prev is not None and prev != sig:
         raise NotImplementedError(
             f"hybrid_dist.fsdp2: this parameter's all-gather changed from {prev} to {sig} "
-            "(FSDP2 reuses its all-gather buffers). Changing reshard_after_forward after the "
-            "first step is not supported for quantized parameters."
+            "(FSDP2 reuses its all-gather buffers). Changing reshard_after_forward, or whether "
+            "the module's forward is recomputed (activation checkpointing), after the first "
+            "step is not supported for quantized parameters."
         )
     t._hd_fsdp_signature = sig

@@ -12,8 +12,20 @@ parameter (through ``torch.distributed._composable_state``, cached per module) a
 * otherwise (forward, forward prefetch, explicit ``unshard()``): rowwise (fprop operand).
 
 Without an FSDP group (a hook called outside ``fully_shard``) both directions are
-gathered. Activation recompute inside backward needs the rowwise direction while FSDP is
-in ``PRE_BACKWARD``: use ``reshard_after_forward=False`` for recomputed modules.
+gathered.
+
+[Note: activation recompute]
+A module whose forward is recomputed in backward (``torch.utils.checkpoint``, non-
+reentrant) needs the rowwise direction (the recomputed fprop) *and* the columnwise one
+(dgrad) from the backward gather. FSDP2 reuses each parameter's all-gather buffers, so
+every gather of that parameter must have the same signature: its forward gathers both
+directions too (``"forward_both"``, as ``reshard_after_forward=False`` would) and its
+backward gathers both again (``"recompute_both"``). A forward gather is recompute-bound
+when it runs inside a checkpointed forward (the checkpoint's saved-tensor hooks are the
+innermost ones; ``checkpoint(fsdp_module, x)``), or when the parameter's module sits
+inside a ``CheckpointWrapper`` (``checkpoint_wrapper`` applied before ``fully_shard``);
+the mark is kept on the shard for the backward gathers of the same step. A recompute that
+was not detected raises (the rowwise direction is missing) instead of reading stale bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +36,13 @@ import torch
 from torch import nn
 
 FORWARD, BACKWARD, BOTH = "forward", "backward", "forward_both"
+RECOMPUTE = "recompute_both"  # backward gather of a recomputed module: both directions
+_CKPT_OWNER: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def gathers_both(pass_: str) -> bool:
+    """True for the passes that carry both directions."""
+    return pass_ in (BOTH, RECOMPUTE)
 
 _GROUP_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -75,5 +94,28 @@ def gather_pass(module: nn.Module | None, local_tensor: torch.Tensor) -> str:
             "forward) is not supported for quantized parameters; use True or False."
         )
     if group._training_state == TrainingState.PRE_BACKWARD:
-        return BACKWARD
-    return FORWARD
+        return RECOMPUTE if getattr(local_tensor, "_hd_recomputed", False) else BACKWARD
+    recomputed = _in_checkpointed_forward() or _in_checkpoint_wrapper(module, group)
+    local_tensor._hd_recomputed = recomputed
+    return BOTH if recomputed else FORWARD
+
+
+def _in_checkpointed_forward() -> bool:
+    """True inside the forward of a non-reentrant ``torch.utils.checkpoint``: its
+    saved-tensor hooks (``_checkpoint_hook``) are the innermost default hooks."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return top is not None and getattr(top[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
+def _in_checkpoint_wrapper(module: nn.Module, group) -> bool:
+    """True if ``module`` is inside a ``CheckpointWrapper`` within the FSDP group's modules
+    (cached per module)."""
+    if module in _CKPT_OWNER:
+        return _CKPT_OWNER[module]
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    roots = getattr(group, "modules", None) or ()
+    found = any(any(sub is module for sub in w.modules())
+                for root in roots for w in root.modules() if isinstance(w, CheckpointWrapper))
+    _CKPT_OWNER[module] = found
+    return found
