@@ -29,6 +29,9 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 [ "${INSTALL:-1}" = 1 ] && python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/thr_gpus.txt"
 [ -z "$ONLY" ] && rm -f "$OUT"/thr_*.jsonl "$OUT"/thr_*.log
+# torchao is optional: a wheel carried in .whl/ (ignored by git; pass carry=[".whl"]) is installed if needed
+if ! python3 -c "import torchao.float8" > /dev/null 2>&1 && ls .whl/torchao-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index .whl/torchao-*.whl 2>&1 | tail -1; fi
 if python3 -c "import torchao.float8" > /dev/null 2>&1; then TORCHAO=1; else TORCHAO=0
   echo "torchao.float8 does not import here: the torchao-float8 rows are skipped"; fi
 

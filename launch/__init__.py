@@ -9,7 +9,8 @@ hybrid_dist.launch.plot RUN.jsonl ... --out X.png`` plots runs. In-process:
 Files: ``config`` (options), ``presets`` (model shapes), ``model`` (the decoder),
 ``moe_mlp``, ``data``, ``mesh`` (device mesh), ``parallelize`` (TP/AC/compile/FSDP2),
 ``grad_clip``, ``checkpoint`` (DCP), ``metrics`` (progress, JSONL), ``loop`` (the
-training loop), ``dry_run``, ``plot``, ``quantized_init``.
+training loop), ``dry_run``, ``plot``, ``quantized_init``, ``torchao_baseline``
+(``--baseline torchao-float8``).
 """
 
 from hybrid_dist.launch.config import TrainConfig

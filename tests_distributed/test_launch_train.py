@@ -8,7 +8,8 @@ One spawned run covers every configuration (spawning is the expensive part):
   losses bitwise (recipes with stochastic rounding and delayed-scaling state; MoE with
   expert parallelism; ``--quantized-init``, whose checkpoint holds the fp32 masters);
 * the metrics JSONL holds one record per step with the logged loss;
-* with torchao installed, ``--baseline torchao-float8`` (float8 all-gather) trains too;
+* with torchao installed, ``--baseline torchao-float8`` (float8 all-gather) trains too, and
+  resumes bitwise;
 * an MoE model trains the same with EP=2 as with EP=1 (bf16; same init, data and gradient
   scaling, only reduction orders differ);
 * the parallel variants train too: MoE with expert parallelism (EP=2), tensor parallelism
@@ -67,13 +68,15 @@ def _train_all(rank, world_size, tmp):
     for recipe in hd.RECIPE_NAMES:
         metrics = os.path.join(tmp, f"{recipe}.jsonl")
         out["recipes"][recipe] = train(_cfg(recipe, metrics=metrics))["losses"]
+    resume = dict(RESUME)
     if importlib.util.find_spec("torchao") is not None:  # optional baseline (not a CI dependency)
-        out["torchao"] = train(_cfg(baseline="torchao-float8"))["losses"]
-    for name, kw in RESUME.items():
+        resume["torchao-float8"] = dict(baseline="torchao-float8")
+    for name, kw in resume.items():
         ckpt = os.path.join(tmp, f"ckpt-{name}")
         full = train(_cfg(**kw, checkpoint_dir=ckpt, save_every=STEPS // 2))["losses"]
         resumed = train(_cfg(**kw, resume=os.path.join(ckpt, f"step_{STEPS // 2:06d}")))["losses"]
         out["resume"][name] = (full, resumed)
+    out["torchao"] = out["resume"].get("torchao-float8", (None,))[0]
     return out
 
 
