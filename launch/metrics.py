@@ -2,8 +2,8 @@
 
 MFU = achieved model FLOP/s ÷ the device's dense **bf16** peak (whatever the recipe), with
 FLOPs per token from ``ModelConfig.flops_per_token``; unknown devices (and CPUs) report
-none. Peak memory is ``torch.cuda.max_memory_allocated`` on GPU and the process's peak
-RSS on CPU. Step times leave out the synthetic batch generation (``data_time_s``: host
+none. Peak memory is ``torch.cuda.max_memory_allocated`` since the meter started (the
+training steps, not the model build) on GPU and the process's peak RSS on CPU. Step times leave out the synthetic batch generation (``data_time_s``: host
 work while the device idles, up to ~0.1 s per 4k-token sequence). All-gather bytes are per
 rank per step: measured by ``hybrid_dist.fsdp2`` when it exposes accounting, else
 estimated from the sharded parameters (``ag_bytes_est``).
@@ -73,6 +73,8 @@ class Meter:
         if jsonl_path and self.is_main:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._file = open(jsonl_path, "a")  # appended: plot reads the last fresh run
+        if device.type == "cuda":  # peak of training, not of building (a quantized init is unsharded first)
+            torch.cuda.reset_peak_memory_stats(device)
         self._t0 = self._t_last = time.perf_counter()
         self._excluded = 0.0
         self._tokens_total = 0
