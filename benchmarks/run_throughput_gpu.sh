@@ -99,8 +99,8 @@ while IFS='|' read -r name cap needs_tao opts; do
     echo "-- $name ($((SECONDS - t0)) s): $(grep '^summary:' "$log" | tail -n 1)"
   else
     [ -f "$f" ] || stub "$name" "failed rc=$rc" "$opts --fsdp $NGPU"
-    echo "-- $name FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); last lines of $log:"
-    grep -v "^W1\|^\[W" "$log" | tail -n 8 | sed 's/^/     /'
+    echo "-- $name FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); errors in $log:"
+    grep -E "Error|Exception|error:" "$log" | grep -v "ChildFailedError\|^W1\|^\[W" | head -n 6 | sed 's/^/     /'
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # workers run in their own sessions: end any left on the GPUs
       sleep 3
       for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2> /dev/null); do
