@@ -4,15 +4,18 @@ Reads metrics JSONL files written by ``torchrun ... -m hybrid_dist.launch.train 
 (``benchmarks/run_throughput_gpu.sh`` writes one per run) and prints ONE markdown table,
 one row per run, grouped by model:
 
-| column | from |
-|---|---|
-| preset | the ``start`` record: preset, ``moe<E>top<k>`` for MoE, ``L<n>`` when ``--layers`` changed the depth, ``fsdp<N>`` |
-| recipe | the recipe, or the baseline (``torchao-float8``); ``+qinit`` (``--quantized-init``), ``+compile`` |
-| tokens/s | the ``summary`` record: all ranks' tokens / wall time over the timed steps (the first ``--timing-warmup`` steps excluded) |
-| MFU | the summary's model FLOP/s ÷ (ranks × dense bf16 peak); ``n/a`` off known GPUs |
-| peak GiB | the summary's peak memory of rank 0 (``torch.cuda.max_memory_allocated``) |
-| all-gather/step | the last step's all-gather output bytes per rank: measured for quantized parameters (``hybrid_dist.fsdp2``), else estimated (``~``) |
-| × bf16 | tokens/s ÷ the tokens/s of the ``bf16`` run (no baseline, no ``--quantized-init``) of the same model, with the same ``--compile`` setting when there is one |
+- preset: from the ``start`` record: the preset, ``moe<E>top<k>`` for MoE, ``L<n>`` when
+  ``--layers`` changed the depth, ``fsdp<N>``;
+- recipe: the recipe or the baseline (``torchao-float8``), ``+qinit`` (``--quantized-init``),
+  ``+compile``;
+- tokens/s: from the ``summary`` record: all ranks' tokens / time over the timed steps
+  (the first ``--timing-warmup`` steps and the synthetic batch generation left out);
+- MFU: the summary's model FLOP/s ÷ (ranks × dense bf16 peak); ``n/a`` off known GPUs;
+- peak GiB: the summary's peak memory of rank 0 during training;
+- all-gather/step: the last step's all-gather output bytes per rank, measured for
+  quantized parameters (``hybrid_dist.fsdp2``), else estimated (``~``);
+- × bf16: tokens/s ÷ that of the ``bf16`` run (no baseline, no ``--quantized-init``) of the
+  same model, with the same ``--compile`` setting when there is one.
 
 A file whose last run has no ``summary`` (it crashed or timed out) gives a row of ``—``
 marked ``failed`` (or with the ``status`` of a stub ``start`` record that

@@ -5,8 +5,9 @@ optimizer state (with ``--quantized-init``: the fp32 master weights in place of 
 quantized parameters, which are requantized from them on load; under expert parallelism
 each EP rank's experts under a key naming its EP slot), plus ``rank<r>.pt`` with what is
 local to each rank: the quantizer states of every ``hd.Linear`` (delayed-scaling amax
-histories, stochastic-rounding generators), so a resumed run reproduces the uninterrupted run bitwise. The data is stateless (a
-function of the step), so only the step number is needed to continue it.
+histories, stochastic-rounding generators), so a resumed run reproduces the uninterrupted
+run bitwise. The data is stateless (a function of the step), so only the step number is
+needed to continue it.
 """
 
 from __future__ import annotations

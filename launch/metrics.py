@@ -3,12 +3,12 @@
 MFU = achieved model FLOP/s ÷ the device's dense **bf16** peak (whatever the recipe), with
 FLOPs per token from ``ModelConfig.flops_per_token``; unknown devices (and CPUs) report
 none. Peak memory is ``torch.cuda.max_memory_allocated`` since the meter started (the
-training steps, not the model build) on GPU and the process's peak RSS on CPU. Step times leave out the synthetic batch generation (``data_time_s``: host
-work while the device idles, up to ~0.1 s per 4k-token sequence). All-gather bytes are per
-rank per step: measured by ``hybrid_dist.fsdp2`` when it exposes accounting, else
-estimated from the sharded parameters (``ag_bytes_est``).
-With quantized parameters ``ag_bytes`` = measured quantized gathers + the high-precision
-parameters' unsharded bytes.
+training steps, not the model build) on GPU and the process's peak RSS on CPU. Step times
+leave out the synthetic batch generation (``data_time_s``: host work while the device
+idles, up to ~0.1 s per 4k-token sequence). All-gather bytes are per rank per step:
+measured by ``hybrid_dist.fsdp2`` when it exposes accounting, else estimated from the
+sharded parameters (``ag_bytes_est``). With quantized parameters ``ag_bytes`` = measured
+quantized gathers + the high-precision parameters' unsharded bytes.
 """
 
 from __future__ import annotations

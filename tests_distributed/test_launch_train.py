@@ -20,7 +20,6 @@ One spawned run covers every configuration (spawning is the expensive part):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -59,6 +58,16 @@ def _cfg(recipe: str = "bf16", **kw):
                        min_lr_ratio=1.0, quiet=True, **kw)
 
 
+def _torchao_imports() -> bool:
+    from hybrid_dist.launch import torchao_baseline
+
+    try:
+        torchao_baseline.check_available()
+    except ImportError:
+        return False
+    return True
+
+
 def _train_all(rank, world_size, tmp):
     from hybrid_dist.launch.loop import train
 
@@ -69,7 +78,7 @@ def _train_all(rank, world_size, tmp):
         metrics = os.path.join(tmp, f"{recipe}.jsonl")
         out["recipes"][recipe] = train(_cfg(recipe, metrics=metrics))["losses"]
     resume = dict(RESUME)
-    if importlib.util.find_spec("torchao") is not None:  # optional baseline (not a CI dependency)
+    if _torchao_imports():  # optional baseline (not a CI dependency)
         resume["torchao-float8"] = dict(baseline="torchao-float8")
     for name, kw in resume.items():
         ckpt = os.path.join(tmp, f"ckpt-{name}")

@@ -31,7 +31,8 @@ def test_layers_override_changes_depth_only():
 
 
 @pytest.mark.parametrize("kw, exc, pattern", [
-    (dict(baseline="torchao-float8", recipe="fp8_current"), ValueError, r"needs --recipe bf16.*got --recipe fp8_current"),
+    (dict(baseline="torchao-float8", recipe="fp8_current"), ValueError,
+     r"needs --recipe bf16.*got --recipe fp8_current"),
     (dict(baseline="torchao-float8", quantized_init=True), NotImplementedError, r"--quantized-init"),
     (dict(baseline="torchao-float8", moe_experts=4), NotImplementedError, r"--moe-experts"),
     (dict(baseline="torchao-fp8"), ValueError, r"unknown; choose one of none, torchao-float8"),
