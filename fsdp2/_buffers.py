@@ -79,7 +79,27 @@ def fsdp_buffer_fields(st: DirectionStorage) -> tuple[str, ...]:
 
 
 def _transport(t: torch.Tensor, axis: int) -> torch.Tensor:
-    return t.contiguous() if axis == 0 else t.movedim(axis, 0).contiguous()
+    if axis == 0:
+        return t.contiguous()
+    if t.dim() == 2 and t.is_cuda:  # a 2D transpose: the tiled kernel (torch's FP8 copy is slow)
+        from hybrid_dist.kernels.transpose import transposed
+
+        return transposed(t)
+    return t.movedim(axis, 0).contiguous()
+
+
+def _stored_into(dst: torch.Tensor | None, gathered: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """Transport layout -> stored layout, copied into ``dst`` (a new contiguous tensor if
+    ``None``); 2D CUDA fields through the tiled transpose kernel."""
+    src = _stored(gathered, axis, dtype)
+    if axis != 0 and src.dim() == 2 and src.is_cuda and (dst is None or dst.is_contiguous()):
+        from hybrid_dist.kernels.transpose import transpose_into
+
+        dst = torch.empty(src.shape, dtype=dtype, device=src.device) if dst is None else dst
+        return transpose_into(dst, gathered.view(dtype))
+    if dst is None:
+        return src.clone(memory_format=torch.contiguous_format)
+    return dst.copy_(src)
 
 
 def _cast_dtype(st: DirectionStorage, field: str, cast: torch.dtype | None) -> torch.dtype:
@@ -160,7 +180,7 @@ def fsdp_assign_gathered(
                 if not alias:
                     owned.append(t)
             else:
-                t = _stored(gathered[i], meta.axes[f], meta.dtypes[f]).clone(memory_format=torch.contiguous_format)
+                t = _stored_into(None, gathered[i], meta.axes[f], meta.dtypes[f])
                 owned.append(t)
             tensors[f] = t
         tensors.update({f: s.clone() for f, s in meta.scalars.items()})
@@ -169,7 +189,8 @@ def fsdp_assign_gathered(
         for i, f in enumerate(meta.fields):
             dst, src = getattr(out, f), _stored(gathered[i], meta.axes[f], meta.dtypes[f])
             if not _same_memory(dst, src):
-                _copy_keep_version(dst, src)
+                with torch.autograd._unsafe_preserve_version_counter(dst):
+                    _stored_into(dst, gathered[i], meta.axes[f], meta.dtypes[f])
         for f, s in meta.scalars.items():
             _copy_keep_version(getattr(out, f), s)
     return out, []

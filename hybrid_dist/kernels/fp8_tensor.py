@@ -21,6 +21,7 @@ import triton.language as tl
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
+from hybrid_dist.kernels.transpose import transposed
 
 _BM, _BK = 64, 128
 
@@ -134,7 +135,7 @@ def quantize_fp8_tensor(q: Float8Quantizer, x2d, *, rowwise, columnwise, state, 
         x2d = x2d.contiguous()
     if columnwise and x2d.dtype != torch.bfloat16:
         row_st, _ = quantize_fp8_tensor(q, x2d, rowwise=True, columnwise=False, state=state, amax=amax)
-        col_st = Float8Storage(data=row_st.data.t().contiguous(), scale_inv=row_st.scale_inv, transposed=True)
+        col_st = Float8Storage(data=transposed(row_st.data), scale_inv=row_st.scale_inv, transposed=True)
         return (row_st if rowwise else None), col_st
     dev = x2d.device
     # eager: the raw host wrappers (no dispatcher); while compiling: the torch.library ops

@@ -1,0 +1,58 @@
+"""``transpose_into(dst, src)``: ``dst [C, R] = src [R, C]ᵀ`` for 2D tensors of 1, 2 or 4
+byte elements, as one tiled Triton kernel (bitwise a copy: bytes are moved, never
+converted).
+
+Why: PyTorch's elementwise copy of a transposed FP8 view runs far below the copy
+bandwidth on Hopper (measured in an FSDP2 step on an H200: 373 us for a 4096×14336 FP8
+weight, ~0.16 TB/s). The FSDP2 columnwise transport (shard ``[K, M/w]`` → ``[M/w, K]``
+and back after the gather) and the columnwise write of fp32-input FP8 quantization are
+such transposes. Tiles of ``[64, 64]`` are read row-major and written transposed, so
+both sides are coalesced.
+
+``src`` may be any 2D view (strides are honoured); ``dst`` must be contiguous with
+``dst.shape == src.shape[::-1]`` and the same element size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_TILE = 64
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, s_r, s_c, TILE: tl.constexpr):
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    r = pid_r * TILE + tl.arange(0, TILE)[:, None]
+    c = pid_c * TILE + tl.arange(0, TILE)[None, :]
+    tile = tl.load(src_ptr + r * s_r + c * s_c, mask=(r < R) & (c < C))
+    rt = pid_r * TILE + tl.arange(0, TILE)[None, :]
+    ct = pid_c * TILE + tl.arange(0, TILE)[:, None]
+    tl.store(dst_ptr + ct * R + rt, tl.trans(tile), mask=(ct < C) & (rt < R))
+
+
+def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src.t())`` for a contiguous ``dst`` (see the module doc)."""
+    if (src.dim() != 2 or dst.shape != src.shape[::-1] or not dst.is_contiguous()
+            or src.element_size() != dst.element_size() or src.element_size() not in _VIEW):
+        raise ValueError(
+            f"transpose_into: needs a 2D src [R, C] and a contiguous dst [C, R] of the same element size "
+            f"(1, 2 or 4 bytes); got src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}"
+        )
+    r, c = src.shape
+    if torch.compiler.is_compiling():  # inductor generates its own transpose
+        return dst.copy_(src.t())
+    if r and c:
+        view = _VIEW[src.element_size()]
+        s = src.view(view) if src.dtype != view else src
+        _transpose_kernel[(triton.cdiv(r, _TILE), triton.cdiv(c, _TILE))](
+            s, dst.view(view), r, c, src.stride(0), src.stride(1), TILE=_TILE)
+    return dst
+
+
+def transposed(src: torch.Tensor) -> torch.Tensor:
+    """``src.t().contiguous()`` through the kernel."""
+    return transpose_into(torch.empty((src.shape[1], src.shape[0]), dtype=src.dtype, device=src.device), src)
