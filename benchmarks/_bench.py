@@ -27,3 +27,20 @@ def print_table(header: list[str], rows: list[list], title: str) -> None:
     print("|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|")
     for r in rows:
         print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r) + " |")
+
+
+def print_profile(step, title: str, *, rows: int = 15) -> None:
+    """One profiled call of ``step``: GPU kernel time and the top kernels by GPU time."""
+    step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    ev = prof.key_averages()
+    kernels = sorted((e for e in ev if "CUDA" in str(getattr(e, "device_type", ""))),
+                     key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"\n## profile {title}: {total:.2f} ms of kernels, {sum(e.count for e in kernels)} launches")
+    for e in kernels[:rows]:
+        print(f"  x{e.count:<4d} {e.self_device_time_total / 1e3:8.3f} ms  {e.key[:150]}")

@@ -20,7 +20,7 @@ import argparse
 import torch
 
 import hybrid_dist as hd
-from benchmarks._bench import bench_ms, print_table
+from benchmarks._bench import bench_ms, print_profile, print_table
 from hybrid_dist.moe import GroupedLinear, grouped_quantized
 from hybrid_dist.moe._grouped_mm import grouped_mm_linear
 
@@ -60,6 +60,7 @@ def _args():
     p.add_argument("--seed", type=int, default=0, help="seed of the fixed token splits")
     p.add_argument("--no-e4m3-grads", dest="e4m3_grads", action="store_false",
                    help=f"skip the extra row '{E4M3_GRADS}'")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of one step per recipe")
     return p.parse_args()
 
 
@@ -82,6 +83,8 @@ def main() -> None:
                 layer.weight.copy_(w)
             grouped = name == "bf16" or grouped_quantized.fits(layer.plan(recipe), x, layer.weight)
             ms = bench_ms(_step(lambda a: layer(a, tpe), x, layer.weight, dy))
+            if args.profile:
+                print_profile(_step(lambda a: layer(a, tpe), x, layer.weight, dy), name)
             rows.append([name if grouped else f"{name} (reference loop)", ms, bf16_ms / ms])
         except Exception as e:  # keep the table: report the failure in its row
             rows.append([name, f"failed: {type(e).__name__}: {e}"[:160], ""])
