@@ -68,8 +68,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shard_dims(p) -> tuple[int, ...]:
-    """Mesh dims over which ``p`` is sharded (replicated dims already agree)."""
-    return tuple(i for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1)
+    """Mesh dims over which ``p`` is sharded (replicated dims already agree). FSDP2 over
+    ``dp`` of a TP ``Shard(0)`` parameter places ``_StridedShard`` on ``dp``, which is not
+    ``is_shard()`` on every torch version: anything neither replicated nor partial counts."""
+    return tuple(i for i, pl in enumerate(p.placements)
+                 if not (pl.is_replicate() or pl.is_partial()) and p.device_mesh.size(i) > 1)
 
 
 def _global_amaxes(pairs) -> list[torch.Tensor]:

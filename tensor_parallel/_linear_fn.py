@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from hybrid_dist import _saved, gemm
+from hybrid_dist.linear import _weight_operands
+from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel._inputs import WgradInput, gather_input
 from hybrid_dist.tensor_parallel.gather import (
@@ -92,10 +94,21 @@ class SharedWgradInput:
         return handle
 
 
-def _weight_request(weight, plan, *, need_dgrad: bool) -> ShardRequest:
-    """The local weight shard, quantized with the group amax (in the input's all-reduce)."""
+def _weight_request(weight, plan, *, need_dgrad: bool) -> ShardRequest | None:
+    """The local weight shard, quantized with the group amax (in the input's all-reduce);
+    None for a quantized weight (used as stored, see ``_weight_pair``)."""
+    if isinstance(weight, QuantizedTensor):
+        return None
     return ShardRequest(quantizer=plan.weight, x2d=weight, rowwise=True, columnwise=need_dgrad,
                         state=plan.states["weight"])
+
+
+def _weight_pair(weight, plan, w_req, requests_out, *, need_dgrad: bool):
+    """``(rowwise, columnwise)`` weight storages: from ``requests_out`` (the quantized
+    request's result) or, for a quantized weight, its stored directions."""
+    if w_req is None:
+        return _weight_operands(weight, plan, need_dgrad)
+    return requests_out[-1]
 
 
 def _reduce(x: torch.Tensor, cfg: TPConfig, *, async_op: bool):
@@ -122,18 +135,19 @@ class ColumnParallelFn(torch.autograd.Function):
                     f"prepared input was quantized with {x.quantizer}, but this layer's recipe "
                     f"gives its input {plan.input}. Give all consumers the same input quantizer.")
             x_row, wgrad_in, lead = x.rowwise, shared, x.shape[:-1]
-            [(w_row, w_col)] = quantize_shards_with_group_amax([w_req], cfg.group)
+            done = quantize_shards_with_group_amax([w_req], cfg.group) if w_req is not None else []
         elif cfg.sequence_parallel:
             world = _comm.group_size(cfg.group)
-            x_row, wgrad_in, [(w_row, w_col)] = gather_input(
+            x_row, wgrad_in, done = gather_input(
                 x.reshape(-1, k), cfg.group, plan.input, plan.states["input"], need_wgrad=need_wgrad,
-                path=cfg.gather_path, extra=(w_req,))
+                path=cfg.gather_path, extra=(w_req,) if w_req is not None else ())
             lead = (world * x.shape[0], *x.shape[1:-1])
         else:  # x is replicated: quantized whole on every rank, no amax to reduce
             row, col = plan.input.quantize_storages(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
                                                     state=plan.states["input"])
             x_row, wgrad_in, lead = row, (WgradInput("local", col) if need_wgrad else None), x.shape[:-1]
-            [(w_row, w_col)] = quantize_shards_with_group_amax([w_req], cfg.group)
+            done = quantize_shards_with_group_amax([w_req], cfg.group) if w_req is not None else []
+        w_row, w_col = _weight_pair(weight, plan, w_req, done, need_dgrad=need_dgrad)
         # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
@@ -188,8 +202,9 @@ class RowParallelFn(torch.autograd.Function):
         # x [M, K/tp]: K is sharded, so a per-tensor scale needs the group amax
         x_req = ShardRequest(quantizer=plan.input, x2d=x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
                              state=plan.states["input"])
-        (x_row, x_col), (w_row, w_col) = quantize_shards_with_group_amax(
-            [x_req, _weight_request(weight, plan, need_dgrad=need_dgrad)], cfg.group)
+        w_req = _weight_request(weight, plan, need_dgrad=need_dgrad)
+        done = quantize_shards_with_group_amax([x_req] + ([w_req] if w_req is not None else []), cfg.group)
+        (x_row, x_col), (w_row, w_col) = done[0], _weight_pair(weight, plan, w_req, done, need_dgrad=need_dgrad)
         # fprop: y [M, N] (partial over K shards) = x [M, K/tp] · W_local [N, K/tp]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)

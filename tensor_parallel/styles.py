@@ -16,8 +16,10 @@ the TP mesh, so optimizers, ``state_dict`` and FSDP2 on a 2D mesh see their plac
 ``parallelize_module`` mutates modules in place: the styles switch the module's class to
 a TP subclass of its class (as ``fully_shard`` does), leaving ``hd.Linear`` itself as it
 was. ``quantized_gather=False`` gathers in high precision (then quantizes) for
-comparisons. Weights must be high precision (quantized weights are made per step from
-the local shard with the group amax); ``QuantizedTensor`` weights raise.
+comparisons. High-precision weights are quantized per step from the local shard with the
+group amax; ``QuantizedTensor`` weights (``hd.quantized_model_init``) are sliced in the
+quantized domain (``_quantized_param``) and used as stored, and compose with FSDP2 over a
+data-parallel mesh dim (``fully_shard(..., mesh=mesh["dp"])`` after ``parallelize_module``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from hybrid_dist.linear import Linear, in_backward
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import bf16 as _bf16_recipe
+from hybrid_dist.tensor_parallel._quantized_param import shard_quantized
 from hybrid_dist.tensor_parallel._linear_fn import (
     ColumnParallelFn,
     PreparedGatherFn,
@@ -83,12 +86,15 @@ def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement, src_
     p = getattr(module, name)
     if p is None:
         return
-    if isinstance(p, QuantizedTensor):
-        raise NotImplementedError(
-            f"tensor parallel needs a high-precision {name} (got a QuantizedTensor): create the "
-            "model outside hd.quantized_model_init; TP quantizes the local shard each step")
     if isinstance(p, DTensor):
         raise ValueError(f"{name} is already a DTensor ({p.placements}); apply one TP style per module")
+    if isinstance(p, QuantizedTensor):  # sliced in the quantized domain (no re-quantization)
+        local = p.detach()
+        if isinstance(placement, Shard):
+            local = shard_quantized(local, placement.dim, mesh.size(), mesh.get_local_rank())
+        dt = DTensor.from_local(local, mesh, [placement], run_check=False, shape=p.shape, stride=p.stride())
+        module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        return
     if src_data_rank is None:  # every rank holds the full tensor: slice locally, no communication
         local = p.detach()
         if isinstance(placement, Shard):
