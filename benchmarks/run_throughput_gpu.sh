@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Throughput benchmark (issue 7) on one host with NGPU GPUs (default 4; NCCL is picked by
 # the launcher): `torchrun -m hybrid_dist.launch.train` with FSDP=NGPU for the 8b and 1b
-# presets (dense) and a 1b MoE variant (8 experts, top-2) per recipe -- bf16, fp8_current
+# presets (dense) and MoE variants (8 experts, top-2) per recipe -- bf16, fp8_current
 # (+ --quantized-init: float8 all-gather), mxfp8_fwd_nvfp4_bwd, nvfp4 -- plus torchao float8
 # tensorwise (`--baseline torchao-float8 --compile`, skipped when torchao does not import)
 # next to compiled bf16 and compiled fp8_current+qinit. Each run: STEPS steps, the first 2
@@ -35,10 +35,12 @@ if ! python3 -c "import torchao.float8" > /dev/null 2>&1 && ls .whl/torchao-*.wh
 if python3 -c "import torchao.float8" > /dev/null 2>&1; then TORCHAO=1; else TORCHAO=0
   echo "torchao.float8 does not import here: the torchao-float8 rows are skipped"; fi
 
-# model shapes: 8b 1 x 4096 tokens per GPU, 1b 4 x 2048, 1b MoE 2 x 2048
+# model shapes (tokens per GPU): 8b 1 x 4096, 1b 4 x 2048, 1b MoE 2 x 2048; last in the plan
+# (reached in a second call, e.g. ONLY=moe), a 4-block 8b MoE (8 experts of the 8b FFN, top-2)
 M8B=${M8B:-"--preset 8b --batch-size 1 --seq-len 4096"}
 M1B=${M1B:-"--preset 1b --batch-size 4 --seq-len 2048"}
 MOE=${MOE:-"--preset 1b --moe-experts 8 --moe-top-k 2 --batch-size 2 --seq-len 2048"}
+MOE8B=${MOE8B:-"--preset 8b --layers 4 --moe-experts 8 --moe-top-k 2 --batch-size 1 --seq-len 4096"}
 QI="--recipe fp8_current --quantized-init"
 TAO="--baseline torchao-float8 --compile"
 # name | time cap (s) | needs torchao | launcher options   (priority order)
@@ -62,17 +64,29 @@ PLAN="
 1b_fp8_current_qinit_compile|100|0|$M1B $QI --compile
 8b_fp8_current|75|0|$M8B --recipe fp8_current
 1b_fp8_current|60|0|$M1B --recipe fp8_current
+8b_L4_moe8_bf16|75|0|$MOE8B --recipe bf16
+8b_L4_moe8_fp8_current|75|0|$MOE8B --recipe fp8_current
 "
 
 stub() {  # stub NAME STATUS OPTIONS: a start record, so the table shows a run that never started
   python3 - "$OUT/thr_$1.jsonl" "$1" "$2" $3 <<'EOF'
-import json, sys
-from hybrid_dist.launch.config import parse_args
+import argparse, importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("presets", "launch/presets.py")  # no torch import: fast
+presets = sys.modules["presets"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(presets)
 path, name, status, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-cfg, _ = parse_args(argv)
-rec = {"event": "start", "name": name, "status": status, "preset": cfg.preset, "recipe": cfg.recipe,
-       "baseline": cfg.baseline, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
-       "moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k, "fsdp": cfg.fsdp}
+p = argparse.ArgumentParser()
+for flag, kw in (("--preset", {}), ("--recipe", {"default": "bf16"}), ("--baseline", {"default": "none"}),
+                 ("--layers", {"type": int, "default": 0}), ("--moe-experts", {"type": int, "default": 0}),
+                 ("--moe-top-k", {"type": int, "default": 2}), ("--fsdp", {"type": int})):
+    p.add_argument(flag, **kw)
+for flag in ("--quantized-init", "--compile"):
+    p.add_argument(flag, action="store_true")
+a, _ = p.parse_known_args(argv)
+rec = {"event": "start", "name": name, "status": status, "preset": a.preset, "recipe": a.recipe,
+       "n_layers": a.layers or presets.PRESETS[a.preset].n_layers, "baseline": a.baseline,
+       "quantized_init": a.quantized_init, "compile": a.compile, "moe_experts": a.moe_experts,
+       "moe_top_k": a.moe_top_k, "fsdp": a.fsdp}
 with open(path, "w") as f:
     f.write(json.dumps(rec) + "\n")
 EOF
@@ -111,4 +125,7 @@ while IFS='|' read -r name cap needs_tao opts; do
 done <<< "$PLAN"
 
 echo "total wall: ${SECONDS} s"
-python3 -m benchmarks.throughput "$OUT"/thr_*.jsonl | tee "$OUT/throughput.md"
+files=()  # in plan order (also those of earlier calls with ONLY)
+while IFS='|' read -r name _; do [ -n "$name" ] && [ -f "$OUT/thr_$name.jsonl" ] && files+=("$OUT/thr_$name.jsonl"); done <<< "$PLAN"
+if [ "${#files[@]}" = 0 ]; then echo "no runs selected"; exit 1; fi
+python3 -m benchmarks.throughput "${files[@]}" | tee "$OUT/throughput.md"
