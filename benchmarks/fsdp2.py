@@ -85,7 +85,7 @@ def _profile_step(name: str, step) -> None:
     """One profiled step: host enqueue time, GPU kernel time, top kernels (``--profile``)."""
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=True, with_stack=False) as prof:
         t0 = time.perf_counter()
         step()
         host = (time.perf_counter() - t0) * 1e3
@@ -94,14 +94,24 @@ def _profile_step(name: str, step) -> None:
     gpu = sum(e.self_device_time_total for e in ev) / 1e3
     print(f"\n## profile {name}: host enqueue {host:.1f} ms, GPU kernel time {gpu:.1f} ms (all streams)")
     print(ev.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
+    by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")]
+    by_shape.sort(key=lambda e: -e.device_time_total)
+    for e in by_shape[:12]:
+        print(f"  {e.key} x{e.count} {e.device_time_total / 1e3:.2f} ms  shapes {e.input_shapes}")
+    kernels = sorted((e for e in ev if "CUDA" in str(getattr(e, "device_type", ""))), key=lambda e: -e.self_device_time_total)
+    for e in kernels[:12]:
+        print(f"  kernel x{e.count} {e.self_device_time_total / 1e3:.2f} ms  {e.key[:200]}")
 
 
-def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False) -> list:
+def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False,
+        compile_blocks: bool = False) -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(recipe_name, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model:
+        if compile_blocks:  # per block, as torchtitan: FSDP2's hooks stay outside the graphs
+            block.compile()
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
@@ -130,7 +140,8 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model, opt
     torch.cuda.empty_cache()
-    return [recipe_name, ms, SEQ / ms * 1e3, peak, fwd / 2**20, total / 2**20]
+    return [recipe_name + (" (compiled)" if compile_blocks else ""), ms, SEQ / ms * 1e3, peak, fwd / 2**20,
+            total / 2**20]
 
 
 def main() -> None:
@@ -139,16 +150,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", action="store_true", help="rank 0 prints one profiled step per recipe")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (before fully_shard)")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    rows = [run(name, device, args.warmup, args.steps, args.profile) for name in args.recipes.split(",")]
+    rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile) for name in args.recipes.split(",")]
     if rank == 0:
         from benchmarks._bench import print_table
 
-        base = {r[0]: r for r in rows}.get("bf16")
+        base = {r[0]: r for r in rows}.get("bf16" + (" (compiled)" if args.compile else ""))
         out = []
         for r in rows:
             ratio = (r[1] and base[1] / r[1]) if base else float("nan")
