@@ -49,13 +49,13 @@ PLAN="
 8b_fp8_current_qinit|90|0|$M8B $QI
 8b_torchao_float8_compile|120|1|$M8B $TAO
 8b_bf16_compile|120|0|$M8B --recipe bf16 --compile
-8b_mxfp8_fwd_nvfp4_bwd|90|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
-8b_nvfp4|90|0|$M8B --recipe nvfp4
+8b_fp8_current_qinit_compile|120|0|$M8B $QI --compile
 1b_bf16|60|0|$M1B --recipe bf16
 1b_fp8_current_qinit|75|0|$M1B $QI
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
-8b_fp8_current_qinit_compile|120|0|$M8B $QI --compile
+8b_mxfp8_fwd_nvfp4_bwd|90|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
+8b_nvfp4|90|0|$M8B --recipe nvfp4
 1b_mxfp8_fwd_nvfp4_bwd|75|0|$M1B --recipe mxfp8_fwd_nvfp4_bwd
 1b_nvfp4|75|0|$M1B --recipe nvfp4
 1b_moe8_mxfp8_fwd_nvfp4_bwd|90|0|$MOE --recipe mxfp8_fwd_nvfp4_bwd
