@@ -25,7 +25,10 @@ when it runs inside a checkpointed forward (the checkpoint's saved-tensor hooks 
 innermost ones; ``checkpoint(fsdp_module, x)``), or when the parameter's module sits
 inside a ``CheckpointWrapper`` (``checkpoint_wrapper`` applied before ``fully_shard``);
 the mark is kept on the shard for the backward gathers of the same step. A recompute that
-was not detected raises (the rowwise direction is missing) instead of reading stale bytes.
+was not detected raises instead of reading stale bytes: a forward gather inside backward
+(reentrant checkpoint, whose forward runs without saved-tensor hooks) raises
+``NotImplementedError``, and a module that reads the hidden rowwise direction gets a
+``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -96,6 +99,12 @@ def gather_pass(module: nn.Module | None, local_tensor: torch.Tensor) -> str:
     if group._training_state == TrainingState.PRE_BACKWARD:
         return RECOMPUTE if getattr(local_tensor, "_hd_recomputed", False) else BACKWARD
     recomputed = _in_checkpointed_forward() or _in_checkpoint_wrapper(module, group)
+    if not recomputed and torch._C._current_graph_task_id() != -1:
+        raise NotImplementedError(
+            "hybrid_dist.fsdp2: a forward all-gather of a quantized parameter ran inside backward: "
+            "an activation recompute whose original forward was not seen as checkpointed (e.g. "
+            "torch.utils.checkpoint(..., use_reentrant=True)). Use use_reentrant=False or "
+            "checkpoint_wrapper before fully_shard, or reshard_after_forward=False for that module.")
     local_tensor._hd_recomputed = recomputed
     return BOTH if recomputed else FORWARD
 

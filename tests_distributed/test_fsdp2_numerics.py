@@ -244,6 +244,9 @@ def recompute_trains_like_unsharded(rank, world, configs, steps=2):
     results = {}
     for name, style in configs:
         recipe = hd.recipe_from_name(name)
+        if style == "reentrant":  # not seen in forward: must raise, not read stale bytes
+            results[(name, style)] = {"error": _reentrant_recompute_error(recipe)}
+            continue
         ref, model = build(recipe), build(recipe)
         if style == "wrapper":
             model = torch.nn.Sequential(*[checkpoint_wrapper(layer) for layer in model])
@@ -277,9 +280,28 @@ def recompute_trains_like_unsharded(rank, world, configs, steps=2):
     return results
 
 
+def _reentrant_recompute_error(recipe) -> str | None:
+    from torch.utils.checkpoint import checkpoint
+
+    model = shard(build(recipe), reshard=True)
+    x = torch.randn(TOKENS, LAYERS[0][1], requires_grad=True)
+    try:
+        with hd.autocast(recipe):
+            y = x
+            for layer in model:
+                y = checkpoint(layer, y, use_reentrant=True)
+            y.square().mean().backward()
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def _check_recompute(results, world):
     for (name, style), r in results.items():
         cfg = f"{name} world={world} recompute={style} reshard_after_forward=True"
+        if style == "reentrant":
+            assert r["error"] and "use_reentrant=False" in r["error"], f"{cfg}: expected a clear error, got {r}"
+            continue
         for step, (l_ref, l_sh) in enumerate(r["losses"]):
             assert l_ref == l_sh, f"{cfg}: step {step} loss {l_sh} != unsharded without recompute {l_ref}"
         for fqn, p in r["params"].items():
@@ -297,8 +319,9 @@ def test_recompute_after_reshard_trains_bitwise_like_unsharded_every_recipe():
     """Recomputed modules gather both directions in forward and in backward (FSDP2 keeps one
     all-gather signature per parameter), so the recompute reads fresh rowwise bytes. Every
     recipe with ``torch.utils.checkpoint`` around the FSDP modules; two with
-    ``checkpoint_wrapper`` applied before ``fully_shard``."""
+    ``checkpoint_wrapper`` applied before ``fully_shard``. A reentrant checkpoint (its
+    forward is not seen as checkpointed) raises instead of reading stale bytes."""
     configs = [(n, "checkpoint") for n in hd.RECIPE_NAMES] + [
-        ("fp8_current", "wrapper"), ("mxfp8_fwd_nvfp4_bwd", "wrapper")]
+        ("fp8_current", "wrapper"), ("mxfp8_fwd_nvfp4_bwd", "wrapper"), ("mxfp8", "reentrant")]
     for r in run_ranks(recompute_trains_like_unsharded, 2, configs):
         _check_recompute(r, 2)
