@@ -101,6 +101,21 @@ def _profile_step(name: str, step) -> None:
     kernels = sorted((e for e in ev if "CUDA" in str(getattr(e, "device_type", ""))), key=lambda e: -e.self_device_time_total)
     for e in kernels[:12]:
         print(f"  kernel x{e.count} {e.self_device_time_total / 1e3:.2f} ms  {e.key[:200]}")
+    blocking = {e.key: e.count for e in ev if any(b in e.key for b in ("Synchronize", "Memcpy", "local_scalar"))}
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    print(f"  blocking calls {blocking}; kernel launches {launches}")
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    import cProfile
+    import io
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    step()
+    pr.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(r"hybrid_dist|fsdp2|_fsdp|optim", 35)
+    print(out.getvalue())
 
 
 def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False,
@@ -133,7 +148,7 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
     ms = statistics.median(times)
     if profile:  # every rank runs the step (matching collectives); rank 0 profiles it
         step = lambda: _step(model, opt, recipe, x)  # noqa: E731
-        _profile_step(recipe_name, step) if dist.get_rank() == 0 else step()
+        _profile_step(recipe_name, step) if dist.get_rank() == 0 else (step(), step())
     hp = hp_forward_gather_bytes(model)
     fwd = acct.output_bytes.get("forward", 0) + acct.output_bytes.get("forward_both", 0) + hp
     total = acct.total_output_bytes() + 2 * hp
