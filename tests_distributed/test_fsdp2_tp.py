@@ -1,7 +1,8 @@
 """FSDP2 over ``dp`` composed with tensor parallelism over ``tp`` for quantized parameters
 (``hd.quantized_model_init``), gloo world 4 = (dp 2, tp 2).
 
-Model: ``hd.Linear(128 -> 512)`` column parallel, ``hd.Linear(512 -> 256)`` row parallel.
+Model: ``hd.Linear(128 -> 512)`` column parallel, ``hd.Linear(512 -> 256)`` row parallel
+(every recipe; with sequence parallelism for two).
 The TP styles slice each quantized weight in the quantized domain (the tp-local shard is
 bitwise the slice of the full quantized tensor); ``fully_shard`` then shards the tp-local
 ``QuantizedTensor`` on dim 0 over ``dp`` and all-gathers it per pass as for 1D meshes.
@@ -43,12 +44,29 @@ def _build(recipe):
         return torch.nn.Sequential(hd.Linear(128, 512, bias=True), hd.Linear(512, 256, bias=False))
 
 
-def _tp(model, mesh):
+def _tp(model, mesh, sp: bool):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel
 
-    return parallelize_module(model, mesh["tp"], {"0": HybridColwiseParallel(), "1": HybridRowwiseParallel()})
+    return parallelize_module(model, mesh["tp"], {"0": HybridColwiseParallel(sequence_parallel=sp),
+                                                  "1": HybridRowwiseParallel(sequence_parallel=sp)})
+
+
+def _loss(model, x, mesh, sp: bool) -> float:
+    """Backward of the mean square output; with SP each tp rank holds rows ``[S/tp, N]`` of
+    the output: its part of the mean, summed over tp for the reported value."""
+    if not sp:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.item()
+    tp = mesh["tp"]
+    y = model(x.chunk(tp.size())[tp.get_local_rank()])
+    part = y.square().sum() / (TOKENS * y.shape[-1])
+    part.backward()
+    total = part.detach().clone()
+    dist.all_reduce(total, group=tp.get_group())
+    return total.item()
 
 
 def _fsdp(model, mesh):
@@ -75,27 +93,24 @@ def _slice_mismatches(full, local, dim: int, rank: int) -> dict[str, int]:
     return out
 
 
-def train(rank, world):
+def train(rank, world, configs):
+    """``configs``: ``(recipe name, sequence_parallel)`` pairs."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
     results = {}
-    for name in NAMES:
+    for name, sp in configs:
         recipe = hd.recipe_from_name(name)
-        ref, tp, both = _build(recipe), _tp(_build(recipe), mesh), _fsdp(_tp(_build(recipe), mesh), mesh)
+        ref, tp, both = _build(recipe), _tp(_build(recipe), mesh, sp), _fsdp(_tp(_build(recipe), mesh, sp), mesh)
         sliced = {i: _slice_mismatches(ref[i].weight, _local(tp[i].weight), i, tp_rank) for i in (0, 1)}
         opts = [hd.MasterWeightOptimizer(torch.optim.AdamW, m.parameters(), lr=1e-2) for m in (ref, tp, both)]
         gen = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(STEPS):
             x = torch.randn(TOKENS, 128, generator=gen)
-            step = []
             with hd.autocast(recipe):
-                for m in (ref, tp, both):
-                    loss = m(x).square().mean()
-                    loss.backward()
-                    step.append(loss.item())
+                step = [_loss(ref, x, mesh, False), _loss(tp, x, mesh, sp), _loss(both, x, mesh, sp)]
             for o in opts:
                 o.step()
                 o.zero_grad()
@@ -116,14 +131,17 @@ def train(rank, world):
             m_ref_local = m_ref.narrow(dim, tp_rank * n, n)  # this tp rank's slice
             params[fqn] = {"master_bits": _diff_count(m_both, m_tp_rows), "shard": shard,
                            "master_sqnr": sqnr_db(m_ref_local, m_tp)}
-        results[name] = {"losses": losses, "params": params, "sliced": sliced}
+        results[(name, sp)] = {"losses": losses, "params": params, "sliced": sliced}
     return results
 
 
 def test_fsdp2_over_dp_with_tp_quantized_params_every_recipe():
-    for rank, res in enumerate(run_ranks(train, 4)):
-        for name, r in res.items():
-            cfg = f"{name} rank {rank} mesh (dp 2, tp 2)"
+    """Every recipe without sequence parallelism; two with it (the input all-gathered in its
+    fprop format, the output reduce-scattered)."""
+    configs = [(n, False) for n in NAMES] + [("fp8_current", True), ("mxfp8", True)]
+    for rank, res in enumerate(run_ranks(train, 4, configs)):
+        for (name, sp), r in res.items():
+            cfg = f"{name} sequence_parallel={sp} rank {rank} mesh (dp 2, tp 2)"
             bad = {i: m for i, m in r["sliced"].items() if any(m.values())}
             assert not bad, f"{cfg}: tp-local quantized weights are not slices of the full tensor: {bad}"
             sr = name in SR_RECIPES
