@@ -11,6 +11,13 @@ Public helpers: the buffer protocol over storages (``fsdp_buffer_fields``,
 parameters), and quantize-on-all-gather for high-precision parameters
 (``quantize_on_all_gather`` / ``HighPrecisionParam``), which is also the fallback for
 shards that do not align with a format's blocks.
+
+Compositions: activation recompute under ``reshard_after_forward=True`` (recomputed
+modules gather both directions, ``_pass`` [Note: activation recompute]); a 2D ``(dp, tp)``
+mesh where ``hybrid_dist.tensor_parallel`` styles first slice quantized weights on ``tp``
+and ``fully_shard`` then shards the tp-local ``QuantizedTensor`` over ``dp``. Delayed-
+scaling amax histories are part of ``hd.Linear``'s state dict (``_extra_state``), so DCP
+checkpoints carry them.
 """
 
 from hybrid_dist.fsdp2._accounting import AllGatherAccounting, track_all_gather
