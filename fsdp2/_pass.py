@@ -112,7 +112,8 @@ def gather_pass(module: nn.Module | None, local_tensor: torch.Tensor) -> str:
 def _in_checkpointed_forward() -> bool:
     """True inside the forward of a non-reentrant ``torch.utils.checkpoint``: its
     saved-tensor hooks (``_checkpoint_hook``) are the innermost default hooks."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = top_hooks(True) if top_hooks is not None else None
     return top is not None and getattr(top[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
