@@ -25,7 +25,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
+from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, pack_pairs
+
+
+@triton.jit
+def e2m1_rne_bits(v):
+    """E2M1 code (int32, sign in bit 3) of fp32 ``v``, magnitude clamped to 6, ties to even:
+    bitwise ``_numerics.e2m1_encode(v)`` (NaN aside) in ~12 integer/float ops instead of a
+    compare chain. ``u >= 1``: round the fp32 bits to one mantissa bit (code = biased
+    exponent·2 + mantissa bit − 252); ``u < 1``: ``RNE(2u)`` by adding ``2**23``."""
+    u = tl.minimum(tl.abs(v), 6.0)
+    b = u.to(tl.int32, bitcast=True)
+    hi = (b + (0x1FFFFF - (252 << 22)) + ((b >> 22) & 1)) >> 22
+    lo = (u * 2.0 + 8388608.0).to(tl.int32, bitcast=True) & 3
+    code = tl.where(u < 1.0, lo, hi)
+    return code | ((v < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def e2m1_sr_bits(v, rand):
+    """Stochastic E2M1 code: up with probability ``(u - lo) / (hi - lo)``, bitwise
+    ``_jit_common.e2m1_stochastic`` (the gap ``hi - lo`` is a power of two, so the IEEE
+    division equals the multiplication by its exact inverse)."""
+    u = tl.minimum(tl.abs(v), 6.0)
+    b = u.to(tl.int32, bitcast=True)
+    small = u < 1.0
+    lo = tl.where(small, (u >= 0.5).to(tl.int32), tl.minimum((b >> 22) - 252, 6))
+    e = (lo + 252) >> 1  # biased exponent of the grid value of code lo >= 2
+    lo_val = tl.where(small, lo.to(tl.float32) * 0.5, ((lo + 252) << 22).to(tl.float32, bitcast=True))
+    inv_gap = tl.where(small, 2.0, ((255 - e) << 23).to(tl.float32, bitcast=True))
+    code = lo + (rand < (u - lo_val) * inv_gap).to(tl.int32)
+    return code | ((v < 0).to(tl.int32) << 3)
 
 
 @triton.jit
@@ -143,13 +173,12 @@ def _codes(v, enc, seed, offs_q, R: tl.constexpr, BK: tl.constexpr, K16: tl.cons
         scaled = tl.reshape(tl.reshape(v, (R, BK // 16, 16)) * enc[:, :, None], (R, BK))
     else:
         scaled = v * enc
-    scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
     if SR:
         u0, u1, u2, u3 = tl.rand4x(seed, offs_q)
         rand = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (R, BK))
-        return e2m1_stochastic(scaled, rand)
+        return e2m1_sr_bits(scaled, rand)
     else:
-        return e2m1_rne(scaled)
+        return e2m1_rne_bits(scaled)
 
 
 @triton.jit

@@ -7,8 +7,8 @@ choice is explicit, deterministic and the same under ``torch.compile``).
 
 Tile shapes: a program owns ``x[BM, BK]`` and reads it as ``G`` interleaved row sets
 (``G = 4`` for MXFP8, ``16`` for NVFP4), each ``[BM/G, BK]``: set ``j`` holds rows
-``m ≡ j (mod G)``. ``BM/G * BK`` should be at least ``4 * 32 * num_warps`` so no thread holds
-a replicated element.
+``m ≡ j (mod G)``. ``BM/G * BK`` should be at least ``4 * 32 * num_warps`` so no thread holds a replicated
+element; ``8 * 32 * num_warps`` gives 16-byte loads.
 """
 
 from __future__ import annotations
@@ -36,26 +36,35 @@ class TileConfig:
         return f"{self.bm}x{self.bk}/w{self.num_warps}"
 
 
-MXFP8_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
-NVFP4_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
+# Defaults from the SASS each config compiles to (sm_90, Triton 3.9, no GPU run yet):
+# thread-instructions per element of the row+col pass, registers/thread. The kernels are
+# issue-bound, not bandwidth-bound, when this count is high (the v1 kernels: MXFP8 49-100,
+# NVFP4 1D 117-165, RHT 116-128, 2D 47-64 at their autotuned configs). BM=32 tiles with 8
+# elements per thread keep each column block's rows inside one thread.
+#   MXFP8 row+col : 32x256/w2 23.4 (209 regs), 32x128/w1 22.2, 64x128/w4 32.0, 32x128/w4 38.0
+#   NVFP4 1D      : 32x256/w2 47.4 (174 regs), 32x128/w1 47.1, 64x128/w4 59.9
+#   NVFP4 RHT     : 32x256/w2 52.1, 64x128/w4 64.6;  2D: 32x256/w2 22.2 (255 regs), 64x256/w4 22.6
+#   NVFP4 RHT+SR  : 32x256/w2 111.9 (Philox), 64x128/w4 125.6
+MXFP8_DEFAULT = TileConfig(bm=32, bk=256, num_warps=2)
+NVFP4_DEFAULT = TileConfig(bm=32, bk=256, num_warps=2)
 
 MXFP8_SWEEP = (
     MXFP8_DEFAULT,
-    TileConfig(bm=64, bk=128, num_warps=8),
-    TileConfig(bm=128, bk=128, num_warps=8),
-    TileConfig(bm=128, bk=64, num_warps=4),
-    TileConfig(bm=64, bk=256, num_warps=8),
-    TileConfig(bm=32, bk=128, num_warps=2),
-    TileConfig(bm=32, bk=256, num_warps=4),
+    TileConfig(bm=32, bk=128, num_warps=1),
+    TileConfig(bm=32, bk=64, num_warps=1),
+    TileConfig(bm=64, bk=128, num_warps=2),
+    TileConfig(bm=128, bk=64, num_warps=2),
+    TileConfig(bm=64, bk=128, num_warps=4),
+    TileConfig(bm=128, bk=128, num_warps=4),
 )
 NVFP4_SWEEP = (
     NVFP4_DEFAULT,
+    TileConfig(bm=32, bk=128, num_warps=1),
     TileConfig(bm=64, bk=128, num_warps=2),
     TileConfig(bm=64, bk=256, num_warps=4),
-    TileConfig(bm=64, bk=64, num_warps=2),
-    TileConfig(bm=128, bk=128, num_warps=8),
-    TileConfig(bm=128, bk=64, num_warps=4),
+    TileConfig(bm=64, bk=64, num_warps=1),
     TileConfig(bm=32, bk=256, num_warps=4),
+    TileConfig(bm=64, bk=128, num_warps=4),
 )
 
 __all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_DEFAULT", "NVFP4_SWEEP", "TileConfig"]
