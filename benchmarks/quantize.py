@@ -113,6 +113,53 @@ def sweep() -> None:
                 f"quantize tile sweep {M}x{K} bf16 on {dev} (one pass each; GB/s = input once + outputs)")
 
 
+def _sass_row(fn, signature, constexprs, cfg, name):
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (arg, ty) in enumerate(signature.items())
+             if ty.startswith("*") or arg in ("K", "stride_m")}  # as a launch specializes them
+    src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, "BM": cfg.bm, "BK": cfg.bk}, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    n = len(re.findall(r"^\s+/\*[0-9a-f]{4,6}\*/\s+\S", sass, re.M))
+    regs = re.search(r"REG:(\d+)", usage)
+    spill = re.search(r"LOCAL:(\d+)", usage)
+    return [name, cfg.label(), regs.group(1) if regs else "?", spill.group(1) if spill else "?",
+            n * 32 * cfg.num_warps / (cfg.bm * cfg.bk)]
+
+
+def sass() -> None:
+    from hybrid_dist.kernels.mxfp8 import _mxfp8_kernel
+    from hybrid_dist.kernels.nvfp4_tiles import nvfp4_quantize_kernel
+    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_SWEEP
+
+    i32, c = "i32", "constexpr"
+    mx_sig = {"x_ptr": "*bf16", "row_ptr": "*fp8e4nv", "row_s_ptr": "*u8", "col32_ptr": "*i32", "col_s_ptr": "*u8",
+              "M": i32, "K": i32, "stride_m": i32, "FMAX": c, "E5M2": c, "ROW": c, "COL": c, "BM": c, "BK": c}
+    nv_sig = {"x_ptr": "*bf16", "t_ptr": "*fp32", "gs_ptr": "*fp32", "seed_ptr": "*i64", "row_ptr": "*u8",
+              "row_s_ptr": "*fp8e4nv", "col64_ptr": "*i64", "col_s_ptr": "*fp8e4nv", "M": i32, "K": i32,
+              "stride_m": i32, "ROW": c, "COL": c, "DERIVE_COL": c, "RHT": c, "SR": c, "TWO_D": c, "BM": c, "BK": c}
+    rows = [_sass_row(_mxfp8_kernel, mx_sig, {"FMAX": 448.0, "E5M2": False, "ROW": True, "COL": True}, cfg,
+                      "mxfp8 row+col") for cfg in MXFP8_SWEEP]
+    for name, rht, sr, br in NVFP4_SWEEP_CASES:
+        flags = {"ROW": True, "COL": True, "DERIVE_COL": br == 16 and not rht, "RHT": rht, "SR": sr, "TWO_D": br == 16}
+        rows += [_sass_row(nvfp4_quantize_kernel, nv_sig, flags, cfg, f"{name} row+col") for cfg in NVFP4_SWEEP]
+    print_table(["kernel pass", "tile config", "regs", "local (spill) bytes", "SASS instr / element"], rows,
+                "quantize kernels compiled for sm_90 (offline; thread-instructions per element of x)")
+
+
 def main() -> None:
     x = torch.randn(M, K, device="cuda").bfloat16()
     copy = copy_gbps(M * K)
@@ -139,7 +186,11 @@ def main() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every MXFP8/NVFP4 tile config")
-    if parser.parse_args().sweep:
+    parser.add_argument("--sass", action="store_true", help="offline: registers and SASS size per tile config")
+    args = parser.parse_args()
+    if args.sass:
+        sass()
+    elif args.sweep:
         sweep()
     else:
         main()
