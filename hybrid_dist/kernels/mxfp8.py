@@ -45,10 +45,7 @@ def _e8m0_rceil(amax, E5M2: tl.constexpr):
     ``RN(a/fmax) <= 2**p`` iff ``a <= fmax · 2**p · (1 + 2**-24)`` (ties go to the even
     ``2**p``), i.e. iff the mantissa of ``a`` is ``<= 1.75`` at exponent ``p + SHIFT``; at the
     subnormal boundary ``2**-127`` the half-ulp is ``2**-150``, one ulp of ``a`` more."""
-    if E5M2:
-        SHIFT: tl.constexpr = 15
-    else:
-        SHIFT: tl.constexpr = 8
+    SHIFT = 15 if E5M2 else 8
     bits = amax.to(tl.int32, bitcast=True)
     ea = (bits >> 23) & 0xFF
     thr = 0x600000 + (ea == SHIFT).to(tl.int32)
