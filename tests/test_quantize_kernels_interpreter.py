@@ -102,8 +102,8 @@ def _check_mxfp8():
             for name, a, b in zip(("row", "row_scale", "col", "col_scale"), out, ref):
                 _bits_equal(a, b, f"mxfp8 {dtype} {cfg.label()} {name}")
         q = hd.MXFP8Quantizer(dtype=dtype)
-        for rw, cw in DIRS:  # the registry entry point (default config)
-            k = mxfp8.quantize_mxfp8(q, x, rowwise=rw, columnwise=cw, state=None, amax=None)
+        for rw, cw in DIRS:  # the registry entry point with the tile kernel (the default, v1, autotunes: GPU only)
+            k = mxfp8.quantize_mxfp8(q, x, rowwise=rw, columnwise=cw, state=None, amax=None, config=MXFP8_SWEEP[0])
             r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=None)
             _storages_equal(k[0], r[0], f"mxfp8 {dtype} dirs={rw, cw} row")
             _storages_equal(k[1], r[1], f"mxfp8 {dtype} dirs={rw, cw} col")

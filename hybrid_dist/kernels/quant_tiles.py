@@ -53,7 +53,8 @@ MXFP8_SWEEP = (
     MXFP8_DEFAULT,
     TileConfig(bm=32, bk=128, num_warps=1),
     TileConfig(bm=32, bk=64, num_warps=1),
-    TileConfig(bm=64, bk=128, num_warps=2),
+    # 64x128/w2 is left out: on an H200 (Triton 3.6) its columnwise-only bytes differed from
+    # the reference (30625 of 245760 at 384x640); every other config here was bitwise.
     TileConfig(bm=128, bk=64, num_warps=2),
     TileConfig(bm=64, bk=128, num_warps=4),
     TileConfig(bm=128, bk=128, num_warps=4),
