@@ -119,6 +119,20 @@ class RecipeModuleMixin:
             else:
                 self.__dict__.setdefault("_hd_pending_states", {})[name] = states
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        states = self.quantizer_state_dict()
+        if states:
+            destination[prefix + QUANTIZER_STATE_KEY] = states
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        states = state_dict.pop(prefix + QUANTIZER_STATE_KEY, None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if states is not None:
+            self.load_quantizer_state_dict(states)
+
     def _load_plan_states(self, plan: Any, states: dict) -> None:
         for t, saved in states.items():
             if t not in plan.states:

@@ -174,20 +174,6 @@ class Linear(RecipeModuleMixin, nn.Module):
         return _LinearFn.apply(x, self.weight, self.bias, plan)
 
     # delayed-scaling states in the state dict (see [Note: quantizer states in the state dict])
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        states = self.quantizer_state_dict()
-        if states:
-            destination[prefix + QUANTIZER_STATE_KEY] = states
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        states = state_dict.pop(prefix + QUANTIZER_STATE_KEY, None)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        if states is not None:
-            self.load_quantizer_state_dict(states)
-
     def extra_repr(self) -> str:
         recipe = self.recipe.name if self.recipe else None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, recipe={recipe}"
