@@ -110,8 +110,11 @@ def _cast_dtype(st: DirectionStorage, field: str, cast: torch.dtype | None) -> t
     return dtype
 
 
-def fsdp_gather_meta(st: DirectionStorage, *, cast: torch.dtype | None = None) -> DirectionGatherMeta:
-    """The metadata of ``st``'s all-gather (no data movement beyond cloning scalars)."""
+def fsdp_gather_meta(st: DirectionStorage, *, cast: torch.dtype | None = None,
+                     live_scalars: bool = False) -> DirectionGatherMeta:
+    """The metadata of ``st``'s all-gather. ``scalars`` are clones of the per-tensor fields,
+    or with ``live_scalars`` the fields themselves (a cached plan reads the values the
+    optimizer writes in place; the unsharded tensor gets copies in ``post_all_gather``)."""
     key, axes = _dim0_key(st), st.field_axes()
     fields = fsdp_buffer_fields(st)
     ax = {f: axes[f][key][0] for f in fields}
@@ -119,7 +122,8 @@ def fsdp_gather_meta(st: DirectionStorage, *, cast: torch.dtype | None = None) -
     for f in fields:
         shape = list(getattr(st, f).shape)
         shapes[f] = (shape.pop(ax[f]), *shape)
-    scalars = {f: getattr(st, f).detach().clone() for f in st.TENSOR_FIELDS if f not in fields}
+    scalars = {f: getattr(st, f) if live_scalars else getattr(st, f).detach().clone()
+               for f in st.TENSOR_FIELDS if f not in fields}
     return DirectionGatherMeta(
         cls=type(st), meta=storage_meta_fields(st), fields=fields, axes=ax, shard_shapes=shapes,
         dtypes={f: _cast_dtype(st, f, cast) for f in fields}, scalars=scalars, device=st.device,
@@ -183,7 +187,9 @@ def fsdp_assign_gathered(
                 t = _stored_into(None, gathered[i], meta.axes[f], meta.dtypes[f])
                 owned.append(t)
             tensors[f] = t
-        tensors.update({f: s.clone() for f, s in meta.scalars.items()})
+        # per-tensor scalars are shared, not copied: a persistent shard's live fields (its
+        # in-place updates reach the unsharded tensor with no copy per gather) or a clone
+        tensors.update(meta.scalars)
         return meta.cls(**meta.meta, **tensors), owned
     if gathered is not None:
         for i, f in enumerate(meta.fields):
@@ -192,7 +198,8 @@ def fsdp_assign_gathered(
                 with torch.autograd._unsafe_preserve_version_counter(dst):
                     _stored_into(dst, gathered[i], meta.axes[f], meta.dtypes[f])
         for f, s in meta.scalars.items():
-            _copy_keep_version(getattr(out, f), s)
+            if getattr(out, f) is not s:  # shared with the shard: nothing to copy
+                _copy_keep_version(getattr(out, f), s)
     return out, []
 
 

@@ -77,7 +77,31 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
 
 
 def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
-    """All-gather inputs of the quantized shard ``t`` for ``pass_`` (see the note)."""
+    """All-gather inputs of the quantized shard ``t`` for ``pass_`` (see the note).
+
+    The plan of a gather (directions, metadata, mode) depends only on the shard's storage
+    objects and the pass, so it is built once and kept on ``t``; each call makes only the
+    transport buffers. The metadata holds the shard's live per-tensor scalars (updated in
+    place by the optimizer), which ``post_all_gather`` copies."""
+    key, storages = (pass_, world, shape, cast), (t.storage_of(ROW), t.storage_of(COL))
+    plan = t.__dict__.get("_hd_gather_plan")
+    if plan is None or plan[0] != key or any(a is not b for a, b in zip(plan[1], storages)):
+        plan = (key, storages, *_gather_plan(t, pass_, world, shape, cast))
+        t.__dict__["_hd_gather_plan"] = plan
+    meta, payload = plan[2], plan[3]
+    bufs = {d: fsdp_transport_buffers(t.storage_of(d), meta.dirs[d]) for d in meta.gathered}
+    if meta.mode == "packed":
+        inputs = [_pack([b for d in meta.gathered for b in bufs[d]], meta.capacity)]
+    else:
+        inputs = [b for d in meta.gathered for b in bufs[d]]
+    _check_stable(t, meta.mode, inputs)
+    record_all_gather(pass_, input_bytes=sum(b.numel() * b.element_size() for b in inputs),
+                      payload_bytes=payload, world_size=world)
+    return tuple(inputs), meta
+
+
+def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast) -> tuple[GatherMeta, int]:
+    """``(GatherMeta, payload bytes)`` of ``t``'s gathers in ``pass_`` (see the note)."""
     present = tuple(d for d in (ROW, COL) if t.storage_of(d) is not None)
     both = gathers_both(pass_)
     wanted = present if both else ((ROW,) if pass_ == FORWARD else (COL,))
@@ -87,25 +111,20 @@ def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
             f"quantized parameter has only {present}. Create parameters with both directions "
             "(hd.quantized_model_init does)."
         )
-    metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast) for d in present}
-    bufs = {d: fsdp_transport_buffers(t.storage_of(d), metas[d]) for d in wanted}  # one meta per direction
+    metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast, live_scalars=True) for d in present}
     capacity = 0
     if world == 1:  # FSDP2 copies only the first all-gather input when it has one rank
         capacity = sum(metas[d].nbytes() for d in wanted) if both else max(m.nbytes() for m in metas.values())
-        mode, inputs = "packed", [_pack([b for d in wanted for b in bufs[d]], capacity)]
+        mode = "packed"
     elif both:
-        mode, inputs = "both", [b for d in wanted for b in bufs[d]]
+        mode = "both"
     elif len({metas[d].signature() for d in present}) == 1:
-        mode, inputs = "slots", bufs[wanted[0]]
+        mode = "slots"
     else:
         capacity = max(m.nbytes() for m in metas.values())
-        mode, inputs = "packed", [_pack(bufs[wanted[0]], capacity)]
-    _check_stable(t, mode, inputs)
-    record_all_gather(
-        pass_, input_bytes=sum(b.numel() * b.element_size() for b in inputs),
-        payload_bytes=sum(metas[d].nbytes() for d in wanted), world_size=world,
-    )
-    return tuple(inputs), GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer)
+        mode = "packed"
+    meta = GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer)
+    return meta, sum(metas[d].nbytes() for d in wanted)
 
 
 def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
@@ -131,12 +150,13 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
 
 
 def _claim_scalars_for_current_stream(meta: GatherMeta) -> None:
-    """The per-tensor scalars travel in the metadata, made by ``pre_all_gather`` on FSDP's
-    all-gather copy-in stream and read here on the compute stream, after which FSDP drops
-    the metadata. Without ``record_stream`` the caching allocator hands their blocks back
-    to the copy-in stream at once, and the next parameter's pre-all-gather may overwrite
-    them before this stream's pending reads run (seen on NCCL: one rank's gathered FP8
-    ``scale_inv`` replaced by another layer's, step-0 loss 4x off)."""
+    """The per-tensor scalars travel in the metadata and are read here on the compute
+    stream, after which FSDP drops the metadata. A persistent shard's scalars are its own
+    live fields, but ``quantize_on_all_gather`` quantizes a temporary shard on FSDP's
+    copy-in stream: without ``record_stream`` the caching allocator could hand those
+    blocks to the next parameter's gather before this stream's reads ran (seen on NCCL,
+    when every gather cloned its scalars there: one rank's FP8 ``scale_inv`` came from
+    another layer, step-0 loss 4x off)."""
     if not torch.cuda.is_available():
         return
     for dm in meta.dirs.values():
