@@ -12,8 +12,8 @@ format's blocks the result is bitwise the slice of quantizing the full master te
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from hybrid_dist._amax_sync import all_reduce_amaxes
 from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.formats._quantizer import tensor_amax
 from hybrid_dist.quantized_tensor import QuantizedTensor
@@ -84,9 +84,9 @@ def _global_amaxes(pairs) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(pairs)
     for (_, dims), idx in by_group.items():
         mesh = pairs[idx[0]][0].device_mesh
-        amax = torch.stack([tensor_amax(_local(pairs[i][1])) for i in idx])
-        for dim in dims:  # one all-reduce per sharded mesh dim, for all parameters at once
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        # one all-reduce per sharded mesh dim, for all parameters at once
+        amax = all_reduce_amaxes([tensor_amax(_local(pairs[i][1])) for i in idx],
+                                 [mesh.get_group(dim) for dim in dims])
         for j, i in enumerate(idx):
             out[i] = amax[j]
     return out

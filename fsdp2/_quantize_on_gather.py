@@ -24,9 +24,9 @@ import math
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from hybrid_dist._amax_sync import all_reduce_amaxes
 from hybrid_dist._warn import warn_once
 from hybrid_dist.fsdp2._accounting import record_all_gather
 from hybrid_dist.fsdp2._buffers import _copy_keep_version
@@ -118,8 +118,7 @@ def hp_pre_all_gather(p: HighPrecisionParam, mesh, outer_size, outer_stride, mod
     if is_aligned(q, tuple(shape), world) and world > 1 and not rht_col:
         amax = None
         if q.is_per_tensor:  # every shard must use the global scale
-            amax = tensor_amax(p._data)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            amax = all_reduce_amaxes([tensor_amax(p._data)], [mesh.get_group()])[0]
         shard = q.quantize(p._data, rowwise=True, columnwise=True, amax=amax)
         return gather_inputs(shard, pass_, world, shape, getattr(mp_policy, "param_dtype", None))
     rows = shard_rows(shape, world)

@@ -35,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
-from hybrid_dist._warn import warn_once
 import torch.distributed as dist
 
+from hybrid_dist._amax_sync import all_reduce_amaxes
+from hybrid_dist._warn import warn_once
+from hybrid_dist.formats._quantizer import tensor_amax
 from hybrid_dist.moe import _wire
 from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
 
@@ -146,10 +147,9 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     e = len(route.counts_global)
     e_l = e // route.world
     chunks = list(torch.split(x_perm.detach(), route.counts_global))
-    amax = torch.stack([c.abs().amax().float() if c.numel() else c.new_zeros((), dtype=torch.float32)
-                        for c in chunks]) if e else x_perm.new_zeros(0, dtype=torch.float32)
-    if quantizer.direction_quantizer("rowwise").is_per_tensor:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=route.group)
+    per_tensor = quantizer.direction_quantizer("rowwise").is_per_tensor
+    amax = all_reduce_amaxes([tensor_amax(c) for c in chunks], [route.group] if per_tensor else [])
+    if per_tensor:
         if stats is not None:
             stats.add(key + "_amax", amax.numel() * amax.element_size())  # all-reduce payload
     k = x_perm.shape[1]

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from hybrid_dist._amax_sync import all_reduce_amaxes
 from hybrid_dist._warn import warn_once
 
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
@@ -116,8 +117,7 @@ def quantize_shards_with_group_amax(requests: list[ShardRequest], group) -> list
     local = [r.local_amaxes() for r in requests]
     vals = [a for pair in local for a in pair if a is not None]
     if vals and group is not None and _comm.group_size(group) > 1:
-        buf = torch.stack(vals)
-        _comm.all_reduce_(buf, group, op=torch.distributed.ReduceOp.MAX)
+        buf = all_reduce_amaxes(vals, [group])
         _comm.log_event("all_reduce", "amax", "float32", buf.numel() * buf.element_size())
         reduced = iter(buf.unbind(0))
         local = [tuple(None if a is None else next(reduced) for a in pair) for pair in local]

@@ -1,0 +1,29 @@
+"""The one MAX all-reduce of per-tensor amaxes that every distributed path shares.
+
+A per-tensor scale (FP8 ``scale_inv``, NVFP4 ``global_scale``) is valid across shards only
+when every shard computed it from the same amax. FSDP2 (masters after the optimizer step,
+high-precision shards quantized on the gather), tensor-parallel quantized gathers and the
+expert-parallel token exchange all reduce their local amaxes the same way: stack the
+fp32 scalars into ``[n]``, one ``all_reduce(MAX)`` per group over the whole vector, read
+the entries back. MAX is exact, so the result is the same on every rank and bitwise the
+amax of the full tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_amaxes(amaxes: Sequence[torch.Tensor], groups: Sequence) -> torch.Tensor:
+    """``[n]`` fp32: the MAX of each 0-dim (or 1-element) ``amaxes[i]`` over every group in
+    ``groups`` (one collective per group for all ``n`` values; none for no groups). An
+    empty ``amaxes`` returns an empty vector without communicating."""
+    if not amaxes:
+        return torch.zeros(0, dtype=torch.float32)
+    buf = torch.stack([a.float().reshape(()) for a in amaxes])
+    for group in groups:
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return buf
