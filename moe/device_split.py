@@ -26,7 +26,7 @@ NVFP4 stochastic rounding draws ONE uniform tensor over the packed buffer (per d
 from expert 0's state generator; ``split_quantize`` draws per expert for its padded
 shape, which needs the sizes on the host). Same rounding law, other random numbers: SR
 results are statistically, not bitwise, those of ``split_quantize``; without SR the two
-are bitwise equal. The encode avoids host-built tensors (``_nvfp4_sr``).
+are bitwise equal. The encode builds no tensor on the host (``_numerics.e2m1_encode``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any, Sequence
 import torch
 
 from hybrid_dist.moe._checks import check_token_counts
-from hybrid_dist.moe._nvfp4_sr import nvfp4_quantize_rows_sr
 from hybrid_dist.formats._numerics import cast_to_fp8
 from hybrid_dist.formats.float8 import Float8Quantizer
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
@@ -143,12 +142,11 @@ def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, state, *, directi
     gs = nvfp4_global_scale(amax)
     gs_tok = torch.cat([gs, gs.new_ones(1)])[row_expert]
     gs_b = gs_tok[:, None] if direction == "rowwise" else gs_tok[::NV_BLOCK][None, :]
+    rand = None
     if q.stochastic_rounding:
         rand = _traced_rng.state_rand(state, v, v.shape, draw=int(direction == "columnwise")) \
             if isinstance(state, NVFP4State) else torch.rand(v.shape, device=v.device)
-        data, bs = nvfp4_quantize_rows_sr(v, gs_b, rand)
-    else:
-        data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=None)
+    data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=rand)
     return {"data": data, "block_scale": bs, "global_scale": gs}
 
 

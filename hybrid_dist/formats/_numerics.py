@@ -112,20 +112,31 @@ def e2m1_encode(v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
             code += (mag > t).to(torch.uint8)
         for t in _E2M1_TIES_UP:
             code += (mag >= t).to(torch.uint8)
-    else:
-        grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
-        lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 6)
-        lo_val, hi_val = grid[lo], grid[lo + 1]
+    else:  # lo = the grid point at or below |v| (counted from scalar thresholds)
+        lo = torch.zeros_like(mag, dtype=torch.uint8)
+        for t in E2M1_GRID[1:]:
+            lo += (mag >= t).to(torch.uint8)
+        lo = lo.clamp(max=6)
+        lo_val, hi_val = _e2m1_values(lo), _e2m1_values(lo + 1)
         p_up = (mag - lo_val) / (hi_val - lo_val)
-        code = (lo + (rand < p_up).to(lo.dtype)).to(torch.uint8)
+        code = lo + (rand < p_up).to(torch.uint8)
     sign = (v < 0).to(torch.uint8) << 3
     return code | sign
 
 
+def _e2m1_values(i: torch.Tensor) -> torch.Tensor:
+    """fp32 ``E2M1_GRID[i]`` for integer ``i`` in [0, 7], selected from Python scalars: no
+    grid tensor is built on the host, so on CUDA there is no blocking copy (the sync-free
+    MoE path runs this under ``torch.cuda.set_sync_debug_mode("error")``)."""
+    g = torch.zeros(i.shape, dtype=torch.float32, device=i.device)
+    for k, val in enumerate(E2M1_GRID[1:], start=1):
+        g = torch.where(i == k, val, g)
+    return g
+
+
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     """fp32 values of E2M1 codes (uint8, low 4 bits used)."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=code.device)
-    mag = grid[(code & 0x7).long()]
+    mag = _e2m1_values(code & 0x7)
     return torch.where((code & 0x8) != 0, -mag, mag)
 
 

@@ -196,3 +196,19 @@ def test_e2m1_encode_matches_a_brute_force_nearest_even_reference():
     got = N.e2m1_encode(v)
     assert torch.equal((got & 0x7).long(), expected_mag)
     assert torch.equal((got >> 3).bool(), v < 0)
+
+
+def test_e2m1_stochastic_encode_is_the_grid_definition():
+    """Same rand: the SR encode (grid points chosen from scalar thresholds, no host-built
+    tensor) is bitwise the definition — ``lo = bucketize(|v|, grid, right) - 1`` clamped
+    to 6, up with probability ``(|v| - grid[lo]) / (grid[lo+1] - grid[lo])`` — at grid
+    points, ties and the clamp at 6 included."""
+    torch.manual_seed(0)
+    v = torch.cat([torch.linspace(-6.5, 6.5, 2001), torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0])])
+    rand = torch.rand(v.shape)
+    grid = torch.tensor(N.E2M1_GRID)
+    mag = v.abs().clamp(max=N.E2M1_MAX)
+    lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 6)
+    p_up = (mag - grid[lo]) / (grid[lo + 1] - grid[lo])
+    want = (lo + (rand < p_up).long()).to(torch.uint8) | ((v < 0).to(torch.uint8) << 3)
+    assert torch.equal(N.e2m1_encode(v, rand), want)
