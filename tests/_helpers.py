@@ -36,3 +36,22 @@ def assert_storage_equal(a, b, what: str = "") -> None:
     assert type(a) is type(b) and a.transposed == b.transposed, what
     for f in a.TENSOR_FIELDS:
         assert_bitwise_equal(getattr(a, f), getattr(b, f), f"{what}.{f}")
+
+
+def run_under_triton_interpreter(call: str, *, done: str, timeout: float = 300) -> None:
+    """Run ``call`` (e.g. ``"from tests.x import _check; _check()"``) in a subprocess with
+    ``TRITON_INTERPRET=1`` (it must be set before any kernel is defined) from the repository
+    root; the call prints ``done`` when its checks pass. Skips without Triton."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    res = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert res.returncode == 0 and done in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]

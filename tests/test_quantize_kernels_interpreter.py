@@ -15,15 +15,10 @@ random data is ``tests/gpu/test_quantize_kernels.py``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._helpers import run_under_triton_interpreter
+
 DIRS = [(True, True), (True, False), (False, True)]
 
 
@@ -164,9 +159,4 @@ def _run_all():
 
 
 def test_kernels_under_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    code = "from tests.test_quantize_kernels_interpreter import _run_all; _run_all()"
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "interpreter checks passed" in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]
+    run_under_triton_interpreter("from tests.test_quantize_kernels_interpreter import _run_all; _run_all()", done="interpreter checks passed")

@@ -10,15 +10,10 @@ random data is ``test_device_split``'s CUDA case (bitwise the reference).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import run_under_triton_interpreter
+
 SPLITS = [37, 0, 90, 22, 1]
 
 
@@ -58,9 +53,4 @@ def _check():
 
 
 def test_fp8_rows_under_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    code = "from tests.moe.test_fp8_rows_interpreter import _check; _check()"
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "checks passed" in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]
+    run_under_triton_interpreter("from tests.moe.test_fp8_rows_interpreter import _check; _check()", done="fp8_rows interpreter checks passed")
