@@ -131,3 +131,13 @@ def eager_or_op(op, raw):
     call.__name__ = getattr(raw, "__name__", "op")
     call.__doc__ = raw.__doc__
     return call
+
+
+@triton.jit
+def nvfp4_block_scale(bamax, gs):
+    """NVFP4 block scale: E4M3 ``sat(amax_block / 6 / gs)`` and the fp32 encode multiplier
+    ``1/(bs·gs)`` (0 if 0), as ``formats.nvfp4.nvfp4_quantize_rows``."""
+    bs = cast_fp8(div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), tl.zeros_like(bamax) + gs),
+                  448.0, tl.float8e4nv)
+    denom = bs.to(tl.float32) * gs
+    return bs, tl.where(denom > 0, div_rn(tl.zeros_like(denom) + 1.0, denom), 0.0)

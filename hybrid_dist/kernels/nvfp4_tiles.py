@@ -25,7 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, pack_pairs
+from hybrid_dist.kernels._jit_common import pack_pairs
+from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
 @triton.jit
@@ -153,15 +154,6 @@ def _max16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
     a8 = tl.maximum(tl.maximum(tl.maximum(a8, a9), tl.maximum(a10, a11)),
                     tl.maximum(tl.maximum(a12, a13), tl.maximum(a14, a15)))
     return tl.maximum(a0, a8)
-
-
-@triton.jit
-def _block_scale(bamax, gs):
-    """E4M3 ``sat(amax_block / 6 / gs)`` and the fp32 encode multiplier ``1/(bs·gs)`` (0 if 0)."""
-    bs = cast_fp8(div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), tl.zeros_like(bamax) + gs),
-                  448.0, tl.float8e4nv)
-    denom = bs.to(tl.float32) * gs
-    return bs, tl.where(denom > 0, div_rn(tl.zeros_like(denom) + 1.0, denom), 0.0)
 
 
 @triton.jit

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.formats._numerics import hadamard16
-from hybrid_dist.kernels._jit_common import cdiv, cast_fp8, div_rn, e2m1_rne, e2m1_stochastic, pack_pairs
+from hybrid_dist.kernels._jit_common import cdiv, e2m1_rne, e2m1_stochastic, pack_pairs
+from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 _BM, _BK = 64, 64
 
@@ -54,15 +55,6 @@ def _codes(scaled, seed, offs_q, R: tl.constexpr, C: tl.constexpr, SR: tl.conste
     else:
         codes = e2m1_rne(scaled)
     return codes
-
-
-@triton.jit
-def _block_scale(bamax, gs):
-    """E4M3 ``sat(amax_block / 6 / gs)`` and the fp32 encode multiplier ``1/(bs·gs)`` (0 if 0)."""
-    bs = cast_fp8(div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), tl.zeros_like(bamax) + gs),
-                  448.0, tl.float8e4nv)
-    denom = bs.to(tl.float32) * gs
-    return bs, tl.where(denom > 0, div_rn(tl.zeros_like(denom) + 1.0, denom), 0.0)
 
 
 @triton.jit
