@@ -29,6 +29,23 @@ def print_table(header: list[str], rows: list[list], title: str) -> None:
         print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r) + " |")
 
 
+_BLOCKING = ("Synchronize", "Memcpy", "aten::_local_scalar_dense", "aten::item")
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def host_calls(events, per: int = 1) -> tuple[dict[str, float], float]:
+    """Per ``per`` steps: the host calls that may block (syncs, memcpys, ``.item()``) by
+    name, and the number of kernel launches, from ``prof.key_averages()``."""
+    blocking = {e.key: e.count / per for e in events if any(b in e.key for b in _BLOCKING)}
+    return blocking, sum(e.count for e in events if e.key in _LAUNCHES) / per
+
+
+def top_kernels(events, rows: int):
+    """GPU kernels by self device time, largest first."""
+    kernels = [e for e in events if "CUDA" in str(getattr(e, "device_type", ""))]
+    return sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]
+
+
 def print_profile(step, title: str, *, rows: int = 15) -> None:
     """One profiled call of ``step``: GPU kernel time and the top kernels by GPU time."""
     step()
@@ -38,8 +55,7 @@ def print_profile(step, title: str, *, rows: int = 15) -> None:
         step()
         torch.cuda.synchronize()
     ev = prof.key_averages()
-    kernels = sorted((e for e in ev if "CUDA" in str(getattr(e, "device_type", ""))),
-                     key=lambda e: -e.self_device_time_total)
+    kernels = top_kernels(ev, len(ev))
     total = sum(e.self_device_time_total for e in kernels) / 1e3
     print(f"\n## profile {title}: {total:.2f} ms of kernels, {sum(e.count for e in kernels)} launches")
     for e in kernels[:rows]:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybrid_dist as hd
+from benchmarks._bench import host_calls, print_table, top_kernels
 from hybrid_dist.fsdp2 import track_all_gather
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, SEQ = 4096, 14336, 32, 8, 8, 4096
@@ -98,12 +99,10 @@ def _profile_step(name: str, step) -> None:
     by_shape.sort(key=lambda e: -e.device_time_total)
     for e in by_shape[:12]:
         print(f"  {e.key} x{e.count} {e.device_time_total / 1e3:.2f} ms  shapes {e.input_shapes}")
-    kernels = sorted((e for e in ev if "CUDA" in str(getattr(e, "device_type", ""))), key=lambda e: -e.self_device_time_total)
-    for e in kernels[:12]:
+    for e in top_kernels(ev, 12):
         print(f"  kernel x{e.count} {e.self_device_time_total / 1e3:.2f} ms  {e.key[:200]}")
-    blocking = {e.key: e.count for e in ev if any(b in e.key for b in ("Synchronize", "Memcpy", "local_scalar"))}
-    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
-    print(f"  blocking calls {blocking}; kernel launches {launches}")
+    blocking, launches = host_calls(ev)
+    print(f"  blocking calls {blocking}; kernel launches {launches:.0f}")
     print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     import cProfile
     import io
@@ -173,8 +172,6 @@ def main() -> None:
     torch.cuda.set_device(device)
     rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile) for name in args.recipes.split(",")]
     if rank == 0:
-        from benchmarks._bench import print_table
-
         base = {r[0]: r for r in rows}.get("bf16" + (" (compiled)" if args.compile else ""))
         out = []
         for r in rows:

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 import hybrid_dist as hd
+from benchmarks._bench import host_calls
 
-_BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
-             "cudaMemcpyAsync", "aten::_local_scalar_dense", "aten::item")
 
 
 def _step(module, x, dy):
@@ -42,8 +41,7 @@ def profile(name: str, m: int, k: int, n: int, steps: int = 10) -> None:
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    blocking = {e.key: e.count / steps for e in events if any(b.strip() in e.key for b in _BLOCKING)}
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")) / steps
+    blocking, launches = host_calls(events, per=steps)
     print(f"\n## {name} {m},{k},{n}: blocking calls per step {blocking}; kernel launches per step {launches:.1f}")
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     pr = cProfile.Profile()
