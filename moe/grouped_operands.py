@@ -112,20 +112,17 @@ def expert_weight_storages(weight, plan, *, need_dgrad: bool):
 
 
 def bf16_values(st: DirectionStorage) -> torch.Tensor:
-    """bf16 stored ``[R, C]``, block scales applied, per-tensor scale not (module doc)."""
-    cuda = st.device.type == "cuda"
-    if isinstance(st, Float8Storage):
-        return st.data.to(BF16)
-    if isinstance(st, IdentityStorage):
-        return st.data.to(BF16)
-    if cuda and isinstance(st, (MXFP8Storage, NVFP4Storage)):
-        from hybrid_dist.kernels import dequant  # Triton: CUDA installs only
+    """bf16 stored ``[R, C]``, block scales applied, per-tensor scale not (module doc): on
+    CUDA the dequantize kernels of the GEMM backend, else torch ops."""
+    if st.device.type == "cuda":
+        from hybrid_dist.kernels.gemm import bf16_operand  # Triton: CUDA installs only
 
-        if isinstance(st, MXFP8Storage):
-            return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous())
-        return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows)
+        v = bf16_operand(st)
+        if v is not None:
+            return v
+    if isinstance(st, (Float8Storage, IdentityStorage)):
+        return st.data.to(BF16)
     if isinstance(st, (MXFP8Storage, NVFP4Storage, Float8BlockStorage)):
-        # torch ops; NVFP4 on CPU only (its decode table is a host-built tensor)
         return st.values(undo_rht=False).to(BF16)
     raise NotImplementedError(f"no bf16 values for {type(st).__name__}")
 

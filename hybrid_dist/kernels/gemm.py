@@ -59,7 +59,7 @@ def _scaled_mm_blockwise(a: Float8BlockStorage, b: Float8BlockStorage, out_dtype
         return None
 
 
-def _bf16_operand(st):
+def bf16_operand(st):
     """bf16 ``[R, C]`` with block scales applied (exact), or None if not exact in bf16.
     The dequantize kernels index row-major buffers: strided views (e.g. a transposed saved
     or gathered field) are made contiguous first."""
@@ -85,7 +85,7 @@ def _dequant_gemm(a, b, out_dtype):
     seeds = (getattr(a, "rht_seed", None), getattr(b, "rht_seed", None))
     if seeds[0] != seeds[1]:
         return NotImplemented  # one operand must be transformed back: reference
-    va, vb = _bf16_operand(a), _bf16_operand(b)
+    va, vb = bf16_operand(a), bf16_operand(b)
     if va is None or vb is None:
         return NotImplemented
     sa, sb = a.tensor_scale(), b.tensor_scale()
