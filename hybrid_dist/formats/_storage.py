@@ -45,8 +45,8 @@ class DirectionStorage:
     # --- to implement -------------------------------------------------------------
     @property
     def shape2d(self) -> tuple[int, int]:
-        """Stored ``(R, C)``."""
-        raise NotImplementedError
+        """Stored ``(R, C)``: the ``data`` field's shape (formats that pack elements override)."""
+        return tuple(self.data.shape)
 
     def field_axes(self) -> FieldAxes:
         raise NotImplementedError

@@ -39,10 +39,6 @@ class Float8Storage(DirectionStorage):
     data: torch.Tensor
     scale_inv: torch.Tensor
 
-    @property
-    def shape2d(self):
-        return tuple(self.data.shape)
-
     def field_axes(self) -> FieldAxes:
         return {"data": {"R": (0, 1), "C": (1, 1)}, "scale_inv": {}}
 

@@ -36,10 +36,6 @@ class Float8BlockStorage(DirectionStorage):
     scale_inv: torch.Tensor
     block_rows: int  # 1 for 1x128, 128 for 128x128
 
-    @property
-    def shape2d(self):
-        return tuple(self.data.shape)
-
     def field_axes(self) -> FieldAxes:
         return {
             "data": {"R": (0, 1), "C": (1, 1)},

@@ -24,10 +24,6 @@ class IdentityStorage(DirectionStorage):
     FORMAT = "identity"
     data: torch.Tensor
 
-    @property
-    def shape2d(self):
-        return tuple(self.data.shape)
-
     def field_axes(self) -> FieldAxes:
         return {"data": {"R": (0, 1), "C": (1, 1)}}
 

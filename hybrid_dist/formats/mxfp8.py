@@ -43,10 +43,6 @@ class MXFP8Storage(DirectionStorage):
     data: torch.Tensor
     scale: torch.Tensor
 
-    @property
-    def shape2d(self):
-        return tuple(self.data.shape)
-
     def field_axes(self) -> FieldAxes:
         return {"data": {"R": (0, 1), "C": (1, 1)}, "scale": {"R": (0, 1), "C": (1, MX_BLOCK)}}
 
