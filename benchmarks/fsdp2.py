@@ -2,7 +2,7 @@
 all-gather bytes per step. Prints one table (rank 0).
 
 8 blocks (hidden 4096, FFN 14336, 32 heads, 8 KV heads, RMSNorm, SwiGLU, SDPA), no
-embedding or head; batch 1 × seq 4096 per GPU; each block its own FSDP2 group
+embedding or head; batch 1 × seq 4096 per GPU (`--seq`); each block its own FSDP2 group
 (``reshard_after_forward=True``), bf16 parameters (quantized ones built under
 ``hd.quantized_model_init``), ``hd.MasterWeightOptimizer(AdamW)``; median of 8 timed steps
 after 4 warm-up steps. Run on 4 GPUs::
@@ -114,11 +114,12 @@ def _profile_step(name: str, step) -> None:
     torch.cuda.synchronize()
     out = io.StringIO()
     pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(r"hybrid_dist|fsdp2|_fsdp|optim", 35)
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(30)
     print(out.getvalue())
 
 
 def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False,
-        compile_blocks: bool = False) -> list:
+        compile_blocks: bool = False, seq: int = SEQ) -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(recipe_name, device)
@@ -130,7 +131,7 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
     fully_shard(model, mp_policy=mp)
     opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
     recipe = hd.recipe_from_name(recipe_name)
-    x = torch.randn(1, SEQ, HIDDEN, device=device, dtype=torch.bfloat16)
+    x = torch.randn(1, seq, HIDDEN, device=device, dtype=torch.bfloat16)
     times, acct = [], None
     torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
@@ -154,7 +155,7 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model, opt
     torch.cuda.empty_cache()
-    return [recipe_name + (" (compiled)" if compile_blocks else ""), ms, SEQ / ms * 1e3, peak, fwd / 2**20,
+    return [recipe_name + (" (compiled)" if compile_blocks else ""), ms, seq / ms * 1e3, peak, fwd / 2**20,
             total / 2**20]
 
 
@@ -165,12 +166,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", action="store_true", help="rank 0 prints one profiled step per recipe")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (before fully_shard)")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per GPU (batch 1)")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile) for name in args.recipes.split(",")]
+    rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile, args.seq) for name in args.recipes.split(",")]
     if rank == 0:
         base = {r[0]: r for r in rows}.get("bf16" + (" (compiled)" if args.compile else ""))
         out = []
@@ -181,7 +183,7 @@ def main() -> None:
         print_table(
             ["recipe", "step ms", "tokens/s/GPU", "peak GiB", "× bf16 speed", "fwd all-gather MiB",
              "fwd AG × bf16", "all-gather MiB/step"],
-            out, f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {SEQ}",
+            out, f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {args.seq}",
         )
     dist.destroy_process_group()
 
