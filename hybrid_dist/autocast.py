@@ -3,6 +3,13 @@
 
 Both are context managers over a ``contextvars.ContextVar``: they change nothing outside
 their ``with`` block and are safe across threads.
+
+[Note: autocast under torch.compile]
+Dynamo cannot trace ``ContextVar.get`` (a graph break in every ``hd.Linear``, so compiled
+blocks ran as many small graphs). ``autocast`` therefore also keeps a process-wide mirror
+of the innermost recipe, which is what a trace reads (Dynamo guards on the recipe object,
+so entering another recipe recompiles). Eager code reads the ContextVar. Compiled modules
+run under *different* ``hd.autocast`` recipes in concurrent threads are not supported.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from typing import Iterator
+
+import torch
 
 from hybrid_dist.recipes import Recipe
 
@@ -35,14 +44,29 @@ def autocast(recipe: Recipe | None, *, enabled: bool = True) -> Iterator[None]:
     """
     if recipe is not None:
         _check_recipe(recipe, "autocast")
-    token = _AUTOCAST.set(recipe if enabled else None)
+    active = recipe if enabled else None
+    token = _AUTOCAST.set(active)
+    _TRACED.append(active)
     try:
         yield
     finally:
+        _TRACED.pop()
         _AUTOCAST.reset(token)
 
 
+class _TracedAutocast(list):
+    """The process-wide stack of active ``autocast`` recipes that traces read (see the note)."""
+
+    def top(self) -> Recipe | None:
+        return self[-1] if self else None
+
+
+_TRACED = _TracedAutocast()
+
+
 def current_recipe() -> Recipe | None:
+    if torch.compiler.is_compiling():
+        return _TRACED.top()
     return _AUTOCAST.get()
 
 

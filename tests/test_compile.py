@@ -98,3 +98,26 @@ def test_compiled_linear_inductor_gpu(name):
             else:
                 s = sqnr_db(a, b)
                 assert s >= 30, f"{name} step {step} {what}: SQNR {s:.1f} dB (inductor vs eager)"
+
+
+def test_autocast_recipe_compiles_without_graph_breaks_cpu():
+    """A module without its own recipe reads ``hd.autocast``'s while traced (the ContextVar
+    is not traceable; see autocast's note): one full graph, bitwise the eager step, and a
+    recompile (not a stale recipe) when the autocast recipe changes."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = hd.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    compiled = hd.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    for name in ("fp8_current", "mxfp8_fwd_nvfp4_bwd"):  # SR states exist before tracing
+        compiled._plan(hd.recipe_from_name(name))
+    fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    xs, dys = _inputs(64, 64, 32, 1, "cpu", torch.bfloat16)
+    for name in ("fp8_current", "mxfp8_fwd_nvfp4_bwd", "fp8_current"):
+        with hd.autocast(hd.recipe_from_name(name)):  # recipe_from_name: a new object each time
+            ref, got = _steps(eager, eager, xs, dys)[0], _steps(compiled, fn, xs, dys)[0]
+        for what, r, c in zip(("y", "dx", "dW"), ref, got):
+            assert_bitwise_equal(c, r, f"{name}: {what}")
+    with hd.autocast(None):  # high precision: a third graph, plain F.linear
+        y = fn(xs[0])
+    torch.testing.assert_close(y, torch.nn.functional.linear(xs[0], eager.weight), rtol=0, atol=0)
