@@ -16,7 +16,13 @@ Each GEMM picks, from its operand pair:
   2d × 3d (``scale_a [C]``, ``scale_b [E, N]``, mat_b column-major), wgrad 2d × 2d
   (``scale_a [E·N]``, ``scale_b [E·K]``, mat_b column-major; group offsets along C are
   multiples of 16, which FP8 needs).
-* anything else (E5M2 gradients, MXFP8, NVFP4 1D/2D, FP8 blocks, identity, mixed pairs):
+* both per-tensor FP8 with an E5M2 operand (the gradients of ``fp8_current`` /
+  ``fp8_delayed``: dgrad E5M2 × E4M3, wgrad E5M2 × E4M3) on CUDA: the Triton grouped
+  kernels of ``kernels/grouped_fp8`` (mixed-dtype FP8 wgmma, fp32 accumulation, the two
+  per-expert ``scale_inv`` multiplied on the accumulator, bf16 out; empty wgrad groups
+  written as zeros). On CPU (and while ``torch.compile`` traces) the pair takes the bf16
+  path below.
+* anything else (MXFP8, NVFP4 1D/2D, FP8 blocks, identity, mixed pairs):
   both operands to bf16 (``grouped_operands.bf16_values``: block scales applied, exact but
   for FP8 blocks), the two per-expert per-tensor scales folded in fp32 into ONE operand
   (the one with fewer elements: per expert for the weight, per packed row/column for a
@@ -33,6 +39,7 @@ kernels' meta checks (shapes, strides, dtypes) — what the CPU tests use.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -111,6 +118,12 @@ def _both_e4m3(a, b) -> bool:
             and a.data.dtype == E4M3 and b.data.dtype == E4M3)
 
 
+def _triton_fp8(a, b) -> bool:
+    """Per-tensor FP8 pair (any E4M3/E5M2 mix) on CUDA with Triton: ``kernels/grouped_fp8``."""
+    return (isinstance(a, Float8Storage) and isinstance(b, Float8Storage) and a.data.is_cuda
+            and not torch.compiler.is_compiling() and importlib.util.find_spec("triton") is not None)
+
+
 # --- the three grouped GEMMs ------------------------------------------------------------
 def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config) -> torch.Tensor:
     """``out_pad [C, R] = A [C, Kc] · B_e [R, Kc]ᵀ`` for the rows of each group (fprop, dgrad)."""
@@ -120,6 +133,11 @@ def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config) -> to
         scale_b = b.scale.float()[:, None].expand(e, r).contiguous()
         return _scaled_grouped_mm(sa.data, sb.data.view(e, r, kc).transpose(1, 2), row_scales(a.scale, row_expert),
                                   scale_b, offs, config.use_fast_accum)
+    if _triton_fp8(sa, sb):
+        from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8  # Triton: CUDA installs only
+
+        return grouped_rows_fp8(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs,
+                                fast_accum=config.use_fast_accum)
     if sa.shape2d[0] < sb.shape2d[0]:  # fold both scales into the smaller operand
         va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
     else:
@@ -131,6 +149,10 @@ def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, conf
     """``dW [E, Ra, Rb] = A [Ra, C] · B [Rb, C]ᵀ`` grouped along C (wgrad); empty groups 0."""
     e, sa, sb = counts.numel(), a.storage, b.storage
     ra, rb = sa.shape2d[0], sb.shape2d[0]
+    if not _both_e4m3(sa, sb) and _triton_fp8(sa, sb):  # writes zeros for empty groups
+        from hybrid_dist.kernels.grouped_fp8 import grouped_tokens_fp8  # Triton: CUDA installs only
+
+        return grouped_tokens_fp8(sa.data, sb.data, a.scale, b.scale, offs, fast_accum=config.use_fast_accum)
     if _both_e4m3(sa, sb):
         scale_a = a.scale.float()[:, None].expand(e, ra).reshape(-1)
         scale_b = b.scale.float()[:, None].expand(e, rb).reshape(-1)

@@ -1,0 +1,171 @@
+"""Grouped FP8 GEMMs for any per-tensor FP8 dtype pair (E4M3/E5M2 mixed), sync-free (Triton).
+
+Legend: E experts (groups), C the packed token capacity, ``offs [E]`` int32 cumulative
+group ends on the device (``offs[-1] <= C``; group g spans ``[offs[g-1], offs[g])``),
+``sa``, ``sb`` fp32 ``[E]`` per-expert decode scales (``scale_inv``). All FP8 operands are
+row-major with the contraction dim last (K-major: what Hopper FP8 wgmma needs for both).
+
+    grouped_rows_fp8    out [C, R]      = (a[s:e] · b[g]ᵀ) · sa[g]·sb[g]     a [C, Kc], b [E, R, Kc]
+    grouped_tokens_fp8  out [E, Ra, Rb] = (a[:, s:e] · b[:, s:e]ᵀ) · sa[g]·sb[g]   a [Ra, C], b [Rb, C]
+
+``grouped_rows_fp8`` (fprop, dgrad): a 1D grid over an upper bound of M tiles,
+``cdiv(C, BM) + E`` (host ints) times the N tiles, GROUP_M-swizzled for L2; each program
+finds its group and row tile from ``offs`` on the device (cumsum of the groups' tile
+counts) and exits past the last tile. A tile never straddles two groups (rows at or past
+its group's end are masked). Rows ``>= offs[-1]`` are NOT written (the output is
+``torch.empty``): callers read only rows of real tokens (``grouped_quantized`` gathers
+``index_select(dest)``). ``grouped_tokens_fp8`` (wgrad): grid (tiles of Ra × tiles of Rb,
+E), each program loops over its group's contraction range; group starts must be multiples
+of 16 (the packed layout guarantees it; the kernel tells the compiler so, unchecked), and
+an empty group writes zeros.
+
+Accumulation in fp32 on the tensor cores; the scale product multiplies the fp32 accumulator,
+one rounding to bf16. ``fast_accum=False`` promotes the Hopper FP8 partial sums to fp32
+every BK=128 products (``max_num_imprecise_acc``), ``True`` never (Triton's sm90 default).
+Mixed dtypes: ``tl.dot`` accepts any FP8 pair, and the sm90 wgmma lowering types A and B
+separately (e4m3 × e5m2 is one wgmma instruction), so no operand is upcast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["grouped_rows_fp8", "grouped_tokens_fp8"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _configs():
+    if os.environ.get("TRITON_INTERPRET") == "1":  # one small config: tiles that split groups
+        return [triton.Config({"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 2}, num_warps=4)]
+    shapes = ((128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3))
+    return [triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in shapes]
+
+
+@triton.jit
+def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a 1D program id, GROUP_M row tiles at a time (L2 reuse of b)."""
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def _dot(a, b_t, acc, FAST: tl.constexpr, BK: tl.constexpr):
+    if FAST:
+        return tl.dot(a, b_t, acc)
+    return tl.dot(a, b_t, acc, max_num_imprecise_acc=BK)
+
+
+@triton.jit
+def _find_tile(offs_ptr, E, pid_m, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(group, first row, group end) of the pid_m-th row tile; group >= E past the last."""
+    ge = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + ge, mask=ge < E, other=0)
+    starts = tl.load(offs_ptr + ge - 1, mask=(ge > 0) & (ge < E), other=0)
+    tiles = tl.where(ge < E, (ends - starts + BM - 1) // BM, 0)
+    last = tl.cumsum(tiles, 0)  # inclusive: tiles of groups 0..g
+    g = tl.sum((last <= pid_m).to(tl.int32), 0)
+    sel = ge == g
+    row0 = tl.sum(tl.where(sel, starts + (pid_m - last + tiles) * BM, 0), 0)
+    return g, row0, tl.sum(tl.where(sel, ends, 0), 0)
+
+
+@triton.autotune(configs=_configs(), key=["R", "Kc"])
+@triton.jit
+def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, C, R, Kc, E, FAST: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    num_m = tl.cdiv(C, BM) + E  # bound on Σ_g cdiv(rows_g, BM)
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(R, BN), GROUP_M)
+    g, row0, row_end = _find_tile(offs_ptr, E, pid_m, BM, BLOCK_E)
+    if g >= E:
+        return
+    rm = row0 + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * Kc + rk[None, :]
+    b_ptrs = b_ptr + (g.to(tl.int64) * R + rn[:, None]) * Kc + rk[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, Kc, BK):
+        a = tl.load(a_ptrs, mask=(rm[:, None] < row_end) & (rk[None, :] < Kc - k), other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[:, None] < R) & (rk[None, :] < Kc - k), other=0.0)
+        acc = _dot(a, tl.trans(b), acc, FAST, BK)
+        a_ptrs += BK
+        b_ptrs += BK
+    out = (acc * (tl.load(sa_ptr + g) * tl.load(sb_ptr + g))).to(tl.bfloat16)
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * R + rn[None, :]
+    tl.store(out_ptrs, out, mask=(rm[:, None] < row_end) & (rn[None, :] < R))
+
+
+@triton.autotune(configs=_configs(), key=["Ra", "Rb"])
+@triton.jit
+def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, Ra, Rb, C, FAST: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    g = tl.program_id(1)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(Ra, BM), tl.cdiv(Rb, BN), GROUP_M)
+    end = tl.load(offs_ptr + g)
+    start = tl.multiple_of(tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0), 16)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = start + tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * C + rk[None, :]
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * C + rk[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(start, end, BK):
+        a = tl.load(a_ptrs, mask=(rm[:, None] < Ra) & (rk[None, :] < end - k + start), other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[:, None] < Rb) & (rk[None, :] < end - k + start), other=0.0)
+        acc = _dot(a, tl.trans(b), acc, FAST, BK)
+        a_ptrs += BK
+        b_ptrs += BK
+    scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
+    out = tl.where(end > start, acc * scale, 0.0).to(tl.bfloat16)  # empty group: 0 for any scale
+    out_ptrs = out_ptr + (g.to(tl.int64) * Ra + rm[:, None]) * Rb + rn[None, :]
+    tl.store(out_ptrs, out, mask=(rm[:, None] < Ra) & (rn[None, :] < Rb))
+
+
+def _check(a, b, scale_a, scale_b, offs, e):
+    if a.dtype not in _FP8 or b.dtype not in _FP8 or offs.dtype != torch.int32 or offs.shape != (e,):
+        raise ValueError(f"grouped FP8 GEMM: a {a.dtype}, b {b.dtype} must be float8_e4m3fn/e5m2 and offs int32 "
+                         f"[{e}]; got offs {offs.dtype} {tuple(offs.shape)}")
+    if scale_a.numel() != e or scale_b.numel() != e:
+        raise ValueError(f"grouped FP8 GEMM: per-expert scales [{e}] expected, got {scale_a.shape}, {scale_b.shape}")
+    return scale_a.float().contiguous(), scale_b.float().contiguous()
+
+
+def grouped_rows_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False) -> torch.Tensor:
+    """bf16 ``[C, R]`` (module doc): ``a [C, Kc]``, ``b [E, R, Kc]`` FP8; rows >= offs[-1] unwritten."""
+    (c, kc), (e, r) = a.shape, b.shape[:2]
+    if b.dim() != 3 or b.shape[2] != kc:
+        raise ValueError(f"grouped_rows_fp8: a [C, Kc] and b [E, R, Kc]; got {tuple(a.shape)}, {tuple(b.shape)}")
+    sa, sb = _check(a, b, scale_a, scale_b, offs, e)
+    out = torch.empty((c, r), dtype=torch.bfloat16, device=a.device)
+    if out.numel() == 0 or e == 0:
+        return out
+    def grid(meta):
+        return ((triton.cdiv(c, meta["BM"]) + e) * triton.cdiv(r, meta["BN"]),)
+    _rows_kernel[grid](a.contiguous(), b.contiguous(), sa, sb, offs, out, c, r, kc, e, FAST=fast_accum,
+                       BLOCK_E=triton.next_power_of_2(max(e, 2)))
+    return out
+
+
+def grouped_tokens_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False) -> torch.Tensor:
+    """bf16 ``[E, Ra, Rb]`` (module doc): ``a [Ra, C]``, ``b [Rb, C]`` FP8, groups along C
+    (starts multiples of 16); empty groups zero."""
+    (ra, c), (rb, cb), e = a.shape, b.shape, offs.numel()
+    if cb != c:
+        raise ValueError(f"grouped_tokens_fp8: a [Ra, C] and b [Rb, C]; got {tuple(a.shape)}, {tuple(b.shape)}")
+    sa, sb = _check(a, b, scale_a, scale_b, offs, e)
+    out = torch.empty((e, ra, rb), dtype=torch.bfloat16, device=a.device)
+    if out.numel() == 0:
+        return out
+    def grid(meta):
+        return (triton.cdiv(ra, meta["BM"]) * triton.cdiv(rb, meta["BN"]), e)
+    _tokens_kernel[grid](a.contiguous(), b.contiguous(), sa, sb, offs, out, ra, rb, c, FAST=fast_accum)
+    return out
