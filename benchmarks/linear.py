@@ -1,7 +1,9 @@
 """``hd.Linear`` fwd+bwd step time per recipe against bf16 ``nn.Linear`` (and torchao float8
 tensorwise, compiled, when torchao is importable), with the roofline speedup next to the
 achieved one. Prints one table. Run: ``python -m benchmarks.linear``
-(``--shapes 3 --recipes fp8_current --compile`` for a subset and the compiled variants).
+(``--shapes 3 --recipes fp8_current --compile`` for a subset and the compiled variants;
+``--graphs`` adds each module under ``torch.cuda.make_graphed_callables``, bf16 included:
+forward and backward replayed as one CUDA graph each, so no host time per kernel).
 ``host ms`` is the CPU time per step (enqueue only): a step is host-bound where it
 approaches ``fwd+bwd ms``.
 
@@ -34,6 +36,11 @@ RECIPES = ["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_f
 def _step(module, x, dy):
     params = [p for p in module.parameters() if p.requires_grad]
     return lambda: torch.autograd.grad(module(x), [x, *params], dy)
+
+
+def _graphed(module, x):
+    """``module`` with forward and backward captured as CUDA graphs (static shapes)."""
+    return torch.cuda.make_graphed_callables(module, (x,), num_warmup_iters=3)
 
 
 def _host_ms(fn, n: int = 20) -> float:
@@ -102,6 +109,8 @@ def _args():
                    help="also time torch.compile(fullgraph=True) of each hd.Linear (inductor)")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode for --compile, e.g. reduce-overhead (CUDA graphs)")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time each module (bf16 included) under torch.cuda.make_graphed_callables")
     return p.parse_args()
 
 
@@ -128,6 +137,8 @@ def main() -> None:
         bf16_ms = bench_ms(bf16_step)
         ao = _torchao_ms(k, n, x, dy)
         rows.append([shape, "bf16 nn.Linear", bf16_ms, _host_ms(bf16_step), 1.0, "", ""])
+        if args.graphs:
+            rows.append(_variant_row(shape, "bf16 nn.Linear (CUDA graph)", _step(_graphed(ref, x), x, dy), bf16_ms))
         if ao is not None:
             rows.append([shape, "torchao fp8 tensorwise (compiled)", ao, "", bf16_ms / ao, "", ""])
         for name in recipes:
@@ -142,6 +153,10 @@ def main() -> None:
                     fn = _step(torch.compile(lin, fullgraph=True, mode=args.compile_mode), x, dy)
                     label = f"{name} (compiled{', ' + args.compile_mode if args.compile_mode else ''})"
                     rows.append(_variant_row(shape, label, fn, bf16_ms, roof))
+                if args.graphs:
+                    lin_g = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+                    rows.append(_variant_row(shape, f"{name} (CUDA graph)", _step(_graphed(lin_g, x), x, dy),
+                                             bf16_ms, roof))
             except Exception as e:  # keep the table: report the failure in its row
                 rows.append([shape, name, f"failed: {type(e).__name__}: {e}"[:160], "", "", "", ""])
                 continue
