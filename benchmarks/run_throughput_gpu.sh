@@ -35,9 +35,9 @@ if ! python3 -c "import torchao.float8" > /dev/null 2>&1 && ls .whl/torchao-*.wh
 if python3 -c "import torchao.float8" > /dev/null 2>&1; then TORCHAO=1; else TORCHAO=0
   echo "torchao.float8 does not import here: the torchao-float8 rows are skipped"; fi
 
-# model shapes (tokens per GPU): 8b 1 x 4096, 1b 4 x 2048, 1b MoE 2 x 2048; last in the plan
+# model shapes (tokens per GPU): 8b 1 x 8192 (torchtitan's Llama-3-8B setting), 1b 4 x 2048, 1b MoE 2 x 2048; last in the plan
 # (reached in a second call, e.g. ONLY=moe), a 4-block 8b MoE (8 experts of the 8b FFN, top-2)
-M8B=${M8B:-"--preset 8b --batch-size 1 --seq-len 4096"}
+M8B=${M8B:-"--preset 8b --batch-size 1 --seq-len 8192"}
 M1B=${M1B:-"--preset 1b --batch-size 4 --seq-len 2048"}
 MOE=${MOE:-"--preset 1b --moe-experts 8 --moe-top-k 2 --batch-size 2 --seq-len 2048"}
 MOE8B=${MOE8B:-"--preset 8b --layers 4 --moe-experts 8 --moe-top-k 2 --batch-size 1 --seq-len 4096"}
@@ -49,6 +49,7 @@ PLAN="
 8b_fp8_current_qinit|90|0|$M8B $QI
 8b_torchao_float8_compile|120|1|$M8B $TAO
 8b_bf16_compile|120|0|$M8B --recipe bf16 --compile
+8b_fp8_current_compile|120|0|$M8B --recipe fp8_current --compile
 8b_fp8_current_qinit_compile|120|0|$M8B $QI --compile
 1b_bf16|60|0|$M1B --recipe bf16
 1b_fp8_current_qinit|75|0|$M1B $QI
@@ -62,7 +63,6 @@ PLAN="
 1b_torchao_float8_compile|100|1|$M1B $TAO
 1b_bf16_compile|100|0|$M1B --recipe bf16 --compile
 1b_fp8_current_qinit_compile|100|0|$M1B $QI --compile
-8b_fp8_current|75|0|$M8B --recipe fp8_current
 1b_fp8_current|60|0|$M1B --recipe fp8_current
 8b_L4_moe8_bf16|75|0|$MOE8B --recipe bf16
 8b_L4_moe8_fp8_current|75|0|$MOE8B --recipe fp8_current

@@ -110,8 +110,8 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, Ra, Rb, C, F
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     g = tl.program_id(1)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(Ra, BM), tl.cdiv(Rb, BN), GROUP_M)
-    end = tl.load(offs_ptr + g)
-    start = tl.multiple_of(tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0), 16)
+    end = tl.multiple_of(tl.load(offs_ptr + g), 16)
+    start = tl.multiple_of(tl.load(offs_ptr + tl.maximum(g - 1, 0)) * (g > 0), 16)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = start + tl.arange(0, BK)
