@@ -1,5 +1,5 @@
 """``kernels/grouped_fp8`` (grouped FP8 GEMMs, any E4M3/E5M2 pair) under the Triton
-interpreter on CPU against a float64 reference, one 32×32×32 tile config (module doc of
+interpreter on CPU against a float64 reference, one 64×64×32 tile config (module doc of
 the kernel file): uneven groups whose boundaries (multiples of 16) split tiles, an empty
 group (first, middle or last), Kc and R not multiples of the tile, padding rows past
 ``offs[-1]``, every dtype pair, ``fast_accum`` on and off.
@@ -28,7 +28,7 @@ PAIRS = [(E5M2, E4M3), (E4M3, E4M3), (E4M3, E5M2), (E5M2, E5M2)]
 # for the rows GEMM; the tokens GEMM's group 0 is empty (its scale is inf), one fills C
 GROUPS = [[48, 0, 80, 16], [0, 16, 112, 0], [144]]
 TOKEN_GROUPS = [[0, 48, 0, 80, 16], [0, 16, 112, 0], [0, 160]]
-C, KC, R, RB = 160, 80, 48, 40
+C, KC, R, RB = 160, 80, 80, 72  # the interpreter tile is 64x64x32: none divides these
 
 
 def _fp8(shape, dtype, gen):
@@ -91,6 +91,59 @@ def _check():
     print("grouped fp8 interpreter checks passed")
 
 
+
+def _calls(fns):
+    """Context manager counting Python calls of ``fns`` (a profile hook; nothing replaced)."""
+    import contextlib
+    import sys
+
+    codes = {f.__code__: f.__name__ for f in fns}
+    counts = dict.fromkeys(codes.values(), 0)
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+
+    @contextlib.contextmanager
+    def ctx():
+        prev = sys.getprofile()
+        sys.setprofile(hook)
+        try:
+            yield counts
+        finally:
+            sys.setprofile(prev)
+
+    return ctx()
+
+
+def _check_grouped_linear():
+    """``GroupedLinear``'s sync-free path on CPU under the interpreter, where its dgrad and
+    wgrad (E5M2 gradients) take the kernels, against the reference GroupedLinear with the
+    bar of ``test_grouped_quantized`` (the kernels skip the bf16 rounding of the scaled
+    operand of that path's bf16 fold, so they meet its floor or better)."""
+    import hybrid_dist as hd
+    from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8, grouped_tokens_fp8
+    from tests._helpers import sqnr_db
+    from tests.moe.test_grouped_quantized import FLOOR_DB, run_paths
+
+    for name in ("fp8_current", "fp8_delayed"):
+        for quantized_init in (False, True):
+            with _calls([grouped_rows_fp8, grouped_tokens_fp8]) as counts:
+                for what, got, ref, _ in run_paths(hd.recipe_from_name(name), quantized_init=quantized_init):
+                    assert got.dtype == ref.dtype and got.shape == ref.shape, what
+                    db = sqnr_db(ref.float(), got.float())
+                    assert db > FLOOR_DB, f"{what}: kernels vs reference {db:.1f} dB <= {FLOOR_DB}"
+            # per step: dgrad on grouped_rows_fp8, wgrad on grouped_tokens_fp8 (fprop is E4M3 x E4M3)
+            assert counts == {"grouped_rows_fp8": 2, "grouped_tokens_fp8": 2}, f"{name}: kernel calls {counts}"
+    print("grouped linear interpreter checks passed")
+
+
 def test_grouped_fp8_under_triton_interpreter():
     run_under_triton_interpreter("from tests.moe.test_grouped_fp8_interpreter import _check; _check()",
                                  done="grouped fp8 interpreter checks passed")
+
+
+def test_grouped_linear_on_grouped_fp8_under_triton_interpreter():
+    run_under_triton_interpreter(
+        "from tests.moe.test_grouped_fp8_interpreter import _check_grouped_linear; _check_grouped_linear()",
+        done="grouped linear interpreter checks passed")
