@@ -15,15 +15,18 @@ counts) and exits past the last tile. A tile never straddles two groups (rows at
 its group's end are masked). Rows ``>= offs[-1]`` are NOT written (the output is
 ``torch.empty``): callers read only rows of real tokens (``grouped_quantized`` gathers
 ``index_select(dest)``). ``grouped_tokens_fp8`` (wgrad): grid (tiles of Ra × tiles of Rb,
-E), each program loops over its group's contraction range; group starts must be multiples
-of 16 (the packed layout guarantees it; the kernel tells the compiler so, unchecked), and
-an empty group writes zeros.
+E), each program loops over its group's contraction range; group bounds must be multiples
+of 16 (the packed layout guarantees it; the kernel tells the compiler so, for 16-byte
+loads; unchecked), and an empty group writes zeros.
 
 Accumulation in fp32 on the tensor cores; the scale product multiplies the fp32 accumulator,
 one rounding to bf16. ``fast_accum=False`` promotes the Hopper FP8 partial sums to fp32
 every BK=128 products (``max_num_imprecise_acc``), ``True`` never (Triton's sm90 default).
-Mixed dtypes: ``tl.dot`` accepts any FP8 pair, and the sm90 wgmma lowering types A and B
-separately (e4m3 × e5m2 is one wgmma instruction), so no operand is upcast.
+Mixed dtypes: ``tl.dot`` accepts any FP8 pair (``semantic.dot``), and the sm90 wgmma
+lowering types A and B separately (``WGMMA.cpp`` ``getMmaOperandType``), so no operand is
+upcast: compiled offline for sm90 (Triton 3.9), every config emits
+``wgmma.mma_async ... m64n{256,128}k32.f32.e5m2.e4m3`` fed by pipelined 16-byte
+``cp.async`` loads. Not yet measured on a GPU.
 """
 
 from __future__ import annotations
