@@ -9,7 +9,8 @@ FP8 wgmma keeps fewer accumulator bits than fp32 (about 14 mantissa bits, DeepSe
 report §3.3.2); promoted every 128 products (``fast_accum=False``) the error stays near
 ``2^-14`` of the 128-term partial sums, bounded here by ``2^-11·Σ|terms|``; unpromoted
 (``fast_accum=True``) it grows with K: ``2^-7·Σ|terms|``. Plus SQNR floors against the
-float64 result: 40 dB promoted, 30 dB unpromoted. A wrong group, row tile, scale or mask
+float64 result: 40 dB promoted (bf16 rounding alone is ~52 dB), 25 dB unpromoted (the
+report measures up to 2% relative error at K=4096 without promotion; not yet measured here). A wrong group, row tile, scale or mask
 is off by O(|ref|) and fails both. GroupedLinear against the ``hd.Linear`` loop: the
 35 dB floor of ``tests/moe/test_gpu.py``.
 """
@@ -31,7 +32,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E, K, N = 8, 7168, 2048
 SPLITS = [1500, 0, 977, 1312, 1024, 803, 1290, 1286]  # 8192 tokens; expert 1 empty
 TOL = {False: 2.0**-11, True: 2.0**-7}  # Σ|terms| factor, by fast_accum
-SQNR = {False: 40.0, True: 30.0}
+SQNR = {False: 40.0, True: 25.0}
 
 
 def _offs(splits):
