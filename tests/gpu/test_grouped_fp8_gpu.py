@@ -4,15 +4,16 @@ and ``GroupedLinear`` with the E5M2-gradient recipes running its dgrad/wgrad on 
 
 Kernel tolerance, against float64 products of the same FP8 values (exact) per group:
 ``|out - ref| <= 2^-8·|ref| + tol·Σ|terms|`` (``Σ|terms|`` = the product of absolute
-values, scaled). ``2^-8·|ref|``: one bf16 rounding (half an ulp) plus slack. ``tol``: Hopper
-FP8 wgmma keeps fewer accumulator bits than fp32 (about 14 mantissa bits, DeepSeek-V3
-report §3.3.2); promoted every 128 products (``fast_accum=False``) the error stays near
-``2^-14`` of the 128-term partial sums, bounded here by ``2^-11·Σ|terms|``; unpromoted
-(``fast_accum=True``) it grows with K: ``2^-7·Σ|terms|``. Plus SQNR floors against the
-float64 result: 40 dB promoted (bf16 rounding alone is ~52 dB), 25 dB unpromoted (the
-report measures up to 2% relative error at K=4096 without promotion; not yet measured here). A wrong group, row tile, scale or mask
-is off by O(|ref|) and fails both. GroupedLinear against the ``hd.Linear`` loop: the
-35 dB floor of ``tests/moe/test_gpu.py``.
+values, scaled). ``2^-8·|ref|``: one bf16 rounding (half an ulp) plus slack. ``tol``:
+Hopper FP8 wgmma accumulates with fewer bits than fp32 (about 14, as the DeepSeek-V3
+technical report measured); promoted every 128 products (``fast_accum=False``) the error
+stays near ``2^-14`` of the 128-term partial sums, bounded here by ``2^-11·Σ|terms|``;
+unpromoted (``fast_accum=True``) it grows with K: ``2^-7·Σ|terms|``. Plus SQNR floors
+against the float64 result: 40 dB promoted (bf16 rounding alone is ~52 dB), 25 dB
+unpromoted (that report: up to ~2% relative error at K=4096 without promotion). Reasoned,
+not yet measured on a GPU. A wrong group, row tile, scale or mask is off by O(|ref|) and
+fails both. GroupedLinear against the ``hd.Linear`` loop: the 35 dB floor of
+``tests/moe/test_gpu.py``.
 """
 
 from __future__ import annotations
