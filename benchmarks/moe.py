@@ -4,13 +4,14 @@ split unevenly (fixed: a seeded multinomial draw, every expert non-empty). Print
 table. Run: ``python -m benchmarks.moe`` (``--recipes fp8_current,mxfp8`` for a subset).
 
 On CUDA, quantized recipes run the sync-free grouped path (``moe/grouped_quantized.py``:
-``split_quantize_packed`` + ``torch._scaled_grouped_mm`` for E4M3 pairs, dequantize-to-
-bf16 + ``torch._grouped_mm`` otherwise); a recipe it does not serve runs the reference
-per-expert loop, marked "(reference loop)". The baseline is the same ``torch._grouped_mm``
-calls on bf16 operands, timed in the same run. Target: fp8_current >= 1.3x bf16.
-fp8_current's gradients are E5M2, which ``torch._scaled_grouped_mm`` does not take, so its
-dgrad and wgrad run dequantized in bf16; the extra row "fp8_current, E4M3 grads (custom)"
-shows the step with all three GEMMs on the FP8 kernel.
+``split_quantize_packed`` + ``torch._scaled_grouped_mm`` for E4M3 pairs, the Triton
+grouped FP8 kernels of ``kernels/grouped_fp8`` for pairs with an E5M2 operand (dgrad and
+wgrad of fp8_current / fp8_delayed), dequantize-to-bf16 + ``torch._grouped_mm``
+otherwise); a recipe it does not serve runs the reference per-expert loop, marked
+"(reference loop)". The baseline is the same ``torch._grouped_mm`` calls on bf16
+operands, timed in the same run. Target: fp8_current >= 1.3x bf16. The extra row
+"fp8_current, E4M3 grads (custom)" shows the step with all three GEMMs on
+``torch._scaled_grouped_mm``.
 """
 
 from __future__ import annotations

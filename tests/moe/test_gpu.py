@@ -1,7 +1,8 @@
 """GPU (``@pytest.mark.gpu``, skipped without CUDA): GroupedLinear on CUDA against the
 hd.Linear loop (the reference), the ``torch._grouped_mm`` bf16 path, the sync-free
 quantized grouped path (``grouped_quantized``: ``split_quantize_packed`` +
-``torch._scaled_grouped_mm`` / ``torch._grouped_mm``), and no device-to-host sync in the
+``torch._scaled_grouped_mm`` for E4M3 pairs, the Triton grouped FP8 kernels for pairs with
+an E5M2 operand, ``torch._grouped_mm`` otherwise), and no device-to-host sync in the
 forward and backward of the grouped paths and of the dropless MoE layer.
 
 Tolerances of the quantized grouped path against the reference loop (same inputs, same
