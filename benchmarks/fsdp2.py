@@ -4,7 +4,8 @@ all-gather bytes per step. Prints one table (rank 0).
 8 blocks (hidden 4096, FFN 14336, 32 heads, 8 KV heads, RMSNorm, SwiGLU, SDPA), no
 embedding or head; batch 1 × seq 4096 per GPU (`--seq`); each block its own FSDP2 group
 (``reshard_after_forward=True``), bf16 parameters (quantized ones built under
-``hd.quantized_model_init``), ``hd.MasterWeightOptimizer(AdamW)``; median of 8 timed steps
+``hd.quantized_model_init``), ``hd.MasterWeightOptimizer(AdamW)`` (fused, torchtitan's
+default; ``--adam foreach`` for the multi-tensor form the earlier tables used); median of 8 timed steps
 after 4 warm-up steps. Run on 4 GPUs::
 
     torchrun --nproc_per_node 4 benchmarks/fsdp2.py [--recipes bf16,fp8_current,...]
@@ -119,7 +120,7 @@ def _profile_step(name: str, step) -> None:
 
 
 def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False,
-        compile_blocks: bool = False, seq: int = SEQ) -> list:
+        compile_blocks: bool = False, seq: int = SEQ, adam: str = "fused") -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(recipe_name, device)
@@ -129,7 +130,7 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
             block.compile()
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
+    opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-5, **{adam: True})
     recipe = hd.recipe_from_name(recipe_name)
     x = torch.randn(1, seq, HIDDEN, device=device, dtype=torch.bfloat16)
     times, acct = [], None
@@ -167,12 +168,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="rank 0 prints one profiled step per recipe")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (before fully_shard)")
     ap.add_argument("--seq", type=int, default=SEQ, help="tokens per GPU (batch 1)")
+    ap.add_argument("--adam", choices=("fused", "foreach"), default="fused", help="AdamW implementation")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile, args.seq) for name in args.recipes.split(",")]
+    rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile, args.seq, args.adam) for name in args.recipes.split(",")]
     if rank == 0:
         base = {r[0]: r for r in rows}.get("bf16" + (" (compiled)" if args.compile else ""))
         out = []
@@ -183,7 +185,7 @@ def main() -> None:
         print_table(
             ["recipe", "step ms", "tokens/s/GPU", "peak GiB", "× bf16 speed", "fwd all-gather MiB",
              "fwd AG × bf16", "all-gather MiB/step"],
-            out, f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {args.seq}",
+            out, f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {args.seq}, {args.adam} AdamW",
         )
     dist.destroy_process_group()
 

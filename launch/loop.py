@@ -127,8 +127,10 @@ def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int,
 
 
 def make_optimizer(model, cfg: TrainConfig):
-    kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]
+    # fused AdamW on GPUs (torchtitan's default; one kernel per parameter group), foreach on CPU
+    on_cuda = bool(params) and params[0].device.type == "cuda"
+    kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, fused=on_cuda or None)
     if cfg.quantized_init:  # quantized parameters step through fp32 master copies
         return hd.MasterWeightOptimizer(torch.optim.AdamW, params, **kw)
     return torch.optim.AdamW(params, **kw)
