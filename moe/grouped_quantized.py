@@ -119,12 +119,15 @@ def _both_e4m3(a, b) -> bool:
             and a.data.dtype == E4M3 and b.data.dtype == E4M3)
 
 
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def _triton_fp8(a, b) -> bool:
     """Per-tensor FP8 pair (any E4M3/E5M2 mix) on CUDA with Triton: ``kernels/grouped_fp8``
     (also on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``: its CPU test)."""
     on_device = a.data.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     return (isinstance(a, Float8Storage) and isinstance(b, Float8Storage) and on_device
-            and not torch.compiler.is_compiling() and importlib.util.find_spec("triton") is not None)
+            and not torch.compiler.is_compiling() and _HAVE_TRITON)
 
 
 # --- the three grouped GEMMs ------------------------------------------------------------
