@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_dist.kernels.transpose import transpose_into, transposed
-from tests._helpers import assert_bitwise_equal
+pytest.importorskip("triton")  # the kernel module imports Triton (absent on CPU-only installs)
+
+from hybrid_dist.kernels.transpose import transpose_into, transposed  # noqa: E402
+from tests._helpers import assert_bitwise_equal  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
