@@ -6,6 +6,7 @@ See DESIGN §3 for the public API; everything not in ``__all__`` is private.
 import torch as _torch
 
 from hybrid_dist import _tensor_ops  # noqa: F401  (fills the QuantizedTensor op table)
+from hybrid_dist.activation import SwiGLU
 from hybrid_dist.autocast import autocast, quantized_model_init
 from hybrid_dist.convert import convert_to_hybrid
 from hybrid_dist.formats import (
@@ -23,9 +24,11 @@ from hybrid_dist.formats import float8 as _f8, float8_block as _f8b, identity as
 from hybrid_dist.gemm import GemmConfig
 from hybrid_dist.hybrid import HybridQuantizer
 from hybrid_dist.linear import Linear
+from hybrid_dist.norm import RMSNorm
 from hybrid_dist.optim import MasterWeightOptimizer
 from hybrid_dist.quantized_tensor import QuantizedTensor, _rebuild_quantized_tensor
 from hybrid_dist.recipes import RECIPE_NAMES, CustomRecipe, Recipe, Role, recipe_from_name
+from hybrid_dist.shared_input import link_quantized_input
 
 # Resolve the kernel registry now, in eager code: resolving it lazily inside a
 # torch.compile trace would mutate module state there and force a recompile.
@@ -43,6 +46,6 @@ del _storage_mod, _quantizer_mod
 __all__ = [
     "CustomRecipe", "DelayedScalingState", "Float8BlockQuantizer", "Float8Quantizer", "GemmConfig",
     "HybridQuantizer", "IdentityQuantizer", "Linear", "MXFP8Quantizer", "MasterWeightOptimizer",
-    "NVFP4Quantizer", "QuantizedTensor", "Quantizer", "RECIPE_NAMES", "Recipe", "Role",
-    "autocast", "convert_to_hybrid", "quantized_model_init", "recipe_from_name",
+    "NVFP4Quantizer", "QuantizedTensor", "Quantizer", "RECIPE_NAMES", "RMSNorm", "Recipe", "Role", "SwiGLU",
+    "autocast", "convert_to_hybrid", "link_quantized_input", "quantized_model_init", "recipe_from_name",
 ]

@@ -4,7 +4,10 @@ One ``autograd.Function`` holds the three GEMMs (see ``gemm``). Forward quantize
 input rowwise (fprop) and, only if the weight needs a gradient, columnwise (wgrad); the
 weight rowwise and, only if the input needs a gradient, columnwise (dgrad). Backward
 needs only the columnwise directions, so only those are saved — never the
-high-precision input.
+high-precision input. The input may also arrive already quantized, as a
+``QuantizedTensor`` made by a linked producer (``hd.RMSNorm``, ``hd.SwiGLU``; see
+``shared_input``) with this layer's input quantizer: its storages are used as they are,
+and the input's gradient flows back to the producer as a plain tensor.
 
 [Note: recompute and delayed scaling]
 Activation recompute reruns the forward inside backward, where ``hd.autocast`` is no
@@ -62,16 +65,25 @@ def _weight_operands(weight, plan: LinearPlan, need_dgrad: bool):
                                          state=plan.states["weight"])
 
 
+def _input_operands(x, plan: LinearPlan, need_wgrad: bool):
+    """(rowwise, columnwise or None) storages of the input: taken from a shared
+    QuantizedTensor (error naming a missing direction), else quantized now."""
+    if isinstance(x, QuantizedTensor):
+        x_col = gemm._operand(x, "columnwise", "input", "wgrad") if need_wgrad else None
+        return gemm._operand(x, "rowwise", "input", "fprop"), x_col
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return plan.input.quantize_storages(x2d, rowwise=True, columnwise=need_wgrad, state=plan.states["input"])
+
+
 class _LinearFn(torch.autograd.Function):
     """The three GEMMs on per-direction storages (plain tensors inside: traceable by
     ``torch.compile``; no ``QuantizedTensor`` is made for activations or gradients)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: LinearPlan):
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        x_row, x_col = plan.input.quantize_storages(x2d, rowwise=True, columnwise=need_wgrad,
-                                                    state=plan.states["input"])
+    def forward(ctx, x, weight, bias, plan: LinearPlan, grad_enabled: bool):
+        # under no_grad no backward runs: the columnwise directions are not made
+        need_dgrad, need_wgrad = (grad_enabled and n for n in ctx.needs_input_grad[:2])
+        x_row, x_col = _input_operands(x, plan, need_wgrad)
         w_row, w_col = _weight_operands(weight, plan, need_dgrad)
         # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
@@ -104,7 +116,7 @@ class _LinearFn(torch.autograd.Function):
                               config=plan.recipe.wgrad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class _DequantizeFn(torch.autograd.Function):
@@ -163,6 +175,8 @@ class Linear(RecipeModuleMixin, nn.Module):
                 f"{self.weight.device}; move the input or the module to one device")
         recompute = in_backward()
         recipe = self._active_recipe(recompute)
+        if isinstance(x, QuantizedTensor):
+            self._check_shared_input(x, recipe)
         if recipe is None:
             w = self.weight
             if isinstance(w, QuantizedTensor):
@@ -171,7 +185,24 @@ class Linear(RecipeModuleMixin, nn.Module):
         plan = self._plan(recipe)
         if not recompute:
             plan.start_forward_pass()
-        return _LinearFn.apply(x, self.weight, self.bias, plan)
+        return _LinearFn.apply(x, self.weight, self.bias, plan, torch.is_grad_enabled())
+
+    def _check_shared_input(self, x: QuantizedTensor, recipe: Recipe | None) -> None:
+        """A producer's QuantizedTensor must be what this layer would have made itself."""
+        if recipe is None:
+            raise ValueError(
+                f"hd.Linear {self.name!r} runs without a recipe but got a QuantizedTensor input (quantizer "
+                f"{x.quantizer!r}); give it a recipe or pass a high-precision input")
+        quantizer = self._plan(recipe).input
+        if x.quantizer != quantizer:
+            raise ValueError(
+                f"hd.Linear {self.name!r}: the QuantizedTensor input was made by {x.quantizer!r}, but recipe "
+                f"{recipe.name!r} quantizes this layer's input with {quantizer!r}; quantize it with that "
+                "quantizer, pass a high-precision input, or unlink the producer (hd.link_quantized_input)")
+        if self._plan(recipe).states["input"] is not None:
+            raise ValueError(
+                f"hd.Linear {self.name!r}: its input quantizer {quantizer!r} keeps state (e.g. a delayed-scaling "
+                "amax history) that must see the high-precision input; pass that instead of a QuantizedTensor")
 
     # delayed-scaling states in the state dict (see [Note: quantizer states in the state dict])
     def extra_repr(self) -> str:

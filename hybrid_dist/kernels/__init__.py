@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 _QUANTIZE: dict[type, Callable] = {}
+_FUSED: dict[tuple[str, type], Callable] = {}  # (producer op, quantizer class) -> impl
 _GEMM: list[Callable] = []
 
 
@@ -19,6 +20,14 @@ def register_quantize(quantizer_cls: type, impl: Callable) -> None:
     """``impl(quantizer, x2d, *, rowwise, columnwise, state, amax) -> (row, col)`` or
     ``NotImplemented`` to defer to the reference for that call."""
     _QUANTIZE[quantizer_cls] = impl
+
+
+def register_fused_quantize(op: str, quantizer_cls: type, impl: Callable) -> None:
+    """A kernel computing a producer's output (``op``: ``"rms_norm"``, ``"swiglu"``) and
+    quantizing it in one go, never writing the high-precision output (``hd.RMSNorm``,
+    ``hd.SwiGLU``; see ``hybrid_dist.shared_input``). ``impl(quantizer, *inputs2d, *,
+    rowwise, columnwise) -> (row, col)`` or ``NotImplemented`` to defer to the reference."""
+    _FUSED[(op, quantizer_cls)] = impl
 
 
 def register_gemm(impl: Callable) -> None:
@@ -30,6 +39,12 @@ def quantize_impl_for(quantizer, x: torch.Tensor):
     if x.device.type != "cuda":
         return None
     return _QUANTIZE.get(type(quantizer))
+
+
+def fused_quantize_impl_for(op: str, quantizer, x: torch.Tensor):
+    if x.device.type != "cuda":
+        return None
+    return _FUSED.get((op, type(quantizer)))
 
 
 def gemm_impls_for(a_device: torch.device) -> list[Callable]:
@@ -56,4 +71,5 @@ if _cuda_kernels_available():  # CPU-only installs (CI) never import Triton
 
     _register.register_all()
 
-__all__ = ["gemm_impls_for", "quantize_impl_for", "register_gemm", "register_quantize", "registered_quantizers"]
+__all__ = ["fused_quantize_impl_for", "gemm_impls_for", "quantize_impl_for", "register_fused_quantize", "register_gemm",
+           "register_quantize", "registered_quantizers"]
