@@ -7,8 +7,10 @@ import warnings
 _WARNED: set[str] = set()
 
 
-def warn_once(message: str, *, stacklevel: int = 3) -> None:
-    """Emit ``message`` as a ``UserWarning`` the first time it is seen in this process."""
-    if message not in _WARNED:
-        _WARNED.add(message)
+def warn_once(message: str, *, stacklevel: int = 3, key: str | None = None) -> None:
+    """Emit ``message`` as a ``UserWarning`` the first time it (or ``key``, when given:
+    messages that differ only in detail, e.g. a layer name) is seen in this process."""
+    seen = message if key is None else key
+    if seen not in _WARNED:
+        _WARNED.add(seen)
         warnings.warn(message, stacklevel=stacklevel)

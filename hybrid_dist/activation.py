@@ -8,14 +8,13 @@ promoted dtype). The fused CUDA kernel recomputes exactly these roundings.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybrid_dist import kernels
-from hybrid_dist.shared_input import QuantizedOutputProducer, produce_quantized, reference_storages
+from hybrid_dist.quantized_tensor import QuantizedTensor
+from hybrid_dist.shared_input import QuantizedOutputProducer
 
 
 def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -23,16 +22,41 @@ def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-def _swiglu_storages(a, b, *, quantizer, columnwise):
+def _swiglu_storages(a, b, quantizer, columnwise):
     """``(row, col, dtype)``: the fused kernel if one serves ``quantizer`` here, else the
-    reference then one quantize."""
+    formula then one ``quantize_storages``."""
+    k = a.shape[-1]
     impl = kernels.fused_quantize_impl_for("swiglu", quantizer, a)
-    if impl is not None and a.shape == b.shape:
-        k = a.shape[-1]
+    if impl is not None:
         out = impl(quantizer, a.reshape(-1, k), b.reshape(-1, k), rowwise=True, columnwise=columnwise)
         if out is not NotImplemented:
             return (*out, torch.result_type(a, b))
-    return reference_storages(swiglu_reference, quantizer, columnwise, a, b)
+    h = swiglu_reference(a, b)
+    return (*quantizer.quantize_storages(h.reshape(-1, k), rowwise=True, columnwise=columnwise), h.dtype)
+
+
+class _SwiGLUQuantizedFn(torch.autograd.Function):
+    """``silu(a) * b`` as a QuantizedTensor. Backward differentiates the formula again
+    (recomputed from the saved ``a``, ``b``): bitwise the gradients of the plain path,
+    which is that formula under autograd."""
+
+    @staticmethod
+    def forward(ctx, a, b, quantizer, columnwise: bool):
+        ctx.set_materialize_grads(False)
+        row, col, dtype = _swiglu_storages(a, b, quantizer, columnwise)
+        ctx.save_for_backward(a, b)
+        return QuantizedTensor(a.shape, dtype, row, col, quantizer)
+
+    @staticmethod
+    def backward(ctx, dh):
+        need = ctx.needs_input_grad[:2]
+        if dh is None or not any(need):
+            return None, None, None, None
+        with torch.enable_grad():
+            a, b = (t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, need))
+            wrt = [t for t, n in zip((a, b), need) if n]
+            grads = iter(torch.autograd.grad(swiglu_reference(a, b), wrt, dh))
+        return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None, None
 
 
 class SwiGLU(QuantizedOutputProducer, nn.Module):
@@ -47,6 +71,4 @@ class SwiGLU(QuantizedOutputProducer, nn.Module):
         target = self._shared_target()
         if target is None:
             return swiglu_reference(a, b)
-        quantizer, columnwise = target
-        storages = functools.partial(_swiglu_storages, quantizer=quantizer, columnwise=columnwise)
-        return produce_quantized(swiglu_reference, storages, quantizer, a, b)
+        return _SwiGLUQuantizedFn.apply(a, b, *target)

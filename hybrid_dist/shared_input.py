@@ -28,17 +28,19 @@ link compiled models.
 [Note: shared-input numerics]
 The fused output is bitwise the unfused path — the producer's high-precision output
 quantized by each consumer — because both quantize the same values with the same
-stateless quantizer: on CPU (and for formats without a fused kernel) the producer runs
-its reference formula and ``quantizer.quantize_storages`` once; CUDA kernels registered
-with ``kernels.register_fused_quantize`` recompute the formula in registers, bitwise.
-Backward recomputes the reference formula under autograd and differentiates it, so the
-gradients are exactly those of the unfused path (whose autograd graph is that formula);
-only the producer's inputs are saved, never its output.
+stateless quantizer: on CPU (and for formats without a fused kernel) the producer
+computes its reference formula and calls ``quantizer.quantize_storages`` once; CUDA
+kernels registered with ``kernels.register_fused_quantize`` recompute the formula in
+registers, bitwise. Backward is the same code fused or not (``hd.RMSNorm``: one
+autograd node with a hand-written backward in both cases; ``hd.SwiGLU``: autograd of its
+formula, recomputed), and the consumers' input gradients are summed by autograd as
+before, so the gradients are bitwise those of the unfused path. The producer saves its
+inputs, never its output.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -46,7 +48,6 @@ from torch import nn
 from hybrid_dist._recipe_module import in_backward
 from hybrid_dist._warn import warn_once
 from hybrid_dist.formats._quantizer import Quantizer
-from hybrid_dist.quantized_tensor import QuantizedTensor
 
 
 class QuantizedOutputProducer:
@@ -116,51 +117,10 @@ def shared_target(producer, consumers: tuple) -> tuple[Quantizer, bool] | None:
             why = (f"the input quantizer {quantizer!r} keeps state per consumer (e.g. a delayed-scaling "
                    "amax history)")
     if why is not None:
-        warn_once(f"{type(producer).__name__} feeding [{_label(consumers)}]: not sharing one quantization of "
-                  f"its output because {why}; each consumer quantizes it itself (same numbers, more work)")
+        # once per producer class and reason (not per layer): a 32-layer model warns once
+        warn_once(f"hd.{type(producer).__name__} feeding [{_label(consumers)}] (and any others alike): not sharing "
+                  f"one quantization of its output because {why}; each consumer quantizes it itself (same "
+                  "numbers, more work)", key=f"shared_input {type(producer).__name__}: {why}")
         return None
     columnwise = torch.is_grad_enabled() and any(c.weight.requires_grad for c in consumers)
     return quantizer, columnwise
-
-
-StoragesFn = Callable[..., tuple]  # (*inputs) -> (rowwise storage, columnwise storage or None, out dtype)
-
-
-class _QuantizedOutputFn(torch.autograd.Function):
-    """``forward(reference, storages, quantizer, *inputs) -> QuantizedTensor``.
-
-    ``reference(*inputs)``: the producer's high-precision output (differentiable torch ops);
-    ``storages(*inputs)``: its quantized storages (a fused kernel, or ``reference`` then
-    ``quantize_storages``). Backward differentiates ``reference`` again (see the note)."""
-
-    @staticmethod
-    def forward(ctx, reference: Callable, storages: StoragesFn, quantizer: Quantizer, *inputs):
-        ctx.set_materialize_grads(False)
-        row, col, out_dtype = storages(*inputs)
-        ctx.reference = reference
-        ctx.save_for_backward(*inputs)
-        return QuantizedTensor(inputs[0].shape, out_dtype, row, col, quantizer)
-
-    @staticmethod
-    def backward(ctx, dy):
-        needs = ctx.needs_input_grad[3:]
-        if dy is None or not any(needs):
-            return (None, None, None) + (None,) * len(needs)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs)]
-            y = ctx.reference(*leaves)
-            grads = iter(torch.autograd.grad(y, [t for t, n in zip(leaves, needs) if n], dy))
-        return (None, None, None) + tuple(next(grads) if n else None for n in needs)
-
-
-def produce_quantized(reference: Callable, storages: StoragesFn, quantizer: Quantizer,
-                      *inputs: torch.Tensor) -> QuantizedTensor:
-    """Apply :class:`_QuantizedOutputFn` (the producers' one entry point)."""
-    return _QuantizedOutputFn.apply(reference, storages, quantizer, *inputs)
-
-
-def reference_storages(reference: Callable, quantizer: Quantizer, columnwise: bool, *inputs):
-    """``reference(*inputs)`` quantized once: ``(row, col, dtype)`` (the path without a kernel)."""
-    y = reference(*inputs)
-    row, col = quantizer.quantize_storages(y.reshape(-1, y.shape[-1]), rowwise=True, columnwise=columnwise)
-    return row, col, y.dtype

@@ -4,7 +4,11 @@
 Every projection inside the blocks is an ``hd.Linear`` (its recipe is set later with
 ``hd.convert_to_hybrid``); the token embedding and the output head stay high precision,
 as TransformerEngine and torchao keep them. Created inside ``hd.quantized_model_init``,
-the block weights are QuantizedTensors.
+the block weights are QuantizedTensors. With ``hd.Linear`` projections the block norms
+are ``hd.RMSNorm`` and the MLP gate is ``hd.SwiGLU``, which ``apply_recipe`` links to the
+layers reading them (attention_norm → wq, wk, wv; ffn_norm → w1, w3; SwiGLU → w2) so each
+of those inputs is quantized once (``hybrid_dist.shared_input``). The ``nn.Linear``
+baseline (torchao) keeps ``nn.RMSNorm`` and ``F.silu(a) * b``.
 
 Shape legend: B batch, S sequence, D model dim, H query heads, G kv heads, Dh head dim,
 V vocab, F ffn dim. Attention reshapes use ``-1`` for the head count so a tensor-parallel
@@ -69,9 +73,13 @@ class FeedForward(nn.Module):
         self.w1 = linear(dim, ffn_dim, bias=False)
         self.w3 = linear(dim, ffn_dim, bias=False)
         self.w2 = linear(ffn_dim, dim, bias=False)
+        # hd.SwiGLU can quantize its output once for w2 (no parameters: state dict unchanged)
+        self.act = hd.SwiGLU() if linear is hd.Linear else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.act is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x), self.w3(x)))
 
 
 def build_mlp(cfg: ModelConfig, *, ep_group=None, linear: type[nn.Linear] = hd.Linear) -> nn.Module:
@@ -89,9 +97,10 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, ep_group=None, linear: type[nn.Linear] = hd.Linear):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        norm = hd.RMSNorm if linear is hd.Linear else nn.RMSNorm
+        self.attention_norm = norm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg, linear=linear)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = norm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = build_mlp(cfg, ep_group=ep_group, linear=linear)
         self.is_moe = bool(cfg.moe_experts)
 
@@ -169,13 +178,33 @@ def hybrid_filter(module: nn.Module, fqn: str) -> bool:
     return fqn != "output" and ".router" not in fqn
 
 
-def apply_recipe(model: nn.Module, recipe: hd.Recipe) -> nn.Module:
+def link_shared_inputs(model: nn.Module) -> None:
+    """Link each block's producers to the ``hd.Linear`` layers reading them, so their
+    output is quantized once (where the recipe allows; see ``hybrid_dist.shared_input``):
+    attention_norm → wq, wk, wv; for dense MLPs ffn_norm → w1, w3 and SwiGLU → w2."""
+    for block in model.layers.values():
+        attn = block.attention
+        hd.link_quantized_input(block.attention_norm, consumers=[attn.wq, attn.wk, attn.wv])
+        if not block.is_moe:
+            ffn = block.feed_forward
+            hd.link_quantized_input(block.ffn_norm, consumers=[ffn.w1, ffn.w3])
+            hd.link_quantized_input(ffn.act, consumers=[ffn.w2])
+
+
+def apply_recipe(model: nn.Module, recipe: hd.Recipe, *, share_quantized_inputs: bool = True) -> nn.Module:
     """Set ``recipe`` on every block projection (``hd.Linear`` and MoE ``GroupedLinear``)
-    and on each ``MoE`` (which quantizes its expert-parallel token exchange with it)."""
+    and on each ``MoE`` (which quantizes its expert-parallel token exchange with it).
+
+    ``share_quantized_inputs``: link the norms and the SwiGLU to their consumers
+    (:func:`link_shared_inputs`). Pass False for ``torch.compile``d blocks (a
+    ``QuantizedTensor`` passed between modules breaks the graph) and for tensor-parallel
+    layouts (the TP styles' input hooks expect high-precision inputs)."""
     hd.convert_to_hybrid(model, recipe=recipe, module_filter_fn=hybrid_filter)
     for mod in model.modules():
         if isinstance(mod, hd.Linear) and mod.recipe is not None:
             mod._plan(recipe)  # build quantizers now, not on the first (maybe compiled) forward
+    if share_quantized_inputs:
+        link_shared_inputs(model)
     if model.cfg.moe_experts:
         from hybrid_dist.moe import MoE, GroupedLinear
 

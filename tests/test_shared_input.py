@@ -163,7 +163,15 @@ def test_no_recipe_gives_plain_output_without_warning():
     assert_bitwise_equal(h, hd.norm.rms_norm_reference(x, norm.weight, 1e-6), "no recipe")
 
 
-def test_mismatched_consumer_quantizers_fall_back_and_warn_once():
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget earlier one-time warnings (other tests in this process may have shown them)."""
+    from hybrid_dist import _warn
+
+    monkeypatch.setattr(_warn, "_WARNED", set())
+
+
+def test_mismatched_consumer_quantizers_fall_back_and_warn_once(fresh_warnings):
     x = _x(torch.float32)
     mx, f8 = hd.recipe_from_name("mxfp8"), hd.recipe_from_name("fp8_current")
 
@@ -183,11 +191,16 @@ def test_mismatched_consumer_quantizers_fall_back_and_warn_once():
     _assert_all_bitwise(fused, _run_norm_block(*build(False), x), "mismatched consumers")
 
 
-def test_delayed_scaling_falls_back_with_a_reason():
-    norm, lins = _norm_block(hd.recipe_from_name("fp8_delayed"), torch.float32, link=True,
-                             names=("dl.wq", "dl.wk", "dl.wv"))
-    with pytest.warns(UserWarning, match="keeps state per consumer"):
-        assert type(norm(_x(torch.float32))) is torch.Tensor
+def test_delayed_scaling_falls_back_and_warns_once_per_producer_class(fresh_warnings):
+    def build(layer):
+        return _norm_block(hd.recipe_from_name("fp8_delayed"), torch.float32, link=True,
+                           names=(f"{layer}.wq", f"{layer}.wk", f"{layer}.wv"))[0]
+
+    with pytest.warns(UserWarning, match=r"\[0.wq, 0.wk, 0.wv\].*keeps state per consumer"):
+        assert type(build(0)(_x(torch.float32))) is torch.Tensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # another layer, same reason: silent
+        assert type(build(1)(_x(torch.float32))) is torch.Tensor
 
 
 def test_quantized_input_with_another_quantizer_raises():
