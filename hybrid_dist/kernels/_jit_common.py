@@ -5,7 +5,10 @@ operations in the same order), so the kernels reproduce the reference bitwise:
 
 * every fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate);
 * fp32 -> fp8 casts clamp first, then round to nearest even (``cvt.rn.satfinite`` on sm_90);
-* powers of two are built from bits (``exp2_int``), never with ``exp2``.
+* powers of two are built from bits (``exp2_int``), never with ``exp2``;
+* fp32 -> bf16 roundings are done on the bits (``round_bf16``): the same RNE as the
+  GPU's ``cvt.rn.bf16.f32``, and exact under the Triton interpreter too (whose cast
+  truncates).
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ def cast_fp8(v, fmax: tl.constexpr, out_dtype: tl.constexpr):
     """Saturating RNE cast of fp32 ``v`` (``_numerics.cast_to_fp8``)."""
     v = tl.minimum(tl.maximum(v, -fmax), fmax)
     return v.to(out_dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def round_bf16(v):
+    """fp32 ``v`` rounded to the nearest bf16 (ties to even), returned as fp32; NaN stays NaN."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & -65536  # -65536 == 0xFFFF0000
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
