@@ -28,14 +28,13 @@ link compiled models.
 [Note: shared-input numerics]
 The fused output is bitwise the unfused path — the producer's high-precision output
 quantized by each consumer — because both quantize the same values with the same
-stateless quantizer: on CPU (and for formats without a fused kernel) the producer
-computes its reference formula and calls ``quantizer.quantize_storages`` once; CUDA
-kernels registered with ``kernels.register_fused_quantize`` recompute the formula in
-registers, bitwise. Backward is the same code fused or not (``hd.RMSNorm``: one
-autograd node with a hand-written backward in both cases; ``hd.SwiGLU``: autograd of its
-formula, recomputed), and the consumers' input gradients are summed by autograd as
-before, so the gradients are bitwise those of the unfused path. The producer saves its
-inputs, never its output.
+stateless quantizer. ``hd.RMSNorm`` computes ``F.rms_norm`` and quantizes its output once
+(``quantize_shared``, straight-through backward); ``hd.SwiGLU`` calls a CUDA kernel
+registered with ``kernels.register_fused_quantize`` where one serves the quantizer
+(``silu(a) * b`` recomputed in registers with torch's roundings, bitwise), else its
+formula then one ``quantize_storages``. The consumers' input gradients are summed by
+autograd as before and the producers' backward is the unfused one, so the gradients are
+bitwise those of the unfused path.
 """
 
 from __future__ import annotations
@@ -48,6 +47,28 @@ from torch import nn
 from hybrid_dist._recipe_module import in_backward
 from hybrid_dist._warn import warn_once
 from hybrid_dist.formats._quantizer import Quantizer
+from hybrid_dist.quantized_tensor import QuantizedTensor
+
+
+class _QuantizeShared(torch.autograd.Function):
+    """``y`` → one ``QuantizedTensor`` for all consumers; straight-through backward (the
+    consumers' input gradients, summed by autograd, are ``y``'s gradient)."""
+
+    @staticmethod
+    def forward(ctx, y, quantizer: Quantizer, columnwise: bool):
+        y2d = y.reshape(-1, y.shape[-1])
+        row, col = quantizer.quantize_storages(y2d, rowwise=True, columnwise=columnwise)
+        return QuantizedTensor(y.shape, y.dtype, row, col, quantizer)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def quantize_shared(y: torch.Tensor, quantizer: Quantizer, columnwise: bool) -> torch.Tensor:
+    """``y [..., K]`` quantized once (rowwise, and columnwise if asked) as a
+    ``QuantizedTensor`` through which the gradient passes unchanged."""
+    return _QuantizeShared.apply(y, quantizer, columnwise)
 
 
 class QuantizedOutputProducer:

@@ -23,9 +23,9 @@ def register_quantize(quantizer_cls: type, impl: Callable) -> None:
 
 
 def register_fused_quantize(op: str, quantizer_cls: type, impl: Callable) -> None:
-    """A kernel computing a producer's output (``op``: ``"rms_norm"``, ``"swiglu"``) and
-    quantizing it in one go, never writing the high-precision output (``hd.RMSNorm``,
-    ``hd.SwiGLU``; see ``hybrid_dist.shared_input``). ``impl(quantizer, *inputs2d, *,
+    """A kernel computing a producer's output (``op``: ``"swiglu"``) and
+    quantizing it in one go, never writing the high-precision output (``hd.SwiGLU``;
+    see ``hybrid_dist.shared_input``). ``impl(quantizer, *inputs2d, *,
     rowwise, columnwise) -> (row, col)`` or ``NotImplemented`` to defer to the reference."""
     _FUSED[(op, quantizer_cls)] = impl
 

@@ -1,4 +1,4 @@
-"""Registers the Triton quantize kernels, the fused producer → quantize kernels and the
+"""Registers the Triton quantize kernels, the fused SwiGLU → quantize kernel and the
 CUDA GEMM with the registry.
 
 Imported by ``hybrid_dist.kernels`` only when CUDA and Triton are both available.
@@ -18,14 +18,13 @@ def register_all() -> None:
     from hybrid_dist.kernels.fp8_tensor import quantize_fp8_tensor
     from hybrid_dist.kernels.gemm import gemm_nt_cuda
     from hybrid_dist.kernels.mxfp8 import quantize_mxfp8
-    from hybrid_dist.kernels.norm_act_fp8 import rms_norm_quantize_fp8, swiglu_quantize_fp8
+    from hybrid_dist.kernels.swiglu_fp8 import swiglu_quantize_fp8
     from hybrid_dist.kernels.nvfp4 import quantize_nvfp4
 
     kernels.register_quantize(Float8Quantizer, quantize_fp8_tensor)
     kernels.register_quantize(Float8BlockQuantizer, quantize_fp8_block)
     kernels.register_quantize(MXFP8Quantizer, quantize_mxfp8)
     kernels.register_quantize(NVFP4Quantizer, quantize_nvfp4)
-    kernels.register_fused_quantize("rms_norm", Float8Quantizer, rms_norm_quantize_fp8)
     kernels.register_fused_quantize("swiglu", Float8Quantizer, swiglu_quantize_fp8)
     if gemm_nt_cuda not in kernels._GEMM:
         kernels.register_gemm(gemm_nt_cuda)
