@@ -36,9 +36,10 @@ def _swiglu_storages(a, b, quantizer, columnwise):
 
 
 class _SwiGLUQuantizedFn(torch.autograd.Function):
-    """``silu(a) * b`` as a QuantizedTensor. Backward differentiates the formula again
-    (recomputed from the saved ``a``, ``b``): bitwise the gradients of the plain path,
-    which is that formula under autograd."""
+    """``silu(a) * b`` as a QuantizedTensor. Backward runs the ops autograd runs for the
+    plain formula (``MulBackward0``: ``dh · b`` and ``dh · silu(a)``; ``SiluBackward0``:
+    ``silu_backward``), recomputing only ``silu(a)`` (the fused forward never wrote it):
+    bitwise the plain path's gradients, without re-running the product."""
 
     @staticmethod
     def forward(ctx, a, b, quantizer, columnwise: bool):
@@ -49,14 +50,19 @@ class _SwiGLUQuantizedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh):
-        need = ctx.needs_input_grad[:2]
-        if dh is None or not any(need):
+        need_a, need_b = ctx.needs_input_grad[:2]
+        if dh is None or not (need_a or need_b):
             return None, None, None, None
-        with torch.enable_grad():
-            a, b = (t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, need))
-            wrt = [t for t, n in zip((a, b), need) if n]
-            grads = iter(torch.autograd.grad(swiglu_reference(a, b), wrt, dh))
-        return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None, None
+        a, b = ctx.saved_tensors
+        if not (a.dtype == b.dtype == dh.dtype):  # mixed dtypes: let autograd do the promotions
+            with torch.enable_grad():
+                a_, b_ = a.detach().requires_grad_(need_a), b.detach().requires_grad_(need_b)
+                grads = iter(torch.autograd.grad(swiglu_reference(a_, b_), [t for t in (a_, b_) if t.requires_grad],
+                                                 dh))
+            return (next(grads) if need_a else None), (next(grads) if need_b else None), None, None
+        da = torch.ops.aten.silu_backward(dh * b, a) if need_a else None
+        db = dh * F.silu(a) if need_b else None
+        return da, db, None, None
 
 
 class SwiGLU(QuantizedOutputProducer, nn.Module):
