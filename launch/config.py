@@ -46,6 +46,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     compile: bool = False
+    share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
     data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
     data_dtype: str = "uint16"
     checkpoint_dir: str | None = None
@@ -134,6 +135,8 @@ _HELP = {
     "activation_checkpointing": "recompute each block in backward",
     "cpu_offload": "FSDP2 CPU offload of sharded parameters (GPU only)",
     "compile": "torch.compile each block",
+    "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "
+                              "(hd.link_quantized_input; not with --compile or --tp)",
     "data": "tokens as .npy or raw binary (--data-dtype); default: synthetic Markov stream",
     "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
     "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",

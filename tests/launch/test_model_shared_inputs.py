@@ -72,3 +72,12 @@ def test_state_dict_keys_unchanged_by_linking():
     assert isinstance(a.layers["0"].attention_norm, torch.nn.RMSNorm)
     b.load_state_dict(a.state_dict())
     assert isinstance(b.layers["0"].attention_norm(torch.randn(2, 128, 256)), hd.QuantizedTensor)
+
+
+def test_launcher_shares_only_when_asked():
+    """Opt-in: on an H200 the shared path was no faster for an 8b block and slower for a
+    host-bound 1b block (README, shared input quantization)."""
+    from hybrid_dist.launch.config import parse_args
+
+    assert parse_args([])[0].share_quantized_inputs is False
+    assert parse_args(["--share-quantized-inputs"])[0].share_quantized_inputs is True
