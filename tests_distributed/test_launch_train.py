@@ -90,7 +90,8 @@ def _train_all(rank, world_size, tmp):
 
 
 def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
-    ranks = run_ranks(_train_all, 2, str(tmp_path))
+    # ~300 s on 2 busy CPU cores (every recipe, variants, resume): more than the default 300 s limit
+    ranks = run_ranks(_train_all, 2, str(tmp_path), timeout=900.0)
     r0, r1 = ranks
     failures = []
     bf16_first = r0["recipes"]["bf16"][0]

@@ -283,6 +283,6 @@ def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
 
 def test_tp_mlp_equals_single_process():
     prepared = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block")
-    results = run_ranks(_rank_fn, 4, tuple(hd.RECIPE_NAMES), prepared)
+    results = run_ranks(_rank_fn, 4, tuple(hd.RECIPE_NAMES), prepared, timeout=900.0)  # 4 ranks x 9 recipes on 2 cores
     fails = [f"rank {r}: {m}" for r, (fs, _) in enumerate(results) for m in fs]
     assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:30])
