@@ -46,15 +46,20 @@ def top_kernels(events, rows: int):
     return sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]
 
 
-def print_profile(step, title: str, *, rows: int = 15) -> None:
-    """One profiled call of ``step``: GPU kernel time and the top kernels by GPU time."""
+def profile_step(step):
+    """``key_averages()`` of one profiled call of ``step`` (after one warm-up call)."""
     step()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize()
-    ev = prof.key_averages()
+    return prof.key_averages()
+
+
+def print_profile(step, title: str, *, rows: int = 15) -> None:
+    """One profiled call of ``step``: GPU kernel time and the top kernels by GPU time."""
+    ev = profile_step(step)
     kernels = top_kernels(ev, len(ev))
     total = sum(e.self_device_time_total for e in kernels) / 1e3
     print(f"\n## profile {title}: {total:.2f} ms of kernels, {sum(e.count for e in kernels)} launches")

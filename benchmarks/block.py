@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 import hybrid_dist as hd
-from benchmarks._bench import bench_ms, host_calls, print_table
+from benchmarks._bench import bench_ms, host_calls, print_table, profile_step
 from hybrid_dist.launch.model import Block, apply_recipe, link_shared_inputs, rope_tables
 from hybrid_dist.launch.presets import preset
 
@@ -65,13 +65,7 @@ def _step_fn(model, cfg, tokens: int):
 
 
 def _launches(step) -> float:
-    step()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
-        torch.cuda.synchronize()
-    return host_calls(prof.key_averages())[1]
+    return host_calls(profile_step(step))[1]
 
 
 def main() -> None:
