@@ -3,7 +3,12 @@
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` CPU processes on gloo;
 ``run_nccl(fn, world_size, *args)`` one process per CUDA device on NCCL. Each initialises a
 process group over a fresh file store, calls ``fn(rank, world_size, *args)`` and the
-results come back in rank order. An exception on any rank is re-raised in the parent with
+results come back in rank order.
+
+Gloo ranks are forked: they inherit the parent's imported torch and hybrid_dist instead of
+importing them again (a spawned rank spends 10-25 s of CPU importing on a 2-core CI
+machine, more than most tests' work). Spawn remains for NCCL (CUDA cannot be forked) and
+whenever the parent holds a process group or CUDA context of its own. An exception on any rank is re-raised in the parent with
 that rank's traceback, so a failing test names the rank and configuration.
 """
 
@@ -37,8 +42,13 @@ def _worker(rank, world_size, store_path, backend, fn, args, queue):
             dist.destroy_process_group()
 
 
+def _start_method(backend: str) -> str:
+    parent_state = dist.is_initialized() or torch.cuda.is_initialized()
+    return "fork" if backend == "gloo" and not parent_state else "spawn"
+
+
 def _run(fn, world_size: int, args, *, backend: str, timeout: float):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_start_method(backend))
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         store_path = os.path.join(d, "store")

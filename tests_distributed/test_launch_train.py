@@ -1,21 +1,22 @@
 """``launch.train`` on 2 gloo ranks (FSDP=2), in-process through ``loop.train``.
 
-One spawned run covers every configuration (spawning is the expensive part):
-* every named recipe trains the tiny preset for a few steps: the first loss is the
-  untrained ``log(vocab)`` and matches bf16's first loss (same init and data; quantized
-  forward), the loss falls, and both ranks report the same (all-reduced) losses;
-* resuming from a DCP checkpoint taken mid-run reproduces the uninterrupted run's later
-  losses bitwise (recipes with stochastic rounding and delayed-scaling state; MoE with
-  expert parallelism; ``--quantized-init``, whose checkpoint holds the fp32 masters);
-* the metrics JSONL holds one record per step with the logged loss;
-* with torchao installed, ``--baseline torchao-float8`` (float8 all-gather) trains too, and
-  resumes bitwise;
-* an MoE model trains the same with EP=2 as with EP=1 (bf16; same init, data and gradient
-  scaling, only reduction orders differ);
+Two spawned runs (spawning is the expensive part), a one-block tiny model, 8 steps each:
+
+* every named recipe trains: the first loss is the untrained ``log(vocab)`` and matches
+  bf16's first loss (same init and data; quantized forward), the loss falls, both ranks
+  report the same (all-reduced) losses, and the metrics JSONL holds one record per step;
 * the parallel variants train too: MoE with expert parallelism (EP=2), tensor parallelism
-  (TP=2), and ``--quantized-init`` (FSDP2 of quantized weights), whose first loss equals
-  the high-precision-init run's (same draws; fprop reads the same quantized weight); and
-  the GPU default path, meta-device init of the sharded model, with activation checkpointing.
+  (TP=2), ``--quantized-init`` (FSDP2 of quantized weights), whose first loss equals the
+  high-precision-init run's (same draws; fprop reads the same quantized weight), and the
+  GPU default path, meta-device init of the sharded model, with activation checkpointing;
+  an MoE model trains the same with EP=2 as with EP=1 (bf16; same init, data and
+  gradient scaling, only reduction orders differ);
+* resuming from the DCP checkpoint a run took at step 4 reproduces its later losses
+  bitwise, for the configurations with state beyond the weights: delayed-scaling amax
+  histories, stochastic rounding (Linear and per-expert GroupedLinear), expert-parallel
+  experts (checkpoint keys carry the EP slot) and quantized parameters (the checkpoint
+  holds the fp32 masters, requantized on load); with torchao installed, ``--baseline
+  torchao-float8`` (float8 all-gather) trains and resumes too.
 """
 
 from __future__ import annotations
@@ -28,25 +29,19 @@ import hybrid_dist as hd
 from tests_distributed._harness import run_ranks
 
 STEPS = 8
-# name -> config: stochastic rounding (Linear and per-expert GroupedLinear) and delayed scaling
-RESUME = {
-    "mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd"),
-    "fp8_delayed": dict(recipe="fp8_delayed"),
-    "moe4_nvfp4": dict(recipe="nvfp4", moe_experts=4),
-    # each EP rank's experts are different tensors under one name (checkpoint keys carry the EP slot)
-    "moe4_ep2_nvfp4": dict(recipe="nvfp4", moe_experts=4, ep=2),
-    # quantized parameters: the checkpoint holds the fp32 masters, requantized on load
-    "quantized_init_fp8_current": dict(recipe="fp8_current", quantized_init=True),
-    "quantized_init_moe4_ep2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", quantized_init=True,
-                                                        moe_experts=4, ep=2),
-}
+HALF = STEPS // 2
+RESUMED_RECIPES = ("fp8_delayed", "mxfp8_fwd_nvfp4_bwd")  # amax history; stochastic rounding
+# name -> (config, also checkpoint at HALF and resume)
 VARIANTS = {
-    "moe4_fsdp2_ep2_mxfp8": dict(recipe="mxfp8", moe_experts=4, ep=2),
-    "moe4_fsdp2_ep1_bf16": dict(recipe="bf16", moe_experts=4),
-    "moe4_fsdp2_ep2_bf16": dict(recipe="bf16", moe_experts=4, ep=2),
-    "tp2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", fsdp=1, tp=2, batch_size=8),  # one dp rank
-    "quantized_init_fsdp2_mxfp8_fwd_nvfp4_bwd": dict(recipe="mxfp8_fwd_nvfp4_bwd", quantized_init=True),
-    "meta_init_fsdp2_ac_fp8_current": dict(recipe="fp8_current", init="meta", activation_checkpointing=True),
+    "moe4_ep2_nvfp4": (dict(recipe="nvfp4", moe_experts=4, ep=2), True),
+    "moe4_ep1_bf16": (dict(recipe="bf16", moe_experts=4), False),
+    "moe4_ep2_bf16": (dict(recipe="bf16", moe_experts=4, ep=2), False),
+    "tp2_mxfp8_fwd_nvfp4_bwd": (dict(recipe="mxfp8_fwd_nvfp4_bwd", fsdp=1, tp=2, batch_size=8), False),  # one dp rank
+    "fp8_current": (dict(recipe="fp8_current"), False),
+    "quantized_init_fp8_current": (dict(recipe="fp8_current", quantized_init=True), True),
+    "quantized_init_moe4_ep2_mxfp8_fwd_nvfp4_bwd": (
+        dict(recipe="mxfp8_fwd_nvfp4_bwd", quantized_init=True, moe_experts=4, ep=2), True),
+    "meta_init_ac_fp8_current": (dict(recipe="fp8_current", init="meta", activation_checkpointing=True), False),
 }
 
 
@@ -54,7 +49,7 @@ def _cfg(recipe: str = "bf16", **kw):
     from hybrid_dist.launch.config import TrainConfig
 
     kw = {"fsdp": 2, "batch_size": 4, **kw}
-    return TrainConfig(preset="tiny", recipe=recipe, steps=STEPS, seq_len=64, lr=3e-3, warmup=1,
+    return TrainConfig(preset="tiny", layers=1, recipe=recipe, steps=STEPS, seq_len=64, lr=3e-3, warmup=1,
                        min_lr_ratio=1.0, quiet=True, **kw)
 
 
@@ -68,59 +63,79 @@ def _torchao_imports() -> bool:
     return True
 
 
-def _train_all(rank, world_size, tmp):
+def _train(tmp: str, name: str, kw: dict, *, resume: bool):
+    """``(losses, resumed losses or None)`` of one configuration."""
     from hybrid_dist.launch.loop import train
 
-    out = {"recipes": {}, "resume": {}, "variants": {}}
-    for name, kw in VARIANTS.items():
-        out["variants"][name] = train(_cfg(**kw))["losses"]
+    if not resume:
+        return train(_cfg(**kw))["losses"], None
+    ckpt = os.path.join(tmp, f"ckpt-{name}")
+    full = train(_cfg(**kw, checkpoint_dir=ckpt, save_every=HALF))["losses"]
+    resumed = train(_cfg(**kw, resume=os.path.join(ckpt, f"step_{HALF:06d}")))["losses"]
+    return full, resumed
+
+
+def _train_recipes(rank, world_size, tmp):
+    out = {}
     for recipe in hd.RECIPE_NAMES:
         metrics = os.path.join(tmp, f"{recipe}.jsonl")
-        out["recipes"][recipe] = train(_cfg(recipe, metrics=metrics))["losses"]
-    resume = dict(RESUME)
-    if _torchao_imports():  # optional baseline (not a CI dependency)
-        resume["torchao-float8"] = dict(baseline="torchao-float8")
-    for name, kw in resume.items():
-        ckpt = os.path.join(tmp, f"ckpt-{name}")
-        full = train(_cfg(**kw, checkpoint_dir=ckpt, save_every=STEPS // 2))["losses"]
-        resumed = train(_cfg(**kw, resume=os.path.join(ckpt, f"step_{STEPS // 2:06d}")))["losses"]
-        out["resume"][name] = (full, resumed)
-    out["torchao"] = out["resume"].get("torchao-float8", (None,))[0]
+        out[recipe] = _train(tmp, recipe, dict(recipe=recipe, metrics=metrics), resume=recipe in RESUMED_RECIPES)
     return out
 
 
+def _train_variants(rank, world_size, tmp):
+    out = {name: _train(tmp, name, kw, resume=resume) for name, (kw, resume) in VARIANTS.items()}
+    if _torchao_imports():  # optional baseline (not a CI dependency)
+        out["torchao-float8"] = _train(tmp, "torchao-float8", dict(baseline="torchao-float8"), resume=True)
+    return out
+
+
+def _check_falls(where: str, losses: list[float], failures: list[str]) -> bool:
+    if not all(math.isfinite(x) for x in losses):
+        failures.append(f"{where}: non-finite loss {losses}")
+        return False
+    if not losses[-1] < losses[0] - 0.5:
+        failures.append(f"{where}: loss did not fall by 0.5 in {STEPS} steps: {losses}")
+    return True
+
+
+def _check_resume(where: str, full: list[float], resumed: list[float] | None, failures: list[str]):
+    if resumed is not None and (len(full) != STEPS or resumed != full[HALF:]):
+        failures.append(f"{where}: resumed from step {HALF}: losses {resumed} != uninterrupted {full[HALF:]} "
+                        f"(full run {full})")
+
+
 def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
-    # ~300 s on 2 busy CPU cores (every recipe, variants, resume): more than the default 300 s limit
-    ranks = run_ranks(_train_all, 2, str(tmp_path), timeout=900.0)
-    r0, r1 = ranks
+    r0, r1 = run_ranks(_train_recipes, 2, str(tmp_path), timeout=600.0)
     failures = []
-    bf16_first = r0["recipes"]["bf16"][0]
-    for recipe, losses in r0["recipes"].items():
-        where = f"recipe={recipe} tiny fsdp=2 gloo"
-        if losses != r1["recipes"][recipe]:
-            failures.append(f"{where}: ranks disagree on the all-reduced loss: {losses} vs {r1['recipes'][recipe]}")
-        if not all(math.isfinite(x) for x in losses):
-            failures.append(f"{where}: non-finite loss {losses}")
+    bf16_first = r0["bf16"][0][0]
+    for recipe, (losses, resumed) in r0.items():
+        where = f"recipe={recipe} tiny layers=1 fsdp=2 gloo"
+        if (losses, resumed) != r1[recipe]:
+            failures.append(f"{where}: ranks disagree on the all-reduced loss: {losses} vs {r1[recipe][0]}")
+        if not _check_falls(where, losses, failures):
             continue
         if abs(losses[0] - math.log(512)) > 0.15:
             failures.append(f"{where}: first loss {losses[0]:.4f} is not the untrained log(512)=6.238")
         if abs(losses[0] - bf16_first) > 0.05:
             failures.append(f"{where}: first loss {losses[0]:.4f} differs from bf16's {bf16_first:.4f} by > 0.05")
-        if not losses[-1] < losses[0] - 0.5:
-            failures.append(f"{where}: loss did not fall by 0.5 in {STEPS} steps: {losses}")
+        _check_resume(where, losses, resumed, failures)
         with open(tmp_path / f"{recipe}.jsonl") as f:
             logged = [json.loads(line) for line in f]
-        steps = [rec["loss"] for rec in logged if rec["event"] == "step"]
+        steps = [rec["loss"] for rec in logged if rec["event"] == "step"][:STEPS]  # the uninterrupted run's
         if steps != losses or logged[-1]["event"] != "summary" or logged[-1]["final_loss"] != losses[-1]:
             failures.append(f"{where}: metrics JSONL does not match the losses ({steps} vs {losses})")
-    for name, (full, resumed) in r0["resume"].items():
-        if len(full) != STEPS or resumed != full[STEPS // 2:]:
-            failures.append(f"resume {name}: resumed losses {resumed} != uninterrupted {full[STEPS // 2:]} "
-                            f"(full run {full})")
-    for name, losses in r0["variants"].items():
-        if not (all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5):
-            failures.append(f"variant {name}: loss did not fall by 0.5 in {STEPS} steps: {losses}")
-    ep1, ep2 = r0["variants"]["moe4_fsdp2_ep1_bf16"], r0["variants"]["moe4_fsdp2_ep2_bf16"]
+    assert not failures, "\n".join(failures)
+
+
+def test_parallel_variants_train_and_resume_is_bitwise(tmp_path):
+    r0, _ = run_ranks(_train_variants, 2, str(tmp_path), timeout=600.0)
+    failures = []
+    for name, (losses, resumed) in r0.items():
+        where = f"variant {name} tiny layers=1 gloo 2 ranks"
+        if _check_falls(where, losses, failures):
+            _check_resume(where, losses, resumed, failures)
+    ep1, ep2 = r0["moe4_ep1_bf16"][0], r0["moe4_ep2_bf16"][0]
     # early steps agree to fp32 rounding; later, Adam's tiny second moments amplify the
     # different summation orders (measured: identical for 3 steps, then <= 1.1e-4)
     early = max(abs(a - b) for a, b in zip(ep1[:3], ep2[:3]))
@@ -128,13 +143,8 @@ def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
     if early > 1e-5 or late > 1e-3:
         failures.append(f"MoE bf16 fsdp=2: EP=2 losses {ep2} differ from EP=1 {ep1} (max |diff| {early:.2e} over "
                         f"3 steps, {late:.2e} over {STEPS}; same init and data, only reduction orders differ)")
-    tao = r0.get("torchao")
-    if tao is not None and not (all(math.isfinite(x) for x in tao) and abs(tao[0] - bf16_first) < 0.05
-                                and tao[-1] < tao[0] - 0.5):
-        failures.append(f"baseline torchao-float8 tiny fsdp=2: losses {tao} (first must be within 0.05 of bf16's "
-                        f"{bf16_first:.4f}, then fall by 0.5)")
-    q_first = r0["variants"]["quantized_init_fsdp2_mxfp8_fwd_nvfp4_bwd"][0]
-    if q_first != r0["recipes"]["mxfp8_fwd_nvfp4_bwd"][0]:
-        failures.append(f"quantized init: first loss {q_first} != high-precision init's "
-                        f"{r0['recipes']['mxfp8_fwd_nvfp4_bwd'][0]} (same draws, same quantized fprop weight)")
+    q_first, hp_first = r0["quantized_init_fp8_current"][0][0], r0["fp8_current"][0][0]
+    if q_first != hp_first:
+        failures.append(f"quantized init fp8_current: first loss {q_first} != high-precision init's {hp_first} "
+                        "(same draws, same quantized fprop weight)")
     assert not failures, "\n".join(failures)

@@ -125,13 +125,14 @@ def e2m1_encode(v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
 
 
 def _e2m1_values(i: torch.Tensor) -> torch.Tensor:
-    """fp32 ``E2M1_GRID[i]`` for integer ``i`` in [0, 7], selected from Python scalars: no
-    grid tensor is built on the host, so on CUDA there is no blocking copy (the sync-free
-    MoE path runs this under ``torch.cuda.set_sync_debug_mode("error")``)."""
-    g = torch.zeros(i.shape, dtype=torch.float32, device=i.device)
-    for k, val in enumerate(E2M1_GRID[1:], start=1):
-        g = torch.where(i == k, val, g)
-    return g
+    """fp32 ``E2M1_GRID[i]`` for integer ``i`` in [0, 7], built from the bits: code
+    ``i = 2e + m`` with ``e >= 1`` is ``2**(e-1) * (1 + m/2)``, whose fp32 pattern is
+    ``(i << 22) + (126 << 23)``; the subnormals 0 and 1 are ``i/2``. No grid tensor is
+    built on the host, so on CUDA there is no blocking copy (the sync-free MoE path runs
+    this under ``torch.cuda.set_sync_debug_mode("error")``), and no per-value select."""
+    ii = i.to(torch.int32)
+    normal = ((ii << 22) + (126 << 23)).view(torch.float32)
+    return torch.where(ii < 2, ii.to(torch.float32) * 0.5, normal)
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
