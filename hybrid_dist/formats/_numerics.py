@@ -184,7 +184,16 @@ def hadamard16(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
 _HADAMARD_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}  # never mutated by callers
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """What ``torch.compiler.assume_constant_result`` does (it sets this one attribute, read
+    when dynamo traces a call), without importing ``torch._dynamo`` when hybrid_dist is
+    imported: that import costs seconds in every process (e.g. each torchrun rank);
+    ``tests/formats/test_numerics.py`` checks the attribute against torch's decorator."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _hadamard16_values(seed: int) -> tuple[float, ...]:
     """The entries of ``T`` (all ±1/4, exact) as Python floats, for tracing."""
     return tuple(_hadamard16_cpu(seed).flatten().tolist())

@@ -212,3 +212,16 @@ def test_e2m1_stochastic_encode_is_the_grid_definition():
     p_up = (mag - grid[lo]) / (grid[lo + 1] - grid[lo])
     want = (lo + (rand < p_up).long()).to(torch.uint8) | ((v < 0).to(torch.uint8) << 3)
     assert torch.equal(N.e2m1_encode(v, rand), want)
+
+
+def test_assume_constant_result_marks_like_torchs_decorator_and_import_skips_dynamo():
+    import subprocess
+    import sys
+
+    import torch._dynamo
+
+    ours, theirs = N._assume_constant_result(lambda: 0), torch._dynamo.assume_constant_result(lambda: 0)
+    assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
+    code = "import sys, hybrid_dist; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", "importing hybrid_dist imported torch._dynamo (seconds per process)"
