@@ -41,7 +41,8 @@ def assert_storage_equal(a, b, what: str = "") -> None:
 def run_under_triton_interpreter(call: str, *, done: str, timeout: float = 300) -> None:
     """Run ``call`` (e.g. ``"from tests.x import _check; _check()"``) in a subprocess with
     ``TRITON_INTERPRET=1`` (it must be set before any kernel is defined) from the repository
-    root; the call prints ``done`` when its checks pass. Skips without Triton."""
+    root; the call prints ``done`` when its checks pass. Skips without Triton. The
+    subprocess first installs ``tests._triton_interpreter_compat`` (NumPy >= 2.4 scalars)."""
     import os
     import subprocess
     import sys
@@ -52,6 +53,7 @@ def run_under_triton_interpreter(call: str, *, done: str, timeout: float = 300) 
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    call = "import tests._triton_interpreter_compat as c; c.install()\n" + call
     res = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
                          timeout=timeout)
     assert res.returncode == 0 and done in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]
