@@ -1,6 +1,6 @@
 """Run a function on N ranks (processes) and collect each rank's return value.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` CPU processes on gloo;
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` CPU processes on gloo;
 ``run_nccl(fn, world_size, *args)`` one process per CUDA device on NCCL. Each initialises a
 process group over a fresh file store, calls ``fn(rank, world_size, *args)`` and the
 results come back in rank order.

@@ -1,6 +1,6 @@
 """``launch.train`` on 2 gloo ranks (FSDP=2), in-process through ``loop.train``.
 
-Two spawned runs (spawning is the expensive part), a one-block tiny model, 8 steps each:
+Two multi-process runs (each training run costs seconds on CPU), a one-block tiny model, 8 steps each:
 
 * every named recipe trains: the first loss is the untrained ``log(vocab)`` and matches
   bf16's first loss (same init and data; quantized forward), the loss falls, both ranks

@@ -1,6 +1,6 @@
 """gather_along_first_dim / reduce_scatter_along_first_dim on gloo (TP = 2 and 4).
 
-One 4-rank spawn checks every configuration on the world group (TP=4) and on two
+One 4-rank run checks every configuration on the world group (TP=4) and on two
 2-rank subgroups (TP=2). Each rank returns the configurations that failed; the parent
 asserts none did, naming them. Asserted per format and direction:
 
