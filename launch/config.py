@@ -97,6 +97,12 @@ class TrainConfig:
                                           "converts the dense nn.Linear layers only); drop one of the two")
 
     @property
+    def links_quantized_inputs(self) -> bool:
+        """``--share-quantized-inputs`` where it can apply: not with ``--compile`` (a
+        ``QuantizedTensor`` crossing modules breaks the graph) nor ``--tp`` (TP input styles)."""
+        return self.share_quantized_inputs and not self.compile and self.tp == 1
+
+    @property
     def name(self) -> str:
         base = self.recipe if self.baseline == "none" else self.baseline
         return self.run_name or f"{self.preset}-{base}"

@@ -108,8 +108,7 @@ def _shard_on_fake_pg(m: ModelConfig, cfg: TrainConfig, dims: ParallelDims) -> t
         require("moe", EP_API, f"--moe-experts {m.moe_experts}")
     with torch.device("meta"):
         model = Transformer(m, ep_group=meshes.ep.get_group() if dims.ep > 1 else None)
-    apply_recipe(model, load_recipe(cfg.recipe),
-                 share_quantized_inputs=cfg.share_quantized_inputs and not cfg.compile and dims.tp == 1)
+    apply_recipe(model, load_recipe(cfg.recipe), share_quantized_inputs=cfg.links_quantized_inputs)
     if dims.tp > 1:
         apply_tp(model, meshes.tp)
     apply_fsdp(model, meshes.fsdp, param_dtype=torch.bfloat16, cpu_offload=False, experts=expert_modules(model),

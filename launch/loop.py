@@ -96,8 +96,7 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
         torchao_baseline.convert(model)
     else:
         # one quantization per norm / SwiGLU output (opt-in), except where it cannot apply (compile, TP)
-        apply_recipe(model, recipe, share_quantized_inputs=cfg.share_quantized_inputs and not cfg.compile
-                     and dims.tp == 1)
+        apply_recipe(model, recipe, share_quantized_inputs=cfg.links_quantized_inputs)
     parallelize(model, cfg, dims, meshes, param_dtype=compute, device_type=device.type)
     if on_meta:  # with CPU offload the sharded parameters live on CPU, the buffers on the GPU
         model.to_empty(device="cpu" if cfg.cpu_offload else device)

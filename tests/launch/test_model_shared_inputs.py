@@ -81,3 +81,6 @@ def test_launcher_shares_only_when_asked():
 
     assert parse_args([])[0].share_quantized_inputs is False
     assert parse_args(["--share-quantized-inputs"])[0].share_quantized_inputs is True
+    assert [parse_args(argv)[0].links_quantized_inputs for argv in (
+        [], ["--share-quantized-inputs"], ["--share-quantized-inputs", "--compile"],
+        ["--share-quantized-inputs", "--tp", "2"])] == [False, True, False, False]
