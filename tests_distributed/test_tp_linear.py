@@ -1,6 +1,6 @@
 """TP/SP hd.Linear and a two-layer MLP equal the single-process module (gloo, TP = 2, 4).
 
-One 4-rank run runs every named recipe × TP ∈ {2 (two 2-rank groups of a 2x2 mesh), 4}
+One 4-rank job runs every named recipe × TP ∈ {2 (two 2-rank groups of a 2x2 mesh), 4}
 × SP ∈ {off, on}, for two steps (delayed scaling uses step 0's history in step 1):
 ``fc1 = HybridColwiseParallel``, GELU, ``fc2 = HybridRowwiseParallel``; a gate/up
 block whose input is gathered once by ``PrepareHybridModuleInput`` (also under
