@@ -70,7 +70,7 @@ def _sweep_mxfp8(x, copy) -> list[list]:
     from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP
 
     base = mxfp8_quantize_v1(x, E4M3, True, True)
-    rows = [_row("mxfp8 row+col", "v1 (autotuned)", lambda: mxfp8_quantize_v1(x, E4M3, True, True), None, copy)]
+    rows = [_row("mxfp8 row+col", "v1 (32x256/w4)", lambda: mxfp8_quantize_v1(x, E4M3, True, True), None, copy)]
     for cfg in MXFP8_SWEEP:
         rows.append(_row("mxfp8 row+col", cfg.label(),
                          lambda cfg=cfg: mxfp8_quantize_tiles(x, E4M3, True, True, cfg), base, copy))

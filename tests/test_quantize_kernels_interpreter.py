@@ -84,7 +84,7 @@ def _storages_equal(k, r, what):
 
 def _check_mxfp8():
     import hybrid_dist as hd
-    from hybrid_dist.kernels import mxfp8
+    from hybrid_dist.kernels import mxfp8, mxfp8_v1
     from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP
     from hybrid_dist.formats.mxfp8 import mxfp8_quantize_rows
 
@@ -92,12 +92,13 @@ def _check_mxfp8():
     for dtype, bits in ((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 2)):
         x = mxfp8_input((96, 160), bits, gen)
         ref = (*mxfp8_quantize_rows(x, dtype), *mxfp8_quantize_rows(x.t(), dtype))
-        for cfg in MXFP8_SWEEP[:2]:
-            out = mxfp8.mxfp8_quantize_tiles(x, dtype, True, True, cfg)
+        outs = {cfg.label(): mxfp8.mxfp8_quantize_tiles(x, dtype, True, True, cfg) for cfg in MXFP8_SWEEP[:2]}
+        outs["v1 (the registered default)"] = mxfp8_v1.mxfp8_quantize_v1(x, dtype, True, True)
+        for label, out in outs.items():
             for name, a, b in zip(("row", "row_scale", "col", "col_scale"), out, ref):
-                _bits_equal(a, b, f"mxfp8 {dtype} {cfg.label()} {name}")
+                _bits_equal(a, b, f"mxfp8 {dtype} {label} {name}")
         q = hd.MXFP8Quantizer(dtype=dtype)
-        for rw, cw in DIRS:  # the registry entry point with the tile kernel (the default, v1, autotunes: GPU only)
+        for rw, cw in DIRS:  # the registry entry point with the tile kernel
             k = mxfp8.quantize_mxfp8(q, x, rowwise=rw, columnwise=cw, state=None, amax=None, config=MXFP8_SWEEP[0])
             r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=None)
             _storages_equal(k[0], r[0], f"mxfp8 {dtype} dirs={rw, cw} row")
