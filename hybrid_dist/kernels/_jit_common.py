@@ -57,16 +57,20 @@ def pow2_floor(x):
 
 
 @triton.jit
-def e8m0_from_amax(amax, elem_max: tl.constexpr):
-    """Biased E8M0 exponent (int32) rounding ``amax / elem_max`` up (RCEIL)."""
-    ratio = div_rn(amax, elem_max)
-    bits = ratio.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    sub_half = (exponent == 0) & (mantissa <= 0x400000)
-    round_up = (mantissa > 0) & (exponent != 0xFE) & (sub_half == 0)
-    e = exponent + round_up.to(tl.int32)
-    return tl.where(exponent == 0xFF, 0xFF, e)
+def e8m0_rceil(amax, E5M2: tl.constexpr):
+    """Biased E8M0 exponent (int32) of ``RCEIL(RN(amax / fmax))`` for ``fmax = 1.75 · 2**SHIFT``
+    (E4M3 448: 8, E5M2 57344: 15), with integer ops only: bitwise ``_numerics.e8m0_from_amax`` for
+    every non-negative fp32 ``amax`` (checked over all 2**31 bit patterns, NaN/Inf → 255).
+
+    ``RN(a/fmax) <= 2**p`` iff ``a <= fmax · 2**p · (1 + 2**-24)`` (ties go to the even
+    ``2**p``), i.e. iff the mantissa of ``a`` is ``<= 1.75`` at exponent ``p + SHIFT``; at the
+    subnormal boundary ``2**-127`` the half-ulp is ``2**-150``, one ulp of ``a`` more."""
+    SHIFT = 15 if E5M2 else 8
+    bits = amax.to(tl.int32, bitcast=True)
+    ea = (bits >> 23) & 0xFF
+    thr = 0x600000 + (ea == SHIFT).to(tl.int32)
+    e = tl.maximum(ea - SHIFT + ((bits & 0x7FFFFF) > thr).to(tl.int32), 0)
+    return tl.where(ea == 0xFF, 0xFF, e)
 
 
 @triton.jit

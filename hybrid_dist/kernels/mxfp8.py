@@ -27,7 +27,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
-from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, exp2_int
+from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, e8m0_rceil, exp2_int
 from hybrid_dist.kernels.quant_tiles import MXFP8_DEFAULT, TileConfig
 
 
@@ -40,23 +40,6 @@ def _to_fp8(v, FMAX: tl.constexpr, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _e8m0_rceil(amax, E5M2: tl.constexpr):
-    """Biased E8M0 exponent (int32) of ``RCEIL(RN(amax / fmax))`` for ``fmax = 1.75 · 2**SHIFT``
-    (E4M3 448: 8, E5M2 57344: 15), with integer ops only: bitwise ``_numerics.e8m0_from_amax`` for
-    every non-negative fp32 ``amax`` (checked over all 2**31 bit patterns, NaN/Inf → 255).
-
-    ``RN(a/fmax) <= 2**p`` iff ``a <= fmax · 2**p · (1 + 2**-24)`` (ties go to the even
-    ``2**p``), i.e. iff the mantissa of ``a`` is ``<= 1.75`` at exponent ``p + SHIFT``; at the
-    subnormal boundary ``2**-127`` the half-ulp is ``2**-150``, one ulp of ``a`` more."""
-    SHIFT = 15 if E5M2 else 8
-    bits = amax.to(tl.int32, bitcast=True)
-    ea = (bits >> 23) & 0xFF
-    thr = 0x600000 + (ea == SHIFT).to(tl.int32)
-    e = tl.maximum(ea - SHIFT + ((bits & 0x7FFFFF) > thr).to(tl.int32), 0)
-    return tl.where(ea == 0xFF, 0xFF, e)
-
-
-@triton.jit
 def _load_set(x_ptr, rows, rk, M, K, stride_m):
     return tl.load(x_ptr + rows * stride_m + rk, mask=(rows < M) & (rk < K), other=0.0).to(tl.float32)
 
@@ -66,7 +49,7 @@ def _rows_set(x, rows, rk, row_ptr, row_s_ptr, pid_k, M, K, FMAX: tl.constexpr, 
               R: tl.constexpr, BK: tl.constexpr):
     """Rowwise (1×32 along K) quantize + store of one row set ``x [R, BK]`` (rows ``rows``)."""
     blocks = tl.reshape(x, (R, BK // 32, 32))
-    e = _e8m0_rceil(tl.max(tl.abs(blocks), axis=2), E5M2)  # [R, BK/32]
+    e = e8m0_rceil(tl.max(tl.abs(blocks), axis=2), E5M2)  # [R, BK/32]
     q = _to_fp8(blocks * exp2_int(127 - e)[:, :, None], FMAX, E5M2)
     tl.store(row_ptr + rows * K + rk, tl.reshape(q, (R, BK)), mask=(rows < M) & (rk < K))
     sk = pid_k * (BK // 32) + tl.arange(0, BK // 32)[None, :]
@@ -108,7 +91,7 @@ def _mxfp8_kernel(
     if COL:  # 32×1 blocks along M; stored [K, M] as int32 words of 4 consecutive m
         amax = tl.maximum(tl.maximum(_set_amax(x0, R, BK), _set_amax(x1, R, BK)),
                           tl.maximum(_set_amax(x2, R, BK), _set_amax(x3, R, BK)))
-        e = _e8m0_rceil(amax, E5M2)  # [BM/32, BK]
+        e = e8m0_rceil(amax, E5M2)  # [BM/32, BK]
         inv = exp2_int(127 - e)
         w = _col_bytes(x0, inv, FMAX, E5M2, R, BK)
         w |= _col_bytes(x1, inv, FMAX, E5M2, R, BK) << 8

@@ -5,7 +5,8 @@ every config measured), and the baseline of ``benchmarks/quantize.py --sweep``.
 One fixed tile, ``32x256`` with 4 warps (no autotuning: deterministic, and no benchmarking
 at the first call). On an H100 (16384x8192 bf16, row+col, × copy in one run): 0.693,
 against 0.575 for the autotuner's pick among the earlier five configs and 0.612 / 0.640 for
-``32x128/w4`` / ``64x128/w4``; more warps per tile were slower at every tile shape.
+``32x128/w4`` / ``64x128/w4``; more warps per tile were slower at every tile shape. The
+E8M0 exponent is the integer-only RCEIL of ``_jit_common.e8m0_rceil`` (no fp32 division).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK
-from hybrid_dist.kernels._jit_common import cdiv, cast_fp8, e8m0_from_amax, exp2_int
+from hybrid_dist.kernels._jit_common import cdiv, cast_fp8, e8m0_rceil, exp2_int
 
 _BM, _BK, _WARPS = 32, 256, 4
 
@@ -24,7 +25,8 @@ _BM, _BK, _WARPS = 32, 256, 4
 @triton.jit
 def _mxfp8_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
-    FMAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)[:, None]
@@ -33,7 +35,7 @@ def _mxfp8_kernel(
     x = tl.load(x_ptr + rm * stride_m + rk, mask=mask, other=0.0).to(tl.float32)
     if ROW:
         blocks = tl.reshape(x, (BM, BK // 32, 32))
-        e = e8m0_from_amax(tl.max(tl.abs(blocks), axis=2), FMAX)  # [BM, BK/32]
+        e = e8m0_rceil(tl.max(tl.abs(blocks), axis=2), E5M2)  # [BM, BK/32]
         inv = exp2_int(127 - e)
         q = cast_fp8(blocks * inv[:, :, None], FMAX, row_ptr.dtype.element_ty)
         tl.store(row_ptr + rm * K + rk, tl.reshape(q, (BM, BK)), mask=mask)
@@ -43,7 +45,7 @@ def _mxfp8_kernel(
         ck = pid_k * BK + tl.arange(0, BK)[:, None]
         cm = pid_m * BM + tl.arange(0, BM)[None, :]
         blocks = tl.reshape(x, (BM // 32, 32, BK))
-        e = e8m0_from_amax(tl.max(tl.abs(blocks), axis=1), FMAX)  # [BM/32, BK]
+        e = e8m0_rceil(tl.max(tl.abs(blocks), axis=1), E5M2)  # [BM/32, BK]
         inv = exp2_int(127 - e)
         q = cast_fp8(blocks * inv[:, None, :], FMAX, col_ptr.dtype.element_ty)
         q_t = tl.trans(tl.reshape(q, (BM, BK)))
@@ -63,6 +65,6 @@ def mxfp8_quantize_v1(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, column
     col_s = torch.empty((k, m // MX_BLOCK) if columnwise else (0, 0), dtype=torch.uint8, device=dev)
     if x.numel():
         _mxfp8_kernel[(cdiv(m, _BM), cdiv(k, _BK))](
-            x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype], ROW=rowwise, COL=columnwise,
-            BM=_BM, BK=_BK, num_warps=_WARPS)
+            x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype], E5M2=dtype == torch.float8_e5m2,
+            ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=_WARPS)
     return row, row_s, col, col_s
