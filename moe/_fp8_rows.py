@@ -1,18 +1,26 @@
-"""Per-expert per-tensor FP8 cast of token rows straight into the packed layout (Triton).
+"""Per-expert per-tensor FP8 cast of token rows into the packed layout, both directions
+from one read (Triton).
 
-Legend: T input rows, K columns, C packed capacity, ``dest [T]`` each row's packed row
-(``device_split``), ``scale [T]`` fp32 the encode scale of each row's expert.
+Legend: T input rows, K columns, E experts, C the packed capacity, ``off [E+1]`` /
+``poff [E+1]`` the cumulative token / padded counts, ``row_expert [C]`` each packed row's
+expert (E past the last one), ``scale [E]`` fp32 the encode scale of each expert
+(``device_split``).
 
-    row [C, K]:  row[dest[t], :] = cast_fp8(x[t, :] · scale[t])
-    col [K, C]:  rowᵀ (the same codes; one tiled transpose of the packed rows)
+    packed row p of expert e = row_expert[p] holds token t = p - poff[e] + off[e]
+        when t < off[e+1], else it is padding (zeros)
+    row [C, K]:  row[p, :] = cast_fp8(x[t, :] · scale[e])   (0 for padding rows)
+    col [K, C]:  rowᵀ
 
-One read of ``x``, no padded high-precision copy; padding rows (columns) stay zero (the
-buffers are allocated zeroed, and quantized zeros are zero bytes). The product is one
-fp32 multiply and the cast saturates and rounds to nearest even, as
+Each program owns packed rows ``[BM]`` × columns ``[BK]``: it gathers their tokens (rows
+of a tile are contiguous tokens except at expert boundaries), casts once, stores the tile
+and its in-register transpose — so the columnwise buffer costs no second pass and no
+buffer is zero-filled (padding rows are written as zero bytes). The product is one fp32
+multiply and the cast saturates and rounds to nearest even, as
 ``_numerics.cast_to_fp8(x_pad · scale_rows)``: bitwise the torch form on the GPU
 (``tests/moe/test_device_split`` GPU case) and, under the Triton interpreter, on inputs
-whose casts are exact (``tests/moe/test_fp8_rows_interpreter``). bf16 inputs only (other
-dtypes use the torch form).
+whose casts are exact (``tests/moe/test_fp8_rows_interpreter``). bf16 inputs only (the
+8-bit in-register transpose is tested for bf16 tiles only; other dtypes use the torch
+form).
 """
 
 from __future__ import annotations
@@ -23,42 +31,48 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8
-from hybrid_dist.kernels.transpose import transposed
 
 __all__ = ["fp8_rows"]
 
-_BM, _BK = 64, 128
+_BM, _BK = 64, 128  # the tile and warps of ``kernels.fp8_tensor``'s cast-transpose (0.93x copy, H100)
 
 
 @triton.jit
-def _fp8_rows_kernel(x_ptr, scale_ptr, dest_ptr, row_ptr, T, K, stride_t, FMAX: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr):
+def _fp8_packed_kernel(x_ptr, scale_ptr, row_expert_ptr, off_ptr, poff_ptr, row_ptr, col_ptr, C, K, E, stride_t,
+                       FMAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr,
+                       BK: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = (pid_m * BM + tl.arange(0, BM)[:, None]).to(tl.int64)
+    rp = pid_m * BM + tl.arange(0, BM)  # packed rows
+    e = tl.load(row_expert_ptr + rp, mask=rp < C, other=E)
+    real = e < E
+    tok = rp - tl.load(poff_ptr + e, mask=real, other=0) + tl.load(off_ptr + e, mask=real, other=0)
+    real &= tok < tl.load(off_ptr + e + 1, mask=real, other=0)
+    s = tl.load(scale_ptr + e, mask=real, other=1.0)
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
-    mask = (rm < T) & (rk < K)
-    x = tl.load(x_ptr + rm * stride_t + rk, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(scale_ptr + rm, mask=rm < T, other=1.0)
-    q = cast_fp8(x * s, FMAX, row_ptr.dtype.element_ty)
-    d = tl.load(dest_ptr + rm, mask=rm < T, other=0)
-    tl.store(row_ptr + d * K + rk, q, mask=mask)
+    x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + rk, mask=real[:, None] & (rk < K), other=0.0)
+    q = cast_fp8(x.to(tl.float32) * s[:, None], FMAX, row_ptr.dtype.element_ty if ROW else col_ptr.dtype.element_ty)
+    if ROW:
+        tl.store(row_ptr + rp[:, None].to(tl.int64) * K + rk, q, mask=(rp[:, None] < C) & (rk < K))
+    if COL:
+        ck = pid_k * BK + tl.arange(0, BK)[:, None]
+        cp = pid_m * BM + tl.arange(0, BM)[None, :]
+        tl.store(col_ptr + ck.to(tl.int64) * C + cp, tl.trans(q), mask=(ck < K) & (cp < C))
 
 
-def fp8_rows(x: torch.Tensor, scale: torch.Tensor, dest: torch.Tensor, capacity: int, dtype: torch.dtype, *,
-             rowwise: bool, columnwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(row [C, K] or None, col [K, C] or None)`` fp8 (module doc); ``x [T, K]`` bf16
-    with unit stride along K, ``scale [T]`` fp32, ``dest [T]`` int64, all on one device."""
-    t, k = x.shape
+def fp8_rows(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor,
+             padded_offsets: torch.Tensor, dtype: torch.dtype, *, rowwise: bool,
+             columnwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(row [C, K] or None, col [K, C] or None)`` fp8 (module doc); ``x [T, K]`` bf16 with
+    unit stride along K, ``scale [E]`` fp32, ``row_expert [C]``, ``offsets`` /
+    ``padded_offsets [E+1]`` int64, all on one device."""
+    c, k, e = row_expert.numel(), x.shape[1], scale.numel()
+    row = torch.empty((c, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
+    col = torch.empty((k, c) if columnwise else (0, 0), dtype=dtype, device=x.device)
     if not (rowwise or columnwise):
         return None, None
-    # The columnwise buffer is the transpose of the packed rowwise one (padding rows and
-    # columns are zero bytes in both): the rows are cast here with coalesced stores, then
-    # one tiled transpose writes [K, C]. (Storing columns straight from this kernel
-    # scatters bytes through ``dest``: measured 2.3 ms at T=32768, K=7168 on an H200.)
-    row = torch.zeros((capacity, k), dtype=torch.uint8, device=x.device).view(dtype)
-    if t and k:
-        grid = (triton.cdiv(t, _BM), triton.cdiv(k, _BK))
-        _fp8_rows_kernel[grid](x, scale.float().contiguous(), dest.contiguous(), row, t, k, x.stride(0),
-                               FMAX=FP8_MAX[dtype], BM=_BM, BK=_BK, num_warps=8)
-    col = transposed(row) if columnwise else None
-    return (row if rowwise else None), col
+    if c and k:
+        grid = (triton.cdiv(c, _BM), triton.cdiv(k, _BK))
+        _fp8_packed_kernel[grid](x, scale.float().contiguous(), row_expert.contiguous(), offsets.contiguous(),
+                                 padded_offsets.contiguous(), row, col, c, k, e, max(x.stride(0), 1),
+                                 FMAX=FP8_MAX[dtype], ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=8)
+    return (row if rowwise else None), (col if columnwise else None)

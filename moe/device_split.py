@@ -119,7 +119,8 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     if _fp8_kernel_fits(x):
         from hybrid_dist.moe._fp8_rows import fp8_rows
 
-        row, col = fp8_rows(x, scale[lay.eid], lay.dest, lay.cap, q.dtype, rowwise=rowwise, columnwise=columnwise)
+        row, col = fp8_rows(x, scale, lay.row_expert, lay.off, lay.poff, q.dtype, rowwise=rowwise,
+                            columnwise=columnwise)
     else:
         scale_rows = torch.cat([scale, scale.new_ones(1)])[lay.row_expert]  # rows past the experts: zeros anyway
         row = cast_to_fp8(lay.x_pad * scale_rows[:, None], q.dtype)  # fp32 product (type promotion)

@@ -7,6 +7,7 @@ each token's packed row, ``row_expert [C]`` each packed row's expert.
 
     fprop  y_pad  [C, N]    = x.row [C, K]   · W_e.row [N, K]ᵀ   per group   y  = y_pad[dest]
     dgrad  dx_pad [C, K]    = dy.row [C, N]  · W_e.col [K, N]ᵀ   per group   dx = dx_pad[dest]
+    (the Triton kernels write y / dx in token order directly: no padded buffer, no gather)
     wgrad  dW     [E, N, K] = dy.col [N, C]  · x.col [K, C]ᵀ     groups along C
 
 Each GEMM picks, from its operand pair:
@@ -131,24 +132,28 @@ def _triton_fp8(a, b) -> bool:
 
 
 # --- the three grouped GEMMs ------------------------------------------------------------
-def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config) -> torch.Tensor:
-    """``out_pad [C, R] = A [C, Kc] · B_e [R, Kc]ᵀ`` for the rows of each group (fprop, dgrad)."""
+def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config, dest, tok_offs) -> torch.Tensor:
+    """``out [T, R]``: ``A [C, Kc] · B_e [R, Kc]ᵀ`` for the rows of each group (fprop, dgrad),
+    in token order (``out_pad.index_select(0, dest)``; the Triton kernel stores token rows
+    directly, ``tok_offs [E]`` int32 the cumulative token counts)."""
     e, sa, sb = b.num_experts, a.storage, b.storage
     r, kc = sb.shape2d[0] // e, sb.shape2d[1]
     if _both_e4m3(sa, sb):
         scale_b = b.scale.float()[:, None].expand(e, r).contiguous()
-        return _scaled_grouped_mm(sa.data, sb.data.view(e, r, kc).transpose(1, 2), row_scales(a.scale, row_expert),
-                                  scale_b, offs, config.use_fast_accum)
-    if _triton_fp8(sa, sb):
+        out = _scaled_grouped_mm(sa.data, sb.data.view(e, r, kc).transpose(1, 2), row_scales(a.scale, row_expert),
+                                 scale_b, offs, config.use_fast_accum)
+    elif _triton_fp8(sa, sb):
         from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8  # Triton: CUDA installs only
 
         return grouped_rows_fp8(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs,
-                                fast_accum=config.use_fast_accum)
-    if sa.shape2d[0] < sb.shape2d[0]:  # fold both scales into the smaller operand
-        va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
+                                fast_accum=config.use_fast_accum, tokens=(tok_offs, dest.numel()))
     else:
-        va, vb = bf16_values(sa), fold_experts(fold_source(sb), e, a.scale, b.scale)
-    return _grouped_mm(va, vb.transpose(1, 2), offs)  # vb [E, R, Kc]
+        if sa.shape2d[0] < sb.shape2d[0]:  # fold both scales into the smaller operand
+            va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
+        else:
+            va, vb = bf16_values(sa), fold_experts(fold_source(sb), e, a.scale, b.scale)
+        out = _grouped_mm(va, vb.transpose(1, 2), offs)  # vb [E, R, Kc]
+    return out.index_select(0, dest)
 
 
 def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, config) -> torch.Tensor:
@@ -190,13 +195,15 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         xs = device_split.split_quantize_packed(x, tokens_per_expert, plan.input, rowwise=True, columnwise=need_wgrad,
                                                 states=plan.states["input"], multiple=mult)
         offs = xs.padded_offsets[1:].to(torch.int32)
+        tok_offs = xs.offsets[1:].to(torch.int32)
         w_row, w_col = _weights(weight, plan, need_dgrad)
-        y_pad = rows_gemm(_token(plan.input, xs.rowwise, "rowwise"), w_row, offs, xs.row_expert, plan.recipe.fprop)
+        y = rows_gemm(_token(plan.input, xs.rowwise, "rowwise"), w_row, offs, xs.row_expert, plan.recipe.fprop,
+                      xs.dest, tok_offs)
         x_col = _token(plan.input, xs.columnwise, "columnwise").storage if need_wgrad else None
         _saved.pack(ctx, x_col, w_col.storage if need_dgrad else None)
         ctx.plan, ctx.mult, ctx.num_experts = plan, mult, weight.shape[0]
-        ctx.offs, ctx.tokens_per_expert = offs, tokens_per_expert  # device int tensors
-        return y_pad.index_select(0, xs.dest)
+        ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -210,9 +217,8 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         dx = dw = None
         if need_dgrad:
             w_op = WeightOperand(storage=w_col, scale=w_col.tensor_scale(), num_experts=ctx.num_experts)
-            dx_pad = rows_gemm(_token(plan.grad_output, dys.rowwise, "rowwise"), w_op, ctx.offs, dys.row_expert,
-                               plan.recipe.dgrad)
-            dx = dx_pad.index_select(0, dys.dest)
+            dx = rows_gemm(_token(plan.grad_output, dys.rowwise, "rowwise"), w_op, ctx.offs, dys.row_expert,
+                           plan.recipe.dgrad, dys.dest, ctx.tok_offs)
         if need_wgrad:
             x_op = TokenOperand(storage=x_col, scale=x_col.tensor_scale())
             dw = tokens_gemm(_token(plan.grad_output, dys.columnwise, "columnwise"), x_op, ctx.offs, dys.row_expert,

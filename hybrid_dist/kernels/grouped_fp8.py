@@ -84,9 +84,9 @@ def _find_tile(offs_ptr, E, pid_m, BM: tl.constexpr, BLOCK_E: tl.constexpr):
 
 @triton.autotune(configs=_configs(), key=["R", "Kc"])
 @triton.jit
-def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, C, R, Kc, E, FAST: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, tok_ptr, out_ptr, C, R, Kc, E, FAST: tl.constexpr,
+                 TOKENS: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP_M: tl.constexpr):
     num_m = tl.cdiv(C, BM) + E  # bound on Σ_g cdiv(rows_g, BM)
     pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(R, BN), GROUP_M)
     g, row0, row_end = _find_tile(offs_ptr, E, pid_m, BM, BLOCK_E)
@@ -105,7 +105,14 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, C, R, Kc, E, F
         a_ptrs += BK
         b_ptrs += BK
     out = (acc * (tl.load(sa_ptr + g) * tl.load(sb_ptr + g))).to(tl.bfloat16)
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * R + rn[None, :]
+    if TOKENS:  # packed row p of group g is token p - start_g + tok_start_g; padding rows skipped
+        first = tl.load(offs_ptr + tl.maximum(g - 1, 0)) * (g > 0)
+        tok_first = tl.load(tok_ptr + tl.maximum(g - 1, 0)) * (g > 0)
+        row_end = tl.minimum(row_end, first + tl.load(tok_ptr + g) - tok_first)
+        out_rows = rm - first + tok_first
+    else:
+        out_rows = rm
+    out_ptrs = out_ptr + out_rows[:, None].to(tl.int64) * R + rn[None, :]
     tl.store(out_ptrs, out, mask=(rm[:, None] < row_end) & (rn[None, :] < R))
 
 
@@ -144,19 +151,29 @@ def _check(a, b, scale_a, scale_b, offs, e):
     return scale_a.float().contiguous(), scale_b.float().contiguous()
 
 
-def grouped_rows_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False) -> torch.Tensor:
-    """bf16 ``[C, R]`` (module doc): ``a [C, Kc]``, ``b [E, R, Kc]`` FP8; rows >= offs[-1] unwritten."""
+def grouped_rows_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False,
+                     tokens: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """bf16 ``[C, R]`` (module doc): ``a [C, Kc]``, ``b [E, R, Kc]`` FP8; rows >= offs[-1] unwritten.
+
+    ``tokens = (tok_offs, T)``: group g's first ``tok_offs[g] - tok_offs[g-1]`` rows are real
+    tokens (int32 ``[E]`` cumulative counts; the rest of the group is padding): the output is
+    ``[T, R]`` in token order instead (what ``out_pad.index_select(0, dest)`` would give, with
+    no padded buffer and no gather)."""
     (c, kc), (e, r) = a.shape, b.shape[:2]
     if b.dim() != 3 or b.shape[2] != kc:
         raise ValueError(f"grouped_rows_fp8: a [C, Kc] and b [E, R, Kc]; got {tuple(a.shape)}, {tuple(b.shape)}")
     sa, sb = _check(a, b, scale_a, scale_b, offs, e)
-    out = torch.empty((c, r), dtype=torch.bfloat16, device=a.device)
+    tok_offs = offs if tokens is None else tokens[0]
+    if tok_offs.dtype != torch.int32 or tok_offs.shape != (e,):
+        raise ValueError(f"grouped_rows_fp8: tokens offsets int32 [{e}] expected, got {tok_offs.dtype} "
+                         f"{tuple(tok_offs.shape)}")
+    out = torch.empty((c if tokens is None else tokens[1], r), dtype=torch.bfloat16, device=a.device)
     if out.numel() == 0 or e == 0:
         return out
     def grid(meta):
         return ((triton.cdiv(c, meta["BM"]) + e) * triton.cdiv(r, meta["BN"]),)
-    _rows_kernel[grid](a.contiguous(), b.contiguous(), sa, sb, offs, out, c, r, kc, e, FAST=fast_accum,
-                       BLOCK_E=triton.next_power_of_2(max(e, 2)))
+    _rows_kernel[grid](a.contiguous(), b.contiguous(), sa, sb, offs, tok_offs, out, c, r, kc, e, FAST=fast_accum,
+                       TOKENS=tokens is not None, BLOCK_E=triton.next_power_of_2(max(e, 2)))
     return out
 
 

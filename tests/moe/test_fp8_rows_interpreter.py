@@ -18,7 +18,7 @@ SPLITS = [37, 0, 90, 22, 1]
 
 
 def _inputs(gen):
-    t, k = sum(SPLITS), 96  # K not a multiple of the 128-column tile, T not of the 64-row tile
+    t, k = sum(SPLITS), 96  # K not a multiple of the 128-column tile, T (and C) not of the 64-row tile
     mant = 1.0 + torch.randint(0, 4, (t, k), generator=gen).float() / 4
     sign = torch.randint(0, 2, (t, k), generator=gen).float() * 2 - 1
     e = torch.randint(-4, 4, (t, k), generator=gen).float()
@@ -42,7 +42,8 @@ def _check():
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         want = cast_to_fp8(lay.x_pad * scale_rows[:, None], dtype)
         for rowwise, columnwise in ((True, True), (True, False), (False, True)):
-            row, col = fp8_rows(x, scale_e[lay.eid], lay.dest, lay.cap, dtype, rowwise=rowwise, columnwise=columnwise)
+            row, col = fp8_rows(x, scale_e, lay.row_expert, lay.off, lay.poff, dtype, rowwise=rowwise,
+                                columnwise=columnwise)
             what = f"{dtype} rowwise={rowwise} columnwise={columnwise}"
             assert (row is None) != rowwise and (col is None) != columnwise, what
             if rowwise:

@@ -2,7 +2,8 @@
 interpreter on CPU against a float64 reference, one 64×64×32 tile config (module doc of
 the kernel file): uneven groups whose boundaries (multiples of 16) split tiles, an empty
 group (first, middle or last), Kc and R not multiples of the tile, padding rows past
-``offs[-1]``, every dtype pair, ``fast_accum`` on and off.
+``offs[-1]``, every dtype pair, ``fast_accum`` on and off; the rows GEMM's token-order
+output (padding rows skipped) equals the padded output's token rows.
 
 Tolerance: the FP8 inputs are exact in every wider format, so the products are exact and
 the kernel differs from the float64 reference only by its fp32 accumulation (at most
@@ -61,6 +62,12 @@ def _check_rows(gen, pair, sizes, fast):
         ag, bg, sc = a[s:end].double(), b[g].double(), float(sa[g]) * float(sb[g])
         what = f"rows {pair} groups={sizes} fast={fast} group {g}"
         _bound_check(out[s:end], ag @ bg.T * sc, ag.abs() @ bg.abs().T * sc, what)
+    # token order: group g's first counts[g] rows are tokens, the rest padding (not written)
+    counts = [max(0, n - 5 - 3 * g) for g, n in enumerate(sizes)]
+    tok = grouped_rows_fp8(a, b, sa, sb, offs, fast_accum=fast, tokens=(_offs(counts), sum(counts)))
+    assert tok.shape == (sum(counts), R), f"rows {pair} groups={sizes}: token output {tuple(tok.shape)}"
+    want = torch.cat([out[s:s + n] for s, n in zip([0] + ends[:-1], counts)])
+    assert torch.equal(tok, want), f"rows {pair} groups={sizes} counts={counts} fast={fast}: token order differs"
 
 
 def _check_tokens(gen, pair, sizes, fast):
