@@ -32,9 +32,10 @@ import triton.language as tl
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8
 
-__all__ = ["fp8_rows"]
+__all__ = ["expert_amax", "fp8_rows"]
 
 _BM, _BK = 64, 128  # the tile and warps of ``kernels.fp8_tensor``'s cast-transpose (0.93x copy, H100)
+_AMAX_BM = 64  # the amax tile of ``kernels.fp8_tensor``
 
 
 @triton.jit
@@ -57,6 +58,34 @@ def _fp8_packed_kernel(x_ptr, scale_ptr, row_expert_ptr, off_ptr, poff_ptr, row_
         ck = pid_k * BK + tl.arange(0, BK)[:, None]
         cp = pid_m * BM + tl.arange(0, BM)[None, :]
         tl.store(col_ptr + ck.to(tl.int64) * C + cp, tl.trans(q), mask=(ck < K) & (cp < C))
+
+
+@triton.jit
+def _expert_amax_kernel(x_ptr, eid_ptr, amax_ptr, T, K, stride_t, BM: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rt = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)[None, :]
+    x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_t + rk, mask=(rt[:, None] < T) & (rk < K), other=0.0)
+    row_max = tl.max(tl.abs(x), axis=1).to(tl.float32)  # in x's dtype: exact (a max of its values)
+    eid = tl.load(eid_ptr + rt, mask=rt < T, other=-1)
+    e_last = tl.max(eid, 0)
+    e_first = tl.min(tl.where(rt < T, eid, e_last), 0)
+    for e in range(e_first, e_last + 1):  # rows are sorted by expert: usually one or two experts
+        tl.atomic_max(amax_ptr + e, tl.max(tl.where(eid == e, row_max, 0.0), 0), sem="relaxed")
+
+
+def expert_amax(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """fp32 ``[E]``: ``max |x[t]|`` over the rows ``t`` of each expert (0 for an expert with
+    none); ``x [T, K]`` unit stride along K, ``expert_of_row [T]`` int, sorted (tokens
+    grouped by expert). One read of ``x`` in tiles; each tile max-reduces its rows per
+    expert and adds one relaxed atomic max per expert it holds. Exact (a max)."""
+    t, k = x.shape
+    amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
+    if t and k:
+        grid = (triton.cdiv(t, _AMAX_BM), triton.cdiv(k, _BK))
+        _expert_amax_kernel[grid](x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_AMAX_BM,
+                                  BK=_BK, num_warps=4)
+    return amax
 
 
 def fp8_rows(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor,

@@ -107,11 +107,15 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     """FP8 with one scale per expert: ``(rowwise fields or None, columnwise fields or None)``
     (one cast for both; the columnwise codes are the rowwise ones transposed)."""
     x, e = lay.x, lay.num_experts
-    # max |x| per row in one pass (exact: a max of representable values)
-    row_amax = torch.linalg.vector_norm(x, float("inf"), dim=1).float() if x.shape[0] \
-        else x.new_zeros(0, dtype=torch.float32)
-    amax = torch.zeros(e, dtype=torch.float32, device=x.device).scatter_reduce(
-        0, lay.eid, row_amax, reduce="amax", include_self=True)
+    if _fp8_kernel_fits(x):  # one Triton pass: tiles max-reduce per expert (exact)
+        from hybrid_dist.moe._fp8_rows import expert_amax
+
+        amax = expert_amax(x, lay.eid, e)
+    else:  # max |x| per row in one pass, then per expert (exact: a max of representable values)
+        row_amax = torch.linalg.vector_norm(x, float("inf"), dim=1).float() if x.shape[0] \
+            else x.new_zeros(0, dtype=torch.float32)
+        amax = torch.zeros(e, dtype=torch.float32, device=x.device).scatter_reduce(
+            0, lay.eid, row_amax, reduce="amax", include_self=True)
     if q.scaling == "delayed":
         scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(e)])
     else:

@@ -13,6 +13,10 @@ stacked along stored rows into one storage ``[E·R, C]`` (per-tensor fields stac
 their own states (a loop over the host int E: no device-to-host sync); a quantized
 ``[E, N, K]`` weight (``quantized_model_init``) is narrowed per expert (one shared scale).
 
+Current-scaled FP8 weights in bf16 on CUDA (``fp8_current``) skip the loop: one amax and
+one cast-transpose launch over ``[E, N, K]`` write the stacked storages directly
+(``batched_fp8_weights``; bitwise the loop, each expert its own amax and scale).
+
 ``bf16_values``: stored ``[R, C]`` as bf16 with block scales applied and the per-tensor
 scale NOT applied. Exact for FP8 (any dtype), MXFP8 (E4M3 × 2^k) and NVFP4 (E2M1 × E4M3);
 FP8 blocks (fp32 block scales) round once to bf16. NVFP4 stays in its Hadamard domain.
@@ -23,6 +27,7 @@ rounding per element; the other operand stays exact).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 
@@ -35,8 +40,8 @@ from hybrid_dist.formats.mxfp8 import MXFP8Quantizer, MXFP8Storage
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
-__all__ = ["TokenOperand", "WeightOperand", "bf16_values", "expert_weight_storages", "fold_experts", "fold_columns",
-           "fold_rows", "fold_source", "token_operand", "stack_experts", "row_scales"]
+__all__ = ["TokenOperand", "WeightOperand", "batched_fp8_weights", "bf16_values", "expert_weight_storages",
+           "fold_experts", "fold_columns", "fold_rows", "fold_source", "token_operand", "stack_experts", "row_scales"]
 
 BF16 = torch.bfloat16
 
@@ -108,6 +113,38 @@ def expert_weight_storages(weight, plan, *, need_dgrad: bool):
                                              state=plan.states["weight"][i])
         rows.append(r)
         cols.append(c)
+    return rows, cols
+
+
+def _batched_fp8_quantizer(weight, q) -> Float8Quantizer | None:
+    """The current-scaled ``Float8Quantizer`` making both directions of ``weight`` when the
+    batched kernel serves it (bf16 on CUDA, unit stride along K, eager, Triton), else None."""
+    if isinstance(weight, QuantizedTensor) or not weight.is_cuda or weight.dtype != torch.bfloat16:
+        return None
+    if weight.stride(-1) != 1 or torch.compiler.is_compiling() or importlib.util.find_spec("triton") is None:
+        return None
+    rq, cq = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
+    if not (isinstance(rq, Float8Quantizer) and rq.scaling == "current" and rq == cq):
+        return None
+    return rq
+
+
+def batched_fp8_weights(weight, plan, *, need_dgrad: bool) -> tuple[WeightOperand, WeightOperand | None] | None:
+    """Stacked rowwise / columnwise operands of ``weight [E, N, K]`` from the batched FP8
+    kernel (module doc), or None when it does not apply (``expert_weight_storages``)."""
+    q = _batched_fp8_quantizer(weight, plan.weight)
+    if q is None:
+        return None
+    from hybrid_dist.kernels.fp8_tensor import quantize_fp8_batched  # Triton: CUDA installs only
+
+    e, n, k = weight.shape
+    row, col, scale_inv = quantize_fp8_batched(q, weight.detach(), columnwise=need_dgrad)
+    rows = WeightOperand(storage=Float8Storage(data=row.view(e * n, k), scale_inv=scale_inv, transposed=False),
+                         scale=scale_inv, num_experts=e)
+    if not need_dgrad:
+        return rows, None
+    cols = WeightOperand(storage=Float8Storage(data=col.view(e * k, n), scale_inv=scale_inv, transposed=True),
+                         scale=scale_inv, num_experts=e)
     return rows, cols
 
 

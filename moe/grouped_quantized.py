@@ -52,8 +52,8 @@ from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 from hybrid_dist.moe import device_split
 from hybrid_dist.moe.grouped_operands import (
-    BF16, TokenOperand, WeightOperand, bf16_values, expert_weight_storages, fold_columns, fold_experts,
-    fold_rows, fold_source, row_scales, stack_experts, token_operand,
+    BF16, TokenOperand, WeightOperand, batched_fp8_weights, bf16_values, expert_weight_storages, fold_columns,
+    fold_experts, fold_rows, fold_source, row_scales, stack_experts, token_operand,
 )
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -183,6 +183,9 @@ def _token(q, fields, direction) -> TokenOperand:
 
 
 def _weights(weight, plan, need_dgrad):
+    batched = batched_fp8_weights(weight, plan, need_dgrad=need_dgrad)
+    if batched is not None:
+        return batched
     rows, cols = expert_weight_storages(weight, plan, need_dgrad=need_dgrad)
     return stack_experts(rows), (stack_experts(cols) if need_dgrad else None)
 

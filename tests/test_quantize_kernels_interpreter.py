@@ -1,4 +1,5 @@
-"""The MXFP8 / NVFP4 Triton quantize kernels under the Triton interpreter, on CPU (CI).
+"""The MXFP8 / NVFP4 (and batched per-tensor FP8) Triton quantize kernels under the Triton
+interpreter, on CPU (CI).
 
 Not marked ``gpu``: runs wherever Triton is installed. ``TRITON_INTERPRET=1`` must be set
 before the kernels are defined, so the checks run in one subprocess.
@@ -152,7 +153,35 @@ def _check_nvfp4_sr_stream():
             _bits_equal(a, b, f"nvfp4 sr br={br} {name} vs v1")
 
 
+def _check_fp8_batched():
+    """The batched per-tensor FP8 kernel (one amax and scale per matrix) against the 2D
+    kernel run per matrix (same interpreter casts on both sides: bitwise) and the scales
+    against the reference quantizer (fp32 arithmetic: exact here too)."""
+    import hybrid_dist as hd
+    from hybrid_dist.kernels import fp8_tensor
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 72, 200, generator=gen) * torch.tensor([0.5, 4.0, 1e-3])[:, None, None]).bfloat16()
+    x[1] = 0.0  # an all-zero matrix: scale 1
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q = hd.Float8Quantizer(dtype=dtype)
+        for columnwise in (True, False):
+            row, col, scale_inv = fp8_tensor.quantize_fp8_batched(q, x, columnwise=columnwise)
+            assert (col is None) != columnwise
+            for b in range(x.shape[0]):
+                k_row, k_col = fp8_tensor.quantize_fp8_tensor(q, x[b], rowwise=True, columnwise=True, state=None,
+                                                              amax=None)
+                what = f"fp8 batched {dtype} matrix {b} columnwise={columnwise}"
+                _bits_equal(row[b], k_row.data, f"{what} row")
+                if columnwise:
+                    _bits_equal(col[b], k_col.data, f"{what} col")
+                _bits_equal(scale_inv[b], k_row.scale_inv, f"{what} scale_inv")
+                r_row, _ = q._quantize_2d(x[b], rowwise=True, columnwise=False, state=None, amax=None)
+                _bits_equal(scale_inv[b], r_row.scale_inv.float(), f"{what} scale_inv vs reference")
+
+
 def _run_all():
+    _check_fp8_batched()
     _check_mxfp8()
     _check_nvfp4_reference()
     _check_nvfp4_sr_stream()

@@ -3,6 +3,8 @@
 Kernels (``torch.library`` ops in the ``hybrid_dist`` namespace):
 
 * ``hybrid_dist::amax``: fp32 ``max|x|`` of a 2D tensor (tiles + relaxed atomic max).
+* ``quantize_fp8_batched`` (eager only): the same two kernels over a batch ``[B, M, K]``
+  (a third grid axis: one amax, scale and ``scale_inv`` per matrix).
 * ``hybrid_dist::fp8_cast_transpose``: reads ``x [M, K]`` once and writes the rowwise
   ``[M, K]`` and/or columnwise ``[K, M]`` (its transpose) fp8 data, bitwise
   ``Float8Quantizer._quantize_2d``. The scale is computed in the kernel from an amax
@@ -27,21 +29,27 @@ _BM, _BK = 64, 128
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, M, K, stride_m, BM: tl.constexpr, BK: tl.constexpr):
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+def _amax_kernel(x_ptr, amax_ptr, M, K, stride_m, stride_b, BM: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_k, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # pid_b: matrix of a batch
     rm = pid_m * BM + tl.arange(0, BM)[:, None]
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
-    x = tl.load(x_ptr + rm * stride_m + rk, mask=(rm < M) & (rk < K), other=0.0)
-    tl.atomic_max(amax_ptr, sem="relaxed", val=tl.max(tl.abs(x.to(tl.float32))))
+    x = tl.load(x_ptr + pid_b.to(tl.int64) * stride_b + rm * stride_m + rk, mask=(rm < M) & (rk < K), other=0.0)
+    tl.atomic_max(amax_ptr + pid_b, sem="relaxed", val=tl.max(tl.abs(x.to(tl.float32))))
 
 
 @triton.jit
 def _cast_transpose_kernel(
-    x_ptr, amax_in_ptr, scale_ptr, scale_inv_ptr, row_ptr, col_ptr, amax_out_ptr, M, K, stride_m,
+    x_ptr, amax_in_ptr, scale_ptr, scale_inv_ptr, row_ptr, col_ptr, amax_out_ptr, M, K, stride_m, stride_b,
     FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
     ROW: tl.constexpr, COL: tl.constexpr, AMAX_OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    pid_b = tl.program_id(2)  # matrix of a batch (its own amax, scale and scale_inv; 0 for one matrix)
+    x_ptr += pid_b.to(tl.int64) * stride_b
+    row_ptr += pid_b.to(tl.int64) * M * K
+    col_ptr += pid_b.to(tl.int64) * M * K
+    amax_in_ptr += pid_b
+    scale_inv_ptr += pid_b
     rm = pid_m * BM + tl.arange(0, BM)[:, None]
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     mask = (rm < M) & (rk < K)
@@ -71,7 +79,7 @@ def _amax_2d(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if m and k:
         grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK)
-        _amax_kernel[grid](x, out, m, k, x.stride(0), BM=_BM, BK=_BK, num_warps=4)
+        _amax_kernel[grid](x, out, m, k, x.stride(0), 0, BM=_BM, BK=_BK, num_warps=4)
     return out
 
 
@@ -93,7 +101,7 @@ def _fp8_cast_transpose(
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1))
     _cast_transpose_kernel[grid](
-        x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), FMAX=FP8_MAX[dtype],
+        x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), 0, FMAX=FP8_MAX[dtype],
         EPS=eps, POW2=pow2, SCALE_FROM_AMAX=scale_from_amax, ROW=rowwise, COL=columnwise,
         AMAX_OUT=record_amax, BM=_BM, BK=_BK, num_warps=8,
     )
@@ -110,6 +118,32 @@ def _cast_fake(x, amax, scale, amax_out, dtype, scale_from_amax, eps, pow2, roww
 cast_op = torch.library.custom_op("hybrid_dist::fp8_cast_transpose", mutates_args=("amax_out",))(_fp8_cast_transpose)
 cast_op.register_fake(_cast_fake)
 fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
+
+
+def quantize_fp8_batched(q: Float8Quantizer, x: torch.Tensor, *, columnwise: bool = True):
+    """Current-scaled FP8 of each matrix of ``x [B, M, K]`` (bf16, CUDA, unit stride along K),
+    each with its own amax and scale: ``(row [B, M, K], col [B, K, M] or None, scale_inv [B])``,
+    bitwise ``quantize_fp8_tensor`` of every ``x[b]``. Two launches whatever ``B`` (amax,
+    then cast-transpose), in place of ``2·B`` and the stacking of ``B`` results (the
+    per-expert weights of ``moe.GroupedLinear``)."""
+    if q.scaling != "current" or x.dim() != 3 or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        raise ValueError(f"quantize_fp8_batched: current scaling and bf16 [B, M, K] with unit stride along K; got "
+                         f"scaling={q.scaling!r}, {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    b, m, k = x.shape
+    amax = torch.zeros(b, dtype=torch.float32, device=x.device)
+    row = torch.empty((b, m, k), dtype=q.dtype, device=x.device)
+    col = torch.empty((b, k, m) if columnwise else (0, 0, 0), dtype=q.dtype, device=x.device)
+    scale_inv = torch.empty(b, dtype=torch.float32, device=x.device)
+    if x.numel():
+        grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK, b)
+        _amax_kernel[grid](x, amax, m, k, x.stride(1), x.stride(0), BM=_BM, BK=_BK, num_warps=4)
+        _cast_transpose_kernel[grid](
+            x, amax, amax, scale_inv, row, col, _unused(x.device, False), m, k, x.stride(1), x.stride(0),
+            FMAX=FP8_MAX[q.dtype], EPS=float(q.amax_epsilon), POW2=q.power_of_2_scales, SCALE_FROM_AMAX=True,
+            ROW=True, COL=columnwise, AMAX_OUT=False, BM=_BM, BK=_BK, num_warps=8)
+    else:
+        scale_inv.fill_(1.0)
+    return row, (col if columnwise else None), scale_inv
 
 
 _UNUSED: dict[torch.device, torch.Tensor] = {}

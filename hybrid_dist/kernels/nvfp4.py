@@ -28,7 +28,7 @@ from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage, nvfp4_global_scale
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
-from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, NVFP4_DEFAULT_2D, TileConfig
+from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, TileConfig
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
 _AMAX_PROGRAMS_PER_SM = 8
@@ -100,10 +100,9 @@ def nvfp4_quantize_op(
     x: torch.Tensor, rht_row: torch.Tensor, global_scales: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`nvfp4_quantize_tiles` (default tile config of the block shape)."""
-    config = NVFP4_DEFAULT_2D if block_rows == NV_BLOCK else NVFP4_DEFAULT
+    """See :func:`nvfp4_quantize_tiles` (the default tile config, one for every block shape)."""
     return nvfp4_quantize_tiles(x, rht_row, global_scales, seed, rowwise, columnwise, derive_col, rht, sr,
-                                block_rows, config)
+                                block_rows, NVFP4_DEFAULT)
 
 
 @nvfp4_quantize_op.register_fake

@@ -50,8 +50,7 @@ class TileConfig:
 # 0.779), RHT 0.365 (0.358), RHT+SR 0.182 (0.092); no config of the sweep was faster for 2D
 # or SR, 128x128/w8 was for 1D-RHT by 0.03.
 MXFP8_DEFAULT = TileConfig(bm=32, bk=256, num_warps=2)
-NVFP4_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
-NVFP4_DEFAULT_2D = NVFP4_DEFAULT
+NVFP4_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # every block shape (1x16 and 16x16)
 
 MXFP8_SWEEP = (
     MXFP8_DEFAULT,
@@ -74,4 +73,4 @@ NVFP4_SWEEP = (
     TileConfig(bm=128, bk=128, num_warps=8),
 )
 
-__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_DEFAULT", "NVFP4_DEFAULT_2D", "NVFP4_SWEEP", "TileConfig"]
+__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_DEFAULT", "NVFP4_SWEEP", "TileConfig"]

@@ -1,5 +1,7 @@
 """``moe/_fp8_rows`` (per-expert FP8 cast into the packed layout) under the Triton
-interpreter on CPU: bitwise the torch form of ``split_quantize_packed``.
+interpreter on CPU: bitwise the torch form of ``split_quantize_packed``, and the per-expert
+amax (``expert_amax``: tiles spanning several experts, an empty expert) equal to a loop of
+``max |x|`` per expert.
 
 ``TRITON_INTERPRET=1`` must be set before the kernel is defined, so the check runs in a
 subprocess. The interpreter's fp32 → fp8 cast does not round like the GPU's (ties), so
@@ -31,13 +33,17 @@ def _inputs(gen):
 
 def _check():
     from hybrid_dist.formats._numerics import cast_to_fp8
-    from hybrid_dist.moe._fp8_rows import fp8_rows
+    from hybrid_dist.moe._fp8_rows import expert_amax, fp8_rows
     from hybrid_dist.moe.device_split import _Layout
     from tests._helpers import assert_bitwise_equal
 
     gen = torch.Generator().manual_seed(0)
     x, scale_e = _inputs(gen)
     lay = _Layout(x, torch.tensor(SPLITS), 16)
+    ends = torch.tensor(SPLITS).cumsum(0).tolist()
+    want_amax = torch.stack([x[s:e].float().abs().amax() if e > s else torch.tensor(0.0)
+                             for s, e in zip([0] + ends[:-1], ends)])
+    assert_bitwise_equal(expert_amax(x, lay.eid, len(SPLITS)), want_amax, "expert_amax")
     scale_rows = torch.cat([scale_e, torch.ones(1)])[lay.row_expert]
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         want = cast_to_fp8(lay.x_pad * scale_rows[:, None], dtype)

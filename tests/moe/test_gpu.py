@@ -82,6 +82,24 @@ def test_grouped_quantized_path_close_to_linear_loop(recipe_name, quantized_init
         g.weight.grad = None
 
 
+def test_batched_fp8_weights_bitwise_the_expert_loop():
+    """fp8_current weights: the batched kernel's stacked operands equal the per-expert
+    quantize-then-stack path byte for byte (data, transposed data, scale_inv)."""
+    from hybrid_dist.moe.grouped_operands import batched_fp8_weights, expert_weight_storages, stack_experts
+
+    g = GroupedLinear(5, 384, 256, recipe=hd.recipe_from_name("fp8_current"), device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        g.weight.mul_(torch.tensor([1.0, 100.0, 1e-3, 0.0, 7.0], device="cuda")[:, None, None])
+    plan = g.plan(hd.recipe_from_name("fp8_current"))
+    got = batched_fp8_weights(g.weight, plan, need_dgrad=True)
+    assert got is not None, "fp8_current bf16 CUDA weights should take the batched kernel"
+    rows, cols = expert_weight_storages(g.weight, plan, need_dgrad=True)
+    for what, a, b in (("rowwise", got[0], stack_experts(rows)), ("columnwise", got[1], stack_experts(cols))):
+        assert a.storage.same_meta(b.storage), what
+        assert torch.equal(a.storage.data.view(torch.uint8), b.storage.data.view(torch.uint8)), f"{what}: bytes"
+        assert torch.equal(a.scale, b.scale), f"{what}: scale_inv"
+
+
 def test_bf16_grouped_mm_close_to_linear_loop():
     def close(a, b, what):
         assert sqnr_db(b.float(), a.float()) > 40, f"{what}: SQNR {sqnr_db(b.float(), a.float()):.1f} dB"
