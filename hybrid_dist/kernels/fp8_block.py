@@ -51,8 +51,10 @@ def _fp8_block_kernel(
         if ROW:
             tl.store(row_ptr + rm * K + rk, q, mask=mask)
             tl.store(row_s_ptr + pid_m * nk + pid_k, s_inv)
-        if COL:
-            tl.store(col_ptr + ck * M + cm, tl.trans(q), mask=cmask)
+        if COL:  # transpose the 16-bit input and cast again (same bytes as tl.trans(q)):
+            # 0.923 against 0.854 x copy for the 8-bit transpose (H100, 16384x8192 bf16, one run)
+            q_t = cast_fp8(tl.trans(x_in).to(tl.float32) * scale, FMAX, out_ty)
+            tl.store(col_ptr + ck * M + cm, q_t, mask=cmask)
             tl.store(col_s_ptr + pid_k * nm + pid_m, s_inv)
     else:
         if ROW:  # 1x128 along K: one scale per tile row

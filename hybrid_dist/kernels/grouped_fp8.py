@@ -151,7 +151,9 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, Ra, Rb, C, F
     g = tl.program_id(1)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(Ra, BM), tl.cdiv(Rb, BN), GROUP_M)
     end = tl.multiple_of(tl.load(offs_ptr + g), 16)
-    start = tl.multiple_of(_group_start(offs_ptr, g), 16)
+    # the hint must sit on a value of this function (on a helper's result it is lost when the
+    # helper is inlined: byte-wide FP8 loads, 17.7 ms instead of 1.3 ms on an H100)
+    start = tl.multiple_of(tl.load(offs_ptr + tl.maximum(g - 1, 0)) * (g > 0), 16)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = start + tl.arange(0, BK)
