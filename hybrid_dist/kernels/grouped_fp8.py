@@ -50,13 +50,13 @@ __all__ = ["grouped_rows_fp8", "grouped_tokens_fp8"]
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _configs():
+def _tokens_configs():
+    """Autotune configs of the wgrad kernel (``_rows_configs``: the rows kernel's)."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # one small config (tiles split groups): CPU tests
         return [triton.Config({"BM": 64, "BN": 64, "BK": 32, "GROUP_M": 2}, num_warps=4)]
-    # sm90, ptxas: no spills with fast_accum (BN=256 tiles); 128x128/8 warps the one without
-    # spills when promoting (a second fp32 accumulator in registers)
-    # (256x128/s4: 1.290 against 1.391 ms for the autotuner's pick without it, wgrad of the MoE
-    # benchmark on an H100, one run)
+    # sm90 ptxas: no spills with fast_accum at BN=256; 128x128/8 warps has none when promoting (a
+    # second fp32 accumulator). 256x128/s4: 1.290 against 1.391 ms for the autotuner's pick
+    # without it (MoE benchmark wgrad, H100, one run)
     shapes = ((128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3),
               (256, 128, 8, 4))
     return [triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
@@ -147,7 +147,7 @@ def _rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, tok_ptr, out_ptr, C, 
         tl.store(out_ptrs, out, mask=(rm[:, None] < row_end) & (rn[None, :] < R))
 
 
-@triton.autotune(configs=_configs(), key=["Ra", "Rb"])
+@triton.autotune(configs=_tokens_configs(), key=["Ra", "Rb"])
 @triton.jit
 def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, Ra, Rb, C, FAST: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
