@@ -38,8 +38,7 @@ __all__ = ["expert_amax", "fp8_rows"]
 # 64x128 tiles, 4 warps, columnwise from the transposed bf16 tile: on an H100 (MoE bench,
 # x [32768, 7168] / dy [32768, 2048], one run) 0.375 / 0.111 ms (0.85 / 0.82x copy) against
 # 0.469 / 0.139 ms for 8 warps and the 8-bit transpose of the codes, bytes equal
-_BM, _BK = 64, 128
-_AMAX_BM = 64  # the amax tile of ``kernels.fp8_tensor``
+_BM, _BK = 64, 128  # also the tile of the per-expert amax pass
 
 
 @triton.jit
@@ -87,8 +86,8 @@ def expert_amax(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) 
     t, k = x.shape
     amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
     if t and k:
-        grid = (triton.cdiv(t, _AMAX_BM), triton.cdiv(k, _BK))
-        _expert_amax_kernel[grid](x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_AMAX_BM,
+        grid = (triton.cdiv(t, _BM), triton.cdiv(k, _BK))
+        _expert_amax_kernel[grid](x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_BM,
                                   BK=_BK, num_warps=4)
     return amax
 

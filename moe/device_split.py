@@ -107,8 +107,9 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     """FP8 with one scale per expert: ``(rowwise fields or None, columnwise fields or None)``
     (one cast for both; the columnwise codes are the rowwise ones transposed)."""
     x, e = lay.x, lay.num_experts
-    if _fp8_kernel_fits(x):  # one Triton pass: tiles max-reduce per expert (exact)
-        from hybrid_dist.moe._fp8_rows import expert_amax
+    on_triton = _fp8_kernel_fits(x)
+    if on_triton:  # one Triton pass: tiles max-reduce per expert (exact)
+        from hybrid_dist.moe._fp8_rows import expert_amax, fp8_rows
 
         amax = expert_amax(x, lay.eid, e)
     else:  # max |x| per row in one pass, then per expert (exact: a max of representable values)
@@ -120,9 +121,7 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
         scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(e)])
     else:
         scale = q.compute_scale(x, None, amax)
-    if _fp8_kernel_fits(x):
-        from hybrid_dist.moe._fp8_rows import fp8_rows
-
+    if on_triton:
         row, col = fp8_rows(x, scale, lay.row_expert, lay.off, lay.poff, q.dtype, rowwise=rowwise,
                             columnwise=columnwise)
     else:
