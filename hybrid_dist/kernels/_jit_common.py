@@ -4,7 +4,8 @@ Each helper mirrors one function of ``hybrid_dist.formats._numerics`` (same IEEE
 operations in the same order), so the kernels reproduce the reference bitwise:
 
 * every fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate);
-* fp32 -> fp8 casts clamp first, then round to nearest even (``cvt.rn.satfinite`` on sm_90);
+* fp32 -> fp8 casts saturate and round to nearest even (``cvt.rn.satfinite`` on sm_90; the
+  interpreter clamps first);
 * powers of two are built from bits (``exp2_int``), never with ``exp2``;
 * fp32 -> bf16 roundings are done on the bits (``round_bf16``): the same RNE as the
   GPU's ``cvt.rn.bf16.f32``, and exact under the Triton interpreter too (whose cast
@@ -13,11 +14,14 @@ operations in the same order), so the kernels reproduce the reference bitwise:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # read once, when kernels are defined
 
 
 @triton.jit
@@ -28,8 +32,17 @@ def div_rn(a, b):
 
 @triton.jit
 def cast_fp8(v, fmax: tl.constexpr, out_dtype: tl.constexpr):
-    """Saturating RNE cast of fp32 ``v`` (``_numerics.cast_to_fp8``)."""
-    v = tl.minimum(tl.maximum(v, -fmax), fmax)
+    """Saturating RNE cast of fp32 ``v`` (``_numerics.cast_to_fp8``: clamp to ``±fmax``, then cast).
+
+    On the GPU the cast alone is that function: Triton lowers it to ``cvt.rn.satfinite``
+    (``F2FP.SATFINITE.E4M3`` / ``.E5M2`` in the sm_90 SASS), which saturates finite values and
+    ±inf to ±fmax and keeps NaN a NaN, as ``clamp`` then ``.to`` does in torch. The explicit
+    clamp cost two min/max per element and direction (4 of 25 SASS instructions per element
+    in the two-direction MXFP8 kernel), and it turned NaN into ``-fmax`` (Triton's
+    ``maximum`` returns the non-NaN operand). The interpreter's cast does not saturate, so
+    the clamp stays there (NaN aside, the same bytes)."""
+    if INTERPRET:
+        v = tl.minimum(tl.maximum(v, -fmax), fmax)
     return v.to(out_dtype, fp_downcast_rounding="rtne")
 
 

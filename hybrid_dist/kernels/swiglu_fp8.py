@@ -19,8 +19,6 @@ computes the formula and quantizes it with ``quantize_storages``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,11 +26,10 @@ from triton.language.extra import libdevice
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
-from hybrid_dist.kernels._jit_common import cast_fp8, cdiv, div_rn, eager_or_op, per_block_scale, round_bf16
+from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8, cdiv, div_rn, eager_or_op, per_block_scale, round_bf16
 from hybrid_dist.kernels.transpose import transposed
 
 _BM, _BK = 64, 128
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # read once, when kernels are defined
 
 
 @triton.jit

@@ -109,6 +109,38 @@ def test_fp8_block_bitwise(shape, block):
             _check(q, x, rw, cw, f"fp8_block {block} pow2={pow2} eps={eps} {shape} dirs={rw, cw}")
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+def test_fp8_casts_saturate_like_the_reference(dtype):
+    """The kernels cast without a clamp (``cvt.rn.satfinite``, ``_jit_common.cast_fp8``);
+    the reference clamps, then casts. Same bytes for ±inf inputs, for scaled values past
+    fp8_max (a precomputed amax below the data's), and for blocks whose amax is inf
+    (scale 0: the inf elements become inf·0 = NaN, the others 0)."""
+    x = _x((384, 640))
+    x[5, 7], x[200, 300], x[130, 600] = float("inf"), float("-inf"), 3e38
+    cases = [(hd.Float8Quantizer(dtype=dtype), {"amax": torch.tensor(3.0, device="cuda")}),
+             (hd.Float8Quantizer(dtype=dtype, scaling="delayed"), {"state": _cuda_state(dtype)}),
+             (hd.Float8BlockQuantizer(block="1x128", dtype=dtype), {}),
+             (hd.Float8BlockQuantizer(block="128x128", dtype=dtype), {}),
+             (hd.MXFP8Quantizer(dtype=dtype), {})]
+    for q, kw in cases:
+        what = f"{type(q).__name__} {getattr(q, 'block', getattr(q, 'scaling', ''))} {dtype} non-finite"
+        if "state" in kw:  # each side advances its own copy of the delayed-scaling state
+            k = kernel_quantize(q, x, rowwise=True, columnwise=True, state=kw["state"])
+            r = reference_quantize(q, x, rowwise=True, columnwise=True, state=_cuda_state(dtype))
+            assert_storages_bitwise(k[0], r[0], f"{what} rowwise")
+            assert_storages_bitwise(k[1], r[1], f"{what} columnwise")
+        else:
+            _check(q, x, True, True, what, **kw)
+
+
+def _cuda_state(dtype):
+    """A delayed-scaling state whose scale (100) overflows most of ``_x``'s values."""
+    st = hd.Float8Quantizer(dtype=dtype, scaling="delayed").make_state()
+    st.to("cuda")
+    st.scale.fill_(100.0)
+    return st
+
+
 @pytest.mark.parametrize("shape", SHAPES + [(96, 160)], ids=str)
 @pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
 def test_nvfp4_rne_bitwise(shape, block_2d):
