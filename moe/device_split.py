@@ -39,7 +39,7 @@ import torch
 
 from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.formats._numerics import cast_to_fp8
-from hybrid_dist.formats.float8 import Float8Quantizer
+from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, stacked_delayed_states
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
@@ -117,7 +117,11 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
             else x.new_zeros(0, dtype=torch.float32)
         amax = torch.zeros(e, dtype=torch.float32, device=x.device).scatter_reduce(
             0, lay.eid, row_amax, reduce="amax", include_self=True)
-    if q.scaling == "delayed":
+    if q.scaling == "delayed" and all(isinstance(s, DelayedScalingState) for s in states):
+        hist, scale = stacked_delayed_states(states, x.device)  # every expert's state at once
+        torch.maximum(hist[:, 0], amax, out=hist[:, 0])  # = state.record(amax[i]) for each i
+        scale = scale.clone()
+    elif q.scaling == "delayed":  # raises the explanatory error
         scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(e)])
     else:
         scale = q.compute_scale(x, None, amax)

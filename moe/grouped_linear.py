@@ -38,6 +38,7 @@ from torch import nn
 
 from hybrid_dist import _saved, gemm
 from hybrid_dist._recipe_module import RecipeModuleMixin, in_backward
+from hybrid_dist.formats.float8 import DelayedScalingState, advance_stacked
 from hybrid_dist.linear import LinearPlan
 from hybrid_dist.recipes import Recipe
 from hybrid_dist.moe import _grouped_mm, grouped_quantized
@@ -61,8 +62,11 @@ class GroupedPlan:
         self.multiple = token_multiple(self.input, self.grad_output)  # x and dy pad alike
 
     def advance(self, tensor_type: str) -> None:
-        q = getattr(self, tensor_type)
-        for s in self.states[tensor_type]:
+        q, states = getattr(self, tensor_type), self.states[tensor_type]
+        if states and all(isinstance(s, DelayedScalingState) for s in states):
+            advance_stacked(states, q)  # one launch for every expert on CUDA
+            return
+        for s in states:
             q.advance_state(s)
 
 

@@ -117,14 +117,14 @@ def expert_weight_storages(weight, plan, *, need_dgrad: bool):
 
 
 def _batched_fp8_quantizer(weight, q) -> Float8Quantizer | None:
-    """The current-scaled ``Float8Quantizer`` making both directions of ``weight`` when the
-    batched kernel serves it (bf16 on CUDA, unit stride along K, eager, Triton), else None."""
+    """The ``Float8Quantizer`` (current or delayed scaling) making both directions of ``weight``
+    when the batched kernel serves it (bf16 on CUDA, unit stride along K, eager, Triton), else None."""
     if isinstance(weight, QuantizedTensor) or not weight.is_cuda or weight.dtype != torch.bfloat16:
         return None
     if weight.stride(-1) != 1 or torch.compiler.is_compiling() or importlib.util.find_spec("triton") is None:
         return None
     rq, cq = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
-    if not (isinstance(rq, Float8Quantizer) and rq.scaling == "current" and rq == cq):
+    if not (isinstance(rq, Float8Quantizer) and rq == cq):
         return None
     return rq
 
@@ -138,7 +138,8 @@ def batched_fp8_weights(weight, plan, *, need_dgrad: bool) -> tuple[WeightOperan
     from hybrid_dist.kernels.fp8_tensor import quantize_fp8_batched  # Triton: CUDA installs only
 
     e, n, k = weight.shape
-    row, col, scale_inv = quantize_fp8_batched(q, weight.detach(), columnwise=need_dgrad)
+    states = plan.states["weight"] if q.scaling == "delayed" else None
+    row, col, scale_inv = quantize_fp8_batched(q, weight.detach(), columnwise=need_dgrad, states=states)
     rows = WeightOperand(storage=Float8Storage(data=row.view(e * n, k), scale_inv=scale_inv, transposed=False),
                          scale=scale_inv, num_experts=e)
     if not need_dgrad:

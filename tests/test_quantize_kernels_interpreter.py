@@ -180,8 +180,44 @@ def _check_fp8_batched():
                 _bits_equal(scale_inv[b], r_row.scale_inv.float(), f"{what} scale_inv vs reference")
 
 
+def _check_fp8_batched_delayed():
+    """Delayed scaling through the batched kernel: matrix b cast with state b's scale, its amax
+    recorded into state b's history (running max over two calls), equal to the 2D kernel run
+    per matrix on copies of the states; the stacked advance equals each state's torch advance."""
+    import copy
+
+    import hybrid_dist as hd
+    from hybrid_dist.formats.float8 import advance_stacked
+    from hybrid_dist.kernels import fp8_tensor
+
+    gen = torch.Generator().manual_seed(4)
+    q = hd.Float8Quantizer(scaling="delayed", amax_history_len=4)
+    states = [q.make_state() for _ in range(3)]
+    for i, st in enumerate(states):
+        st.scale.fill_(2.0 ** (i - 1))
+        st.amax_history[1:] = torch.tensor([1.0, 5.0, 0.5]) * (i + 1)
+    ref = copy.deepcopy(states)
+    for step in range(2):
+        x = (torch.randn(3, 72, 200, generator=gen) * torch.tensor([0.5, 4.0, 1e-3])[:, None, None]).bfloat16()
+        row, col, scale_inv = fp8_tensor.quantize_fp8_batched(q, x, states=states)
+        for b in range(3):
+            k_row, k_col = fp8_tensor.quantize_fp8_tensor(q, x[b], rowwise=True, columnwise=True, state=ref[b],
+                                                          amax=None)
+            what = f"fp8 batched delayed step {step} matrix {b}"
+            _bits_equal(row[b], k_row.data, f"{what} row")
+            _bits_equal(col[b], k_col.data, f"{what} col")
+            _bits_equal(scale_inv[b], k_row.scale_inv, f"{what} scale_inv")
+            _bits_equal(states[b].amax_history, ref[b].amax_history, f"{what} history")
+    advance_stacked(states, q)
+    for b in range(3):
+        ref[b].advance_reference(q)
+        _bits_equal(states[b].scale, ref[b].scale, f"stacked advance scale {b}")
+        _bits_equal(states[b].amax_history, ref[b].amax_history, f"stacked advance history {b}")
+
+
 def _run_all():
     _check_fp8_batched()
+    _check_fp8_batched_delayed()
     _check_mxfp8()
     _check_nvfp4_reference()
     _check_nvfp4_sr_stream()

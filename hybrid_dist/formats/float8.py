@@ -99,6 +99,39 @@ class DelayedScalingState:
         self.scale.copy_(sd["scale"])
 
 
+def stacked_delayed_states(states: "list[DelayedScalingState]", device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(history [E, L], scale [E])`` on ``device`` whose rows are the ``E`` states' own
+    tensors, so one op records, reads or advances them all (``moe.GroupedLinear``'s
+    per-expert states). The first call, or one after a state's tensors were replaced
+    (``to()``), copies them into new stacked buffers and points each state at its rows;
+    the states keep their API and checkpoints (``load_state_dict`` copies in place)."""
+    hist0, scale0 = states[0].amax_history, states[0].scale
+    hist, scale = hist0._base, scale0._base
+    if (isinstance(hist, torch.Tensor) and isinstance(scale, torch.Tensor) and hist.device == torch.device(device)
+            and hist.dim() == 2 and hist.shape[0] == len(states) and scale.shape == (len(states),)
+            and all(s.amax_history._base is hist and s.amax_history.data_ptr() == hist[i].data_ptr()
+                    and s.scale._base is scale and s.scale.data_ptr() == scale[i].data_ptr()
+                    for i, s in enumerate(states))):
+        return hist, scale
+    hist = torch.stack([s.amax_history.to(device) for s in states])
+    scale = torch.stack([s.scale.to(device) for s in states])
+    for i, s in enumerate(states):
+        s.amax_history, s.scale = hist[i], scale[i]
+    return hist, scale
+
+
+def advance_stacked(states: "list[DelayedScalingState]", quantizer: "Float8Quantizer") -> None:
+    """``advance`` every state: one launch on CUDA (``kernels.fp8_delayed``), else each in torch."""
+    hist = states[0].amax_history
+    if hist.is_cuda and not torch.compiler.is_compiling():
+        from hybrid_dist.kernels import fp8_delayed
+
+        fp8_delayed.advance_(*stacked_delayed_states(states, hist.device), quantizer)
+    else:
+        for s in states:
+            s.advance_reference(quantizer)
+
+
 def _scale_from_amax(amax: torch.Tensor, q: "Float8Quantizer", margin: int = 0) -> torch.Tensor:
     return scale_from_amax(amax, FP8_MAX[q.dtype], margin=margin, pow2=q.power_of_2_scales)
 

@@ -3,7 +3,9 @@ the history rolled by one slot — one launch instead of ~15 small torch ops, an
 sync (the torch form's ``history[0] = 0.0`` copies a host scalar).
 
 Bitwise ``DelayedScalingState.advance`` (``formats/float8.py``), for a history of length
-``L`` (fp32 ``[L]``) and a 0-dim fp32 ``scale``, both updated in place:
+``L`` (fp32 ``[L]``) and a 0-dim fp32 ``scale``, both updated in place — or for ``E`` such
+states at once, stacked as ``history [E, L]`` and ``scale [E]`` (one program per state:
+``moe.GroupedLinear``'s per-expert states, ``formats.float8.stacked_delayed_states``):
 
     amax  = max(history) ("max", NaN if any is NaN) or history[0] ("most_recent")
     s     = fmax / max(amax, eps) (IEEE division; 1 if that is 0), clamped to the fp32 max,
@@ -25,6 +27,8 @@ from hybrid_dist.kernels._jit_common import FP32_MAX, div_rn, pow2_floor
 @triton.jit
 def _advance_kernel(hist_ptr, scale_ptr, L, FMAX: tl.constexpr, EPS: tl.constexpr, MARGIN_MUL: tl.constexpr,
                     USE_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
+    hist_ptr += tl.program_id(0) * L  # state e of a stack: its history row and its scale
+    scale_ptr += tl.program_id(0)
     idx = tl.arange(0, BLOCK)
     hist = tl.load(hist_ptr + idx, mask=idx < L, other=float("-inf"))
     # roll by one: slot i takes slot i-1; every load happens before the barrier, every store after
@@ -49,9 +53,14 @@ def _advance_kernel(hist_ptr, scale_ptr, L, FMAX: tl.constexpr, EPS: tl.constexp
 
 
 def advance_(history: torch.Tensor, scale: torch.Tensor, quantizer) -> None:
-    """In-place ``DelayedScalingState.advance`` on CUDA (see the module doc)."""
-    n = history.numel()
-    _advance_kernel[(1,)](
+    """In-place ``DelayedScalingState.advance`` on CUDA of one state (``[L]``, 0-dim) or of a
+    stack (``[E, L]`` contiguous, ``[E]``; see the module doc)."""
+    states = 1 if history.dim() == 1 else history.shape[0]
+    if history.dim() == 2 and not (history.is_contiguous() and scale.shape == (states,) and scale.is_contiguous()):
+        raise ValueError(f"advance_: a stack needs a contiguous history [E, L] and scale [E]; got "
+                         f"{tuple(history.shape)} strides {history.stride()}, scale {tuple(scale.shape)}")
+    n = history.shape[-1]
+    _advance_kernel[(states,)](
         history, scale, n, FMAX=FP8_MAX[quantizer.dtype], EPS=float(quantizer.amax_epsilon),
         MARGIN_MUL=2.0 ** -quantizer.margin, USE_MAX=quantizer.amax_compute == "max",
         POW2=quantizer.power_of_2_scales, BLOCK=triton.next_power_of_2(max(n, 2)),

@@ -3,8 +3,9 @@
 Kernels (``torch.library`` ops in the ``hybrid_dist`` namespace):
 
 * ``hybrid_dist::amax``: fp32 ``max|x|`` of a 2D tensor (tiles + relaxed atomic max).
-* ``quantize_fp8_batched`` (eager only): the same two kernels over a batch ``[B, M, K]``
-  (a third grid axis: one amax, scale and ``scale_inv`` per matrix).
+* ``quantize_fp8_batched`` (eager only): the same kernels over a batch ``[B, M, K]`` (a
+  third grid axis: one amax, scale and ``scale_inv`` per matrix; delayed scaling reads
+  scale ``b`` of a stacked state and records into history row ``b``).
 * ``hybrid_dist::fp8_cast_transpose``: reads ``x [M, K]`` once and writes the rowwise
   ``[M, K]`` and/or columnwise ``[K, M]`` (its transpose) fp8 data, bitwise
   ``Float8Quantizer._quantize_2d``. The scale is computed in the kernel from an amax
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
-from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage
+from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage, stacked_delayed_states
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels.transpose import transposed
 
@@ -40,7 +41,7 @@ def _amax_kernel(x_ptr, amax_ptr, M, K, stride_m, stride_b, BM: tl.constexpr, BK
 @triton.jit
 def _cast_transpose_kernel(
     x_ptr, amax_in_ptr, scale_ptr, scale_inv_ptr, row_ptr, col_ptr, amax_out_ptr, M, K, stride_m, stride_b,
-    FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
+    stride_amax_out, FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
     ROW: tl.constexpr, COL: tl.constexpr, AMAX_OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -49,7 +50,9 @@ def _cast_transpose_kernel(
     row_ptr += pid_b.to(tl.int64) * M * K
     col_ptr += pid_b.to(tl.int64) * M * K
     amax_in_ptr += pid_b
+    scale_ptr += pid_b
     scale_inv_ptr += pid_b
+    amax_out_ptr += pid_b * stride_amax_out  # a stacked delayed state: matrix b's history row
     rm = pid_m * BM + tl.arange(0, BM)[:, None]
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     mask = (rm < M) & (rk < K)
@@ -101,7 +104,7 @@ def _fp8_cast_transpose(
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1))
     _cast_transpose_kernel[grid](
-        x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), 0, FMAX=FP8_MAX[dtype],
+        x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype],
         EPS=eps, POW2=pow2, SCALE_FROM_AMAX=scale_from_amax, ROW=rowwise, COL=columnwise,
         AMAX_OUT=record_amax, BM=_BM, BK=_BK, num_warps=8,
     )
@@ -120,27 +123,43 @@ cast_op.register_fake(_cast_fake)
 fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
 
 
-def quantize_fp8_batched(q: Float8Quantizer, x: torch.Tensor, *, columnwise: bool = True):
-    """Current-scaled FP8 of each matrix of ``x [B, M, K]`` (bf16, CUDA, unit stride along K),
-    each with its own amax and scale: ``(row [B, M, K], col [B, K, M] or None, scale_inv [B])``,
-    bitwise ``quantize_fp8_tensor`` of every ``x[b]``. Two launches whatever ``B`` (amax,
-    then cast-transpose), in place of ``2·B`` and the stacking of ``B`` results (the
-    per-expert weights of ``moe.GroupedLinear``)."""
-    if q.scaling != "current" or x.dim() != 3 or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
-        raise ValueError(f"quantize_fp8_batched: current scaling and bf16 [B, M, K] with unit stride along K; got "
-                         f"scaling={q.scaling!r}, {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+def quantize_fp8_batched(q: Float8Quantizer, x: torch.Tensor, *, columnwise: bool = True,
+                         states: list[DelayedScalingState] | None = None):
+    """Per-tensor FP8 of each matrix of ``x [B, M, K]`` (bf16, CUDA, unit stride along K), each
+    with its own scale: ``(row [B, M, K], col [B, K, M] or None, scale_inv [B])``, bitwise
+    ``quantize_fp8_tensor`` of every ``x[b]`` (the per-expert weights of ``moe.GroupedLinear``),
+    in place of ``2·B`` launches and the stacking of ``B`` results.
+
+    Current scaling: two launches (amax, then cast-transpose). Delayed scaling (``states``:
+    one ``DelayedScalingState`` per matrix): one launch, scale ``b`` read from and the amax
+    recorded (running max) into the states' stacked buffers
+    (``formats.float8.stacked_delayed_states``)."""
+    delayed = q.scaling == "delayed"
+    if (x.dim() != 3 or x.dtype != torch.bfloat16 or x.stride(-1) != 1
+            or (delayed and (states is None or len(states) != x.shape[0]))):
+        raise ValueError(f"quantize_fp8_batched: bf16 [B, M, K] with unit stride along K (and one delayed-scaling "
+                         f"state per matrix); got scaling={q.scaling!r}, {x.dtype} {tuple(x.shape)} strides "
+                         f"{x.stride()}, {0 if states is None else len(states)} states")
     b, m, k = x.shape
-    amax = torch.zeros(b, dtype=torch.float32, device=x.device)
     row = torch.empty((b, m, k), dtype=q.dtype, device=x.device)
     col = torch.empty((b, k, m) if columnwise else (0, 0, 0), dtype=q.dtype, device=x.device)
     scale_inv = torch.empty(b, dtype=torch.float32, device=x.device)
+    grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK, b)
+    if delayed:
+        hist, scale = stacked_delayed_states(states, x.device)
+        amax_in, amax_out, stride_out = scale, hist, hist.stride(0)
+    else:
+        amax_in = scale = torch.zeros(b, dtype=torch.float32, device=x.device)
+        amax_out, stride_out = _unused(x.device, False), 0
+        if x.numel():
+            _amax_kernel[grid](x, amax_in, m, k, x.stride(1), x.stride(0), BM=_BM, BK=_BK, num_warps=4)
     if x.numel():
-        grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK, b)
-        _amax_kernel[grid](x, amax, m, k, x.stride(1), x.stride(0), BM=_BM, BK=_BK, num_warps=4)
         _cast_transpose_kernel[grid](
-            x, amax, amax, scale_inv, row, col, _unused(x.device, False), m, k, x.stride(1), x.stride(0),
-            FMAX=FP8_MAX[q.dtype], EPS=float(q.amax_epsilon), POW2=q.power_of_2_scales, SCALE_FROM_AMAX=True,
-            ROW=True, COL=columnwise, AMAX_OUT=False, BM=_BM, BK=_BK, num_warps=8)
+            x, amax_in, scale, scale_inv, row, col, amax_out, m, k, x.stride(1), x.stride(0), stride_out,
+            FMAX=FP8_MAX[q.dtype], EPS=float(q.amax_epsilon), POW2=q.power_of_2_scales, SCALE_FROM_AMAX=not delayed,
+            ROW=True, COL=columnwise, AMAX_OUT=delayed, BM=_BM, BK=_BK, num_warps=8)
+    elif delayed:
+        torch.reciprocal(scale, out=scale_inv)
     else:
         scale_inv.fill_(1.0)
     return row, (col if columnwise else None), scale_inv

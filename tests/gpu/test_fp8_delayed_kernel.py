@@ -42,3 +42,25 @@ def test_advance_kernel_bitwise_reference(n):
             what = f"{kind} history, n={n}, {q}"
             assert_bitwise_equal(kernel.scale, ref.scale, f"scale {what}")
             assert_bitwise_equal(kernel.amax_history, ref.amax_history, f"history {what}")
+
+
+def test_stacked_advance_bitwise_each_state():
+    """``advance_stacked``: one launch over E states stacked as [E, L] / [E] (the states'
+    tensors become rows of the stack) equals each state's torch advance."""
+    from hybrid_dist.formats.float8 import advance_stacked
+
+    n = 16
+    q = Float8Quantizer(scaling="delayed", amax_history_len=n, margin=1)
+    hists = list(_histories(n).values())
+    states, refs = [DelayedScalingState(n, "cuda") for _ in hists], [DelayedScalingState(n, "cuda") for _ in hists]
+    for i, h in enumerate(hists):
+        for st in (states[i], refs[i]):
+            st.amax_history.copy_(h)
+            st.scale.fill_(0.5 + i)
+    for step in range(3):
+        advance_stacked(states, q)
+        for i, (st, ref) in enumerate(zip(states, refs)):
+            ref.advance_reference(q)
+            assert_bitwise_equal(st.scale, ref.scale, f"step {step} state {i} scale")
+            assert_bitwise_equal(st.amax_history, ref.amax_history, f"step {step} state {i} history")
+    assert states[1].amax_history._base is states[0].amax_history._base, "the states should share one stack"

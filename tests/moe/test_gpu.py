@@ -82,22 +82,35 @@ def test_grouped_quantized_path_close_to_linear_loop(recipe_name, quantized_init
         g.weight.grad = None
 
 
-def test_batched_fp8_weights_bitwise_the_expert_loop():
-    """fp8_current weights: the batched kernel's stacked operands equal the per-expert
-    quantize-then-stack path byte for byte (data, transposed data, scale_inv)."""
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_batched_fp8_weights_bitwise_the_expert_loop(recipe):
+    """The batched kernel's stacked weight operands equal the per-expert quantize-then-stack
+    path byte for byte (data, transposed data, scale_inv); under delayed scaling it reads each
+    expert's scale and records the same amax histories (each path on its own copy of the states)."""
+    import copy
+
     from hybrid_dist.moe.grouped_operands import batched_fp8_weights, expert_weight_storages, stack_experts
 
-    g = GroupedLinear(5, 384, 256, recipe=hd.recipe_from_name("fp8_current"), device="cuda", dtype=torch.bfloat16)
+    g = GroupedLinear(5, 384, 256, recipe=hd.recipe_from_name(recipe), device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         g.weight.mul_(torch.tensor([1.0, 100.0, 1e-3, 0.0, 7.0], device="cuda")[:, None, None])
-    plan = g.plan(hd.recipe_from_name("fp8_current"))
+    plan = g.plan(hd.recipe_from_name(recipe))
+    for i, st in enumerate(plan.states["weight"]):
+        if hasattr(st, "amax_history"):  # delayed: a different scale per expert
+            st.to("cuda")
+            st.scale.fill_(2.0 ** (3 * i - 4))
+    loop_plan = copy.copy(plan)
+    loop_plan.states = copy.deepcopy(plan.states)
     got = batched_fp8_weights(g.weight, plan, need_dgrad=True)
-    assert got is not None, "fp8_current bf16 CUDA weights should take the batched kernel"
-    rows, cols = expert_weight_storages(g.weight, plan, need_dgrad=True)
+    assert got is not None, f"{recipe} bf16 CUDA weights should take the batched kernel"
+    rows, cols = expert_weight_storages(g.weight, loop_plan, need_dgrad=True)
     for what, a, b in (("rowwise", got[0], stack_experts(rows)), ("columnwise", got[1], stack_experts(cols))):
         assert a.storage.same_meta(b.storage), what
-        assert torch.equal(a.storage.data.view(torch.uint8), b.storage.data.view(torch.uint8)), f"{what}: bytes"
-        assert torch.equal(a.scale, b.scale), f"{what}: scale_inv"
+        assert torch.equal(a.storage.data.view(torch.uint8), b.storage.data.view(torch.uint8)), f"{recipe} {what}: bytes"
+        assert torch.equal(a.scale, b.scale), f"{recipe} {what}: scale_inv"
+    for i, (a, b) in enumerate(zip(plan.states["weight"], loop_plan.states["weight"])):
+        if hasattr(a, "amax_history"):
+            assert torch.equal(a.amax_history, b.amax_history), f"{recipe} expert {i}: amax history"
 
 
 def test_bf16_grouped_mm_close_to_linear_loop():
