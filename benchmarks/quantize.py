@@ -160,6 +160,21 @@ def sass() -> None:
                 "quantize kernels compiled for sm_90 (offline; thread-instructions per element of x)")
 
 
+def once() -> None:
+    """Each case of the table quantized once (for a profiler: ``benchmarks/ncu_summary.py``);
+    ``CASE <name>`` on stderr before each."""
+    import sys
+
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    for name, q, rw, cw, _ in CASES:
+        state = q.make_state()
+        if state is not None and hasattr(state, "to"):
+            state.to("cuda")
+        print(f"CASE {name}", file=sys.stderr)
+        q.quantize_storages(x, rowwise=rw, columnwise=cw, state=state)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     x = torch.randn(M, K, device="cuda").bfloat16()
     copy = copy_gbps(M * K)
@@ -187,8 +202,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every MXFP8/NVFP4 tile config")
     parser.add_argument("--sass", action="store_true", help="offline: registers and SASS size per tile config")
+    parser.add_argument("--once", action="store_true", help="quantize each case once (under a profiler)")
     args = parser.parse_args()
-    if args.sass:
+    if args.once:
+        once()
+    elif args.sass:
         sass()
     elif args.sweep:
         sweep()
