@@ -78,12 +78,14 @@ def _sweep_mxfp8(x, copy) -> list[list]:
 
 
 def _sweep_nvfp4(x, copy) -> list[list]:
+    from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
     from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
     from hybrid_dist.kernels.nvfp4_v1 import nvfp4_amax_v1, nvfp4_quantize_v1
     from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
 
     t = _rht_row(0, x.device)
-    gs = torch.tensor([x.float().abs().max().item() / 2688.0] * 2, device=x.device)
+    amax = x.float().abs().amax().repeat(2)
+    gs = nvfp4_global_scale(amax)
     seed = torch.tensor([1234], dtype=torch.int64, device=x.device)
     rows = []
     for name, rht, sr, br in NVFP4_SWEEP_CASES:
@@ -94,7 +96,7 @@ def _sweep_nvfp4(x, copy) -> list[list]:
                          None, copy))
         for cfg in NVFP4_SWEEP:
             rows.append(_row(f"{name} row+col", cfg.label(),
-                             lambda a=args, cfg=cfg: nvfp4_quantize_tiles(x, t, gs, seed, *a, cfg), base, copy))
+                             lambda a=args, cfg=cfg: nvfp4_quantize_tiles(x, t, amax, seed, *a, cfg)[:4], base, copy))
     for rht in (False, True):
         name = f"nvfp4 amax pass{' +rht' if rht else ''}"
         rows.append(_row(name, "v1", lambda r=rht: (nvfp4_amax_v1(x, r),), None, copy))

@@ -140,7 +140,10 @@ def _check_nvfp4_sr_stream():
     gen = torch.Generator().manual_seed(2)
     m, k = 64, 128
     x = (torch.randn(m, k, generator=gen) * 4).bfloat16()
-    gs = torch.tensor([0.0125, 0.0125])
+    from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
+
+    amax = torch.tensor([33.6, 33.6])
+    gs = nvfp4_global_scale(amax)
     seed = torch.tensor([77], dtype=torch.int64)
     for br in (1, 16):
         shapes = [((m, k // 2), torch.uint8), ((m // br, k // 16), torch.float8_e4m3fn),
@@ -148,9 +151,11 @@ def _check_nvfp4_sr_stream():
         old = [torch.empty(s, dtype=d) for s, d in shapes]
         nvfp4_v1._nvfp4_kernel.fn[(1, 2)](x, x, gs, seed, *old, m, k, k, ROW=True, COL=True, DERIVE_COL=br == 16,
                                           RHT=False, SR=True, BR=br, BM=64, BK=64, num_warps=4)
-        new = nvfp4.nvfp4_quantize_tiles(x, x, gs, seed, True, True, br == 16, False, True, br, NVFP4_SWEEP[0])
+        new = nvfp4.nvfp4_quantize_tiles(x, x, amax, seed, True, True, br == 16, False, True, br, NVFP4_SWEEP[0])
         for name, a, b in zip(("row", "row_scale", "col", "col_scale"), new, old):
             _bits_equal(a, b, f"nvfp4 sr br={br} {name} vs v1")
+        for name, a in zip(("row", "col"), new[4:]):
+            _bits_equal(a, gs[0], f"nvfp4 br={br} {name} global scale (kernel) vs nvfp4_global_scale")
 
 
 def _check_fp8_batched():

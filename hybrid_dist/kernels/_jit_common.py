@@ -98,6 +98,14 @@ def per_block_scale(amax, fmax: tl.constexpr, eps: tl.constexpr, POW2: tl.conste
 
 
 @triton.jit
+def global_decode_scale(amax):
+    """NVFP4 per-tensor decode scale ``1 / min(448·6 / amax, fp32 max)`` (1 when amax is 0 or
+    NaN): ``formats.nvfp4.nvfp4_global_scale``, the same IEEE operations."""
+    scale = per_block_scale(amax, 2688.0, 0.0, False)
+    return div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
 def e2m1_rne(v):
     """E2M1 code (int32, sign in bit 3) of ``v`` scaled into [-6, 6], ties to even."""
     mag = tl.minimum(tl.abs(v), 6.0)

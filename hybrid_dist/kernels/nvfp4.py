@@ -25,7 +25,7 @@ import torch
 
 from hybrid_dist.formats import _traced_rng
 from hybrid_dist.formats._numerics import hadamard16
-from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage, nvfp4_global_scale
+from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
 from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, TileConfig
@@ -57,23 +57,26 @@ def nvfp4_amax_tiles(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch
 
 
 def nvfp4_quantize_tiles(
-    x: torch.Tensor, rht_row: torch.Tensor, global_scales: torch.Tensor, seed: torch.Tensor,
+    x: torch.Tensor, rht_row: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
     config: TileConfig = NVFP4_DEFAULT,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row_data, row_block_scale, col_data, col_block_scale)``; absent ones empty.
-    ``global_scales`` fp32 ``[2]`` = (rowwise, columnwise) decode scales; ``seed`` int64 ``[1]``;
+) -> tuple[torch.Tensor, ...]:
+    """``(row_data, row_block_scale, col_data, col_block_scale, row_global_scale,
+    col_global_scale)``; absent data empty. ``amax`` fp32: ``[max|x|]``, or ``[max|x|,
+    max|RHT(x)|]`` when ``rht`` (the columnwise direction's amax); the global scales are the
+    fp32 scalar decode scales the kernel computes from them (``formats.nvfp4.
+    nvfp4_global_scale``: no torch ops between the passes). ``seed`` int64 ``[1]``;
     ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks)."""
     m, k = x.shape
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
-    if x.numel():
-        col64 = outs[2].view(torch.int64) if columnwise else torch.empty(0, dtype=torch.int64, device=x.device)
-        grid = (cdiv(m, config.bm), cdiv(k, config.bk))
-        nvfp4_quantize_kernel[grid](
-            x, rht_row, global_scales, seed, outs[0], outs[1], col64, outs[3], m, k, x.stride(0),
-            ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
-            TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, num_warps=config.num_warps)
-    return tuple(outs)
+    gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
+    col64 = outs[2].view(torch.int64) if columnwise else torch.empty(0, dtype=torch.int64, device=x.device)
+    grid = (max(cdiv(m, config.bm), 1), max(cdiv(k, config.bk), 1))  # program (0, 0) writes gs even if x is empty
+    nvfp4_quantize_kernel[grid](
+        x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k, max(x.stride(0), 1),
+        ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
+        TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, num_warps=config.num_warps)
+    return (*outs, *gs)
 
 
 def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):
@@ -97,18 +100,19 @@ def _(x, rht_row, rht):
 
 @torch.library.custom_op("hybrid_dist::nvfp4_quantize", mutates_args=())
 def nvfp4_quantize_op(
-    x: torch.Tensor, rht_row: torch.Tensor, global_scales: torch.Tensor, seed: torch.Tensor,
+    x: torch.Tensor, rht_row: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`nvfp4_quantize_tiles` (the default tile config, one for every block shape)."""
-    return nvfp4_quantize_tiles(x, rht_row, global_scales, seed, rowwise, columnwise, derive_col, rht, sr,
+    return nvfp4_quantize_tiles(x, rht_row, amax, seed, rowwise, columnwise, derive_col, rht, sr,
                                 block_rows, NVFP4_DEFAULT)
 
 
 @nvfp4_quantize_op.register_fake
-def _(x, rht_row, global_scales, seed, rowwise, columnwise, derive_col, rht, sr, block_rows):
+def _(x, rht_row, amax, seed, rowwise, columnwise, derive_col, rht, sr, block_rows):
     m, k = x.shape
-    return tuple(x.new_empty(s, dtype=d) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows))
+    outs = [x.new_empty(s, dtype=d) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
+    return (*outs, x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
 
 
 _RHT_ROW_CACHE: dict[tuple, torch.Tensor] = {}
@@ -152,27 +156,26 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, 
     derive_col = q.block_2d and not q.rht
     col_rht = columnwise and not derive_col and q.rht
     t = _rht_row(q.rht_seed, dev)
-    if amax is None or col_rht:
+    if amax is None:  # [max|x|, max|RHT(x)| or 0]: what the kernel reads
         amaxes = nvfp4_amax(x2d, t, col_rht)
-        amax_row = amaxes[0] if amax is None else amax.float().to(dev).reshape(())
-        amax_col = amaxes[1] if col_rht else amax_row
+    elif col_rht:
+        amaxes = torch.stack([amax.float().to(dev).reshape(()), nvfp4_amax(x2d, t, True)[1]])
     else:
-        amax_row = amax_col = amax.float().to(dev).reshape(())
-    gs = nvfp4_global_scale(torch.stack([amax_row, amax_col]))
-    args = (x2d, t, gs, _seed_tensor(q, state, dev, x2d), rowwise, columnwise, derive_col, col_rht,
+        amaxes = amax.float().to(dev).reshape(1)
+    args = (x2d, t, amaxes, _seed_tensor(q, state, dev, x2d), rowwise, columnwise, derive_col, col_rht,
             q.stochastic_rounding, q.block_rows)
     if config is None:
-        row, row_s, col, col_s = nvfp4_quantize(*args)
+        row, row_s, col, col_s, gs_row, gs_col = nvfp4_quantize(*args)
     else:
-        row, row_s, col, col_s = nvfp4_quantize_tiles(*args, config)
+        row, row_s, col, col_s, gs_row, gs_col = nvfp4_quantize_tiles(*args, config)
     br = q.block_rows
     row_st = col_st = None
     if rowwise:
-        row_st = NVFP4Storage(data=row, block_scale=row_s, global_scale=gs[0].clone(), block_rows=br,
+        row_st = NVFP4Storage(data=row, block_scale=row_s, global_scale=gs_row, block_rows=br,
                               rht_seed=None, transposed=False)
     if columnwise:
-        col_st = NVFP4Storage(data=col, block_scale=col_s, global_scale=(gs[0] if derive_col else gs[1]).clone(),
-                              block_rows=br, rht_seed=q.rht_seed if col_rht else None, transposed=True)
+        col_st = NVFP4Storage(data=col, block_scale=col_s, global_scale=gs_col, block_rows=br,
+                              rht_seed=q.rht_seed if col_rht else None, transposed=True)
     return row_st, col_st
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import pack_pairs
+from hybrid_dist.kernels._jit_common import global_decode_scale, pack_pairs
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
@@ -213,12 +213,11 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
 
 @triton.jit
 def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            gs_ptr, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
+            gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
             R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr,
             DERIVE_COL: tl.constexpr):
-    """Rowwise codes of the 16 sets (stored if ``ROW``); with ``DERIVE_COL`` (2D blocks)
-    also their exact transpose as the columnwise direction."""
-    gs = tl.load(gs_ptr)
+    """Rowwise codes of the 16 sets (stored if ``ROW``), global decode scale ``gs``; with
+    ``DERIVE_COL`` (2D blocks) also their exact transpose as the columnwise direction."""
     enc2 = gs  # unused by 1×16 blocks
     if TWO_D:  # 16×16 blocks: amax over the 16 sets of each set's 16-along-K max
         bs2, enc2 = _block_scale(_max16(
@@ -270,10 +269,10 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
 @triton.jit
 def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            t_ptr, gs_ptr, seed, co, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R: tl.constexpr,
+            t_ptr, gs, seed, co, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R: tl.constexpr,
             BK: tl.constexpr, RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr):
     """Columnwise direction (16 along M, × 16 along K if ``TWO_D``), optionally in the
-    Hadamard domain; Philox offsets ``co + j·kq`` for set ``j``."""
+    Hadamard domain, global decode scale ``gs``; Philox offsets ``co + j·kq`` for set ``j``."""
     if RHT:
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, t_ptr)
@@ -283,7 +282,7 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x6, R, BK, TWO_D), _kmax(x7, R, BK, TWO_D), _kmax(x8, R, BK, TWO_D),
         _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
         _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
-        _kmax(x15, R, BK, TWO_D)), tl.load(gs_ptr + 1))
+        _kmax(x15, R, BK, TWO_D)), gs)
     w_lo = _codes(x0, enc, seed, co, R, BK, TWO_D, SR)
     w_lo |= _codes(x1, enc, seed, co + kq, R, BK, TWO_D, SR) << 4
     w_lo |= _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR) << 8
@@ -305,14 +304,24 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
 @triton.jit
 def nvfp4_quantize_kernel(
-    x_ptr, t_ptr, gs_ptr, seed_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K, stride_m,
+    x_ptr, t_ptr, amax_ptr, seed_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
+    stride_m,
     ROW: tl.constexpr, COL: tl.constexpr, DERIVE_COL: tl.constexpr, RHT: tl.constexpr,
     SR: tl.constexpr, TWO_D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + scales and/or columnwise
-    ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales. ``gs_ptr``:
-    fp32 (rowwise, columnwise) decode scales; ``t_ptr``: fp32 ``T[0, :]``; ``seed_ptr``: int64."""
+    ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales. ``amax_ptr``:
+    fp32 per-tensor amax of ``x`` and, with ``RHT``, of its column-Hadamard transform (the
+    columnwise direction's); the global decode scales are computed here (every program, the
+    same scalar ops as ``formats.nvfp4.nvfp4_global_scale``) and program (0, 0) writes them
+    to ``gs_row_ptr`` / ``gs_col_ptr`` (fp32 scalars). ``t_ptr``: fp32 ``T[0, :]``;
+    ``seed_ptr``: int64."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    gs_row = global_decode_scale(tl.load(amax_ptr))
+    gs_col = global_decode_scale(tl.load(amax_ptr + 1)) if RHT else gs_row
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(gs_row_ptr, gs_row)
+        tl.store(gs_col_ptr, gs_col)
     R: tl.constexpr = BM // 16
     rs = pid_m * BM + tl.arange(0, R)[:, None] * 16  # first row of each 16-row group
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
@@ -322,11 +331,11 @@ def nvfp4_quantize_kernel(
     oq = rs * kq + pid_k * (BK // 4) + tl.arange(0, BK // 4)[None, :]  # set 0; set j adds j * kq
     if ROW or DERIVE_COL:
         _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                gs_ptr, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
+                gs_row, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
                 R, BK, TWO_D, SR, ROW, DERIVE_COL)
     if COL and not DERIVE_COL:
         _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                t_ptr, gs_ptr, seed, M * kq + oq, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R, BK,
+                t_ptr, gs_col, seed, M * kq + oq, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R, BK,
                 RHT, TWO_D, SR)
 
 

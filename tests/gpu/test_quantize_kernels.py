@@ -239,14 +239,17 @@ def _check_sr_matches_v1(x, block_2d, cfg):
     from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_quantize_tiles
     from hybrid_dist.kernels.nvfp4_v1 import nvfp4_quantize_v1
 
-    gs = nvfp4_global_scale(x.float().abs().amax().repeat(2))
+    amax = x.float().abs().amax().repeat(2)
+    gs = nvfp4_global_scale(amax)
     seed = torch.tensor([12345], dtype=torch.int64, device="cuda")
     br = 16 if block_2d else 1
     args = (True, True, block_2d, False, True, br)
-    new = nvfp4_quantize_tiles(x, _rht_row(0, x.device), gs, seed, *args, cfg)
+    new = nvfp4_quantize_tiles(x, _rht_row(0, x.device), amax, seed, *args, cfg)
     old = nvfp4_quantize_v1(x, gs, seed, *args)
     for name, a, b in zip(("row", "row_scale", "col", "col_scale"), new, old):
         _bytes_equal(a, b, f"nvfp4 sr {cfg.label()} 2d={block_2d} {name} vs v1")
+    for name, a in zip(("row", "col"), new[4:]):  # the kernel's global scales: nvfp4_global_scale's bits
+        assert torch.equal(a, gs[0]), f"nvfp4 sr {cfg.label()} {name} global scale {a} vs {gs[0]}"
 
 
 @pytest.mark.parametrize("shape", [(384, 640), (4096, 2048)], ids=str)
