@@ -220,7 +220,25 @@ def _check_fp8_batched_delayed():
         _bits_equal(states[b].amax_history, ref[b].amax_history, f"stacked advance history {b}")
 
 
+def _check_nvfp4_empty():
+    """Empty inputs (a zero-token expert): the kernel still writes the global scales (1, as
+    the reference's for amax 0) and returns empty data of the right shapes."""
+    import hybrid_dist as hd
+    from hybrid_dist.kernels import nvfp4
+
+    for shape in ((0, 128), (64, 0)):
+        x = torch.zeros(shape).bfloat16()
+        for q in (hd.NVFP4Quantizer(), hd.NVFP4Quantizer(rht=True), hd.NVFP4Quantizer(block_2d=True)):
+            k = nvfp4.quantize_nvfp4(q, x, rowwise=True, columnwise=True, state=None, amax=None)
+            r = q._quantize_2d(x, rowwise=True, columnwise=True, state=None, amax=None)
+            for d, a, b in zip(("row", "col"), k, r):
+                what = f"nvfp4 empty {shape} {q} {d}"
+                assert a.data.shape == b.data.shape, what
+                _bits_equal(a.global_scale, b.global_scale.reshape(a.global_scale.shape), f"{what} global scale")
+
+
 def _run_all():
+    _check_nvfp4_empty()
     _check_fp8_batched()
     _check_fp8_batched_delayed()
     _check_mxfp8()

@@ -70,7 +70,7 @@ def nvfp4_quantize_tiles(
     m, k = x.shape
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
-    col64 = outs[2].view(torch.int64) if columnwise else torch.empty(0, dtype=torch.int64, device=x.device)
+    col64 = outs[2].view(torch.int64) if columnwise and x.numel() else torch.empty(0, dtype=torch.int64, device=x.device)
     grid = (max(cdiv(m, config.bm), 1), max(cdiv(k, config.bk), 1))  # program (0, 0) writes gs even if x is empty
     nvfp4_quantize_kernel[grid](
         x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k, max(x.stride(0), 1),
