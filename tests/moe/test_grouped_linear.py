@@ -168,3 +168,49 @@ def test_grouped_linear_state_dict_carries_per_expert_delayed_histories():
     fresh = GroupedLinear(3, 64, 32, recipe=recipe)
     fresh.load_state_dict({"weight": sd["weight"]})
     assert not torch.equal(fresh(x, tokens), y_next), "the histories must matter for this check to mean anything"
+
+
+def _stack_every_delayed_state(layer):
+    """Point each plan's per-expert delayed states at rows of one stack, as the CUDA path
+    does (``formats.float8.stacked_delayed_states``); returns the stacks."""
+    from hybrid_dist.formats.float8 import DelayedScalingState, stacked_delayed_states
+
+    stacks = []
+    for plan in layer._plans.values():
+        for states in plan.states.values():
+            if states and all(isinstance(s, DelayedScalingState) for s in states):
+                stacks.append(stacked_delayed_states(states, "cpu"))
+    assert stacks, "fp8_delayed must keep per-expert delayed states"
+    return stacks
+
+
+def test_grouped_linear_dcp_round_trip_with_stacked_delayed_states(tmp_path):
+    """``torch.distributed.checkpoint`` saves per-expert delayed states that are rows of one
+    stack (views into shared storage, as on CUDA) and loads them in place into another
+    layer's stacked views: the loaded values are the saved ones, the views still point into
+    the loading layer's stacks, and its next step is bitwise the saved layer's."""
+    import torch.distributed.checkpoint as dcp
+
+    recipe = hd.recipe_from_name("fp8_delayed")
+    tokens = torch.tensor([40, 0, 24])
+    torch.manual_seed(0)
+    layer, other = GroupedLinear(3, 64, 32, recipe=recipe), GroupedLinear(3, 64, 32, recipe=recipe)
+    for step in range(3):
+        x = torch.randn(64, 64) * (step + 1)
+        layer(x, tokens).square().sum().backward()
+        if step == 0:
+            other(x * 7, tokens).square().sum().backward()  # builds its plan, with other values
+    saved_stacks = [(h.clone(), s.clone()) for h, s in _stack_every_delayed_state(layer)]
+    dcp.save(layer.state_dict(), checkpoint_id=str(tmp_path))
+    other_stacks = _stack_every_delayed_state(other)
+    assert not all(torch.equal(h, h1) for (h, _), (h1, _) in zip(other_stacks, saved_stacks)), \
+        "the loading layer must start from other histories for this check to mean anything"
+    sd = other.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path))
+    other.load_state_dict(sd)
+    after = _stack_every_delayed_state(other)
+    for i, ((h, s), (h0, s0), (h1, s1)) in enumerate(zip(after, other_stacks, saved_stacks)):
+        assert h is h0 and s is s0, f"stack {i}: loading replaced the stacked views"
+        assert torch.equal(h, h1) and torch.equal(s, s1), f"stack {i}: loaded histories/scales differ from the saved"
+    x = torch.randn(64, 64)
+    assert torch.equal(other(x, tokens), layer(x, tokens)), "fp8_delayed GroupedLinear: next step after a DCP round trip"
