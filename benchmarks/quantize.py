@@ -127,7 +127,8 @@ def _sass_row(fn, signature, constexprs, cfg, name):
 
     attrs = {(i,): [["tt.divisibility", 16]] for i, (arg, ty) in enumerate(signature.items())
              if ty.startswith("*") or arg in ("K", "stride_m")}  # as a launch specializes them
-    src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, "BM": cfg.bm, "BK": cfg.bk}, attrs=attrs)
+    tile = {k: v for k, v in (("BM", cfg.bm), ("BK", cfg.bk)) if k in signature}
+    src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **tile}, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
@@ -148,12 +149,15 @@ def sass() -> None:
     from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_SWEEP
 
     i32, c = "i32", "constexpr"
-    mx_sig = {"x_ptr": "*bf16", "row_ptr": "*fp8e4nv", "row_s_ptr": "*u8", "col32_ptr": "*i32", "col_s_ptr": "*u8",
-              "M": i32, "K": i32, "stride_m": i32, "FMAX": c, "E5M2": c, "ROW": c, "COL": c, "BM": c, "BK": c}
-    nv_sig = {"x_ptr": "*bf16", "t_ptr": "*fp32", "gs_ptr": "*fp32", "seed_ptr": "*i64", "row_ptr": "*u8",
-              "row_s_ptr": "*fp8e4nv", "col64_ptr": "*i64", "col_s_ptr": "*fp8e4nv", "M": i32, "K": i32,
+    mx_sig = {"x_ptr": "*bf16", "row_ptr": "*fp8e4nv", "row_s_ptr": "*u8", "col_ptr": "*fp8e4nv", "col_s_ptr": "*u8",
+              "M": i32, "K": i32, "stride_m": i32, "FMAX": c, "E5M2": c, "BF16": c, "ROW": c, "COL": c, "BK": c,
+              "EVEN": c}
+    nv_sig = {"x_ptr": "*bf16", "t_ptr": "*fp32", "amax_ptr": "*fp32", "seed_ptr": "*i64", "row_ptr": "*u8",
+              "row_s_ptr": "*fp8e4nv", "col64_ptr": "*i64", "col_s_ptr": "*fp8e4nv", "gs_row_ptr": "*fp32",
+              "gs_col_ptr": "*fp32", "M": i32, "K": i32,
               "stride_m": i32, "ROW": c, "COL": c, "DERIVE_COL": c, "RHT": c, "SR": c, "TWO_D": c, "BM": c, "BK": c}
-    rows = [_sass_row(_mxfp8_kernel, mx_sig, {"FMAX": 448.0, "E5M2": False, "ROW": True, "COL": True}, cfg,
+    rows = [_sass_row(_mxfp8_kernel, mx_sig, {"FMAX": 448.0, "E5M2": False, "BF16": True, "ROW": True, "COL": True,
+                                             "EVEN": True}, cfg,
                       "mxfp8 row+col") for cfg in MXFP8_SWEEP]
     for name, rht, sr, br in NVFP4_SWEEP_CASES:
         flags = {"ROW": True, "COL": True, "DERIVE_COL": br == 16 and not rht, "RHT": rht, "SR": sr, "TWO_D": br == 16}

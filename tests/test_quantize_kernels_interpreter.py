@@ -91,10 +91,10 @@ def _check_mxfp8():
 
     gen = torch.Generator().manual_seed(0)
     for dtype, bits in ((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 2)):
-        x = mxfp8_input((96, 160), bits, gen)
+        x = mxfp8_input((96, 160), bits, gen)  # K = 160: a partial K tile at every config
         ref = (*mxfp8_quantize_rows(x, dtype), *mxfp8_quantize_rows(x.t(), dtype))
         outs = {cfg.label(): mxfp8.mxfp8_quantize_tiles(x, dtype, True, True, cfg) for cfg in MXFP8_SWEEP[:2]}
-        outs["v1 (the registered default)"] = mxfp8_v1.mxfp8_quantize_v1(x, dtype, True, True)
+        outs["v1 (the previous kernel)"] = mxfp8_v1.mxfp8_quantize_v1(x, dtype, True, True)
         for label, out in outs.items():
             for name, a, b in zip(("row", "row_scale", "col", "col_scale"), out, ref):
                 _bits_equal(a, b, f"mxfp8 {dtype} {label} {name}")
@@ -104,6 +104,28 @@ def _check_mxfp8():
             r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=None)
             _storages_equal(k[0], r[0], f"mxfp8 {dtype} dirs={rw, cw} row")
             _storages_equal(k[1], r[1], f"mxfp8 {dtype} dirs={rw, cw} col")
+        # rowwise only: M not a multiple of 32 (masked rows); fp32 input (general E8M0 helpers)
+        for xi, what in ((x[:40], "40 rows"), (x.float(), "fp32 input")):
+            out = mxfp8.mxfp8_quantize_tiles(xi, dtype, True, False, MXFP8_SWEEP[0])
+            for name, a, b in zip(("row", "row_scale"), out, mxfp8_quantize_rows(xi, dtype)):
+                _bits_equal(a, b, f"mxfp8 {dtype} rowwise {what} {name}")
+
+
+def _check_e8m0_bf16_helpers():
+    """``e8m0_rceil_bf16`` / ``e8m0_inv_bf16`` equal ``e8m0_rceil`` / ``exp2_int(127 - e)`` on
+    every non-negative bf16 amax (all 2**15 bit patterns, inf and NaN included)."""
+    import triton
+
+    from tests._triton_probes import e8m0_probe
+
+    amax = (torch.arange(0, 2**15, dtype=torch.int32) << 16).view(torch.float32)
+    n = amax.numel()
+    for e5m2 in (False, True):
+        out = torch.empty(4 * n, dtype=torch.int32)
+        e8m0_probe[(triton.cdiv(n, 1024),)](amax, out, n, E5M2=e5m2, BLOCK=1024)
+        what = f"e8m0 bf16 helpers (E5M2={e5m2})"
+        assert torch.equal(out[:n], out[n:2 * n]), f"{what}: codes differ at {(out[:n] != out[n:2 * n]).sum()} amax"
+        assert torch.equal(out[2 * n:3 * n], out[3 * n:]), f"{what}: multipliers differ"
 
 
 def _check_nvfp4_reference():
@@ -242,6 +264,7 @@ def _run_all():
     _check_fp8_batched()
     _check_fp8_batched_delayed()
     _check_mxfp8()
+    _check_e8m0_bf16_helpers()
     _check_nvfp4_reference()
     _check_nvfp4_sr_stream()
     print("interpreter checks passed")

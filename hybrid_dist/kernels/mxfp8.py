@@ -1,22 +1,28 @@
-"""MXFP8 fused quantize: one read of an ``[BM, BK]`` tile makes both directions.
+"""MXFP8 fused quantize: one read of a ``[32, BK]`` tile makes both directions.
 
 Rowwise: 1×32 blocks along K → ``data [M, K]``, ``scale [M, K/32]`` (uint8 E8M0).
 Columnwise: 32×1 blocks along M, stored transposed → ``data [K, M]``, ``scale [K, M/32]``.
 Per block ``e = RCEIL(amax / fp8_max)``, ``q = sat(x · 2**(127-e))`` — the same IEEE
 operations as ``formats.mxfp8.mxfp8_quantize_rows``, so the result is bitwise equal.
 
-[Note: interleaved row sets] The tile is loaded as 4 row sets ``x_j = x[m ≡ j mod 4]``
-(each ``[BM/4, BK]``, all in one register layout). Columnwise:
+[Note: 32 row sets] A program owns rows ``m0 .. m0+31`` (one columnwise block) and
+columns ``k0 .. k0+BK``, and loads each row as its own ``[BK]`` tensor ``x_j`` — all 32 in
+one register layout, so a thread holds the same k's of every row:
 
-* block amax = elementwise max over the sets of each set's max over 8 rows;
-* the 4 fp8 bytes of ``m = 4i .. 4i+3`` come from the same thread (one per set), so they are
-  packed into one int32 **before** the transpose; the transpose moves 32-bit words and
-  the ``[K, M]`` store writes ``[BK, BM/4]`` int32 (rows of ``BM`` contiguous bytes).
+* rowwise: each ``x_j`` reduces over its 1×32 blocks along K (shuffles), is cast and
+  stored; the 32 rows' scales are stored together once ``[BK/32, 32]``;
+* columnwise: the rows are joined into ``y [BK, 32]`` (``y[:, j] = x_j``, the join adds
+  no data movement), so the block amax is a max inside each thread, and ``q [BK, 32]`` is
+  stored as it is: ``BK`` rows of 32 contiguous bytes of ``data [K, M]`` (Triton stages the
+  store through shared memory to coalesce it). No 8-bit register transpose.
 
-Tile configs: ``kernels.quant_tiles`` (``benchmarks/quantize.py --sweep`` times them).
-The registered default path (``quantize_mxfp8`` without ``config``, and the torch.library
-op) runs the v1 kernel (``mxfp8_v1``): measured faster on an H100 and an H200 than this
-kernel at every tile config; this kernel runs for an explicit ``config``.
+Every load is issued before the first store: the stores may alias the input as far as the
+compiler knows, so it would not hoist a load over them (measured on an H100: loads
+interleaved with the stores ran at 0.29x copy, loads first 0.72x). bf16 inputs use the
+short E8M0 helpers for bf16-valued amax (``_jit_common.e8m0_rceil_bf16``).
+
+Tile configs: ``kernels.quant_tiles`` (``bm`` must be 32; ``benchmarks/quantize.py --sweep``
+times them against the previous kernel, ``mxfp8_v1``).
 """
 
 from __future__ import annotations
@@ -27,82 +33,123 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
-from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, e8m0_rceil, exp2_int
+from hybrid_dist.kernels._jit_common import (cast_fp8, cdiv, e8m0_inv_bf16, e8m0_rceil, e8m0_rceil_bf16, eager_or_op,
+                                             exp2_int)
 from hybrid_dist.kernels.quant_tiles import MXFP8_DEFAULT, TileConfig
 
 
 @triton.jit
-def _to_fp8(v, FMAX: tl.constexpr, E5M2: tl.constexpr):
-    if E5M2:
-        return cast_fp8(v, FMAX, tl.float8e5)
+def _e8m0(amax, E5M2: tl.constexpr, BF16: tl.constexpr):
+    """(E8M0 code, fp32 multiplier ``2**(127-e)``) of a block amax."""
+    if BF16:
+        e = e8m0_rceil_bf16(amax, E5M2)
+        return e, e8m0_inv_bf16(e)
     else:
-        return cast_fp8(v, FMAX, tl.float8e4nv)
+        e = e8m0_rceil(amax, E5M2)
+        return e, exp2_int(127 - e)
 
 
 @triton.jit
-def _load_set(x_ptr, rows, rk, M, K, stride_m):
-    return tl.load(x_ptr + rows * stride_m + rk, mask=(rows < M) & (rk < K), other=0.0).to(tl.float32)
+def _load(x_ptr, m, rk, M, K, stride_m, EVEN: tl.constexpr):
+    """Row ``m`` at columns ``rk`` as fp32 ``[BK]`` (zeros outside ``[M, K]``)."""
+    if EVEN:
+        return tl.load(x_ptr + m * stride_m + rk).to(tl.float32)
+    else:
+        return tl.load(x_ptr + m * stride_m + rk, mask=(m < M) & (rk < K), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _rows_set(x, rows, rk, row_ptr, row_s_ptr, pid_k, M, K, FMAX: tl.constexpr, E5M2: tl.constexpr,
-              R: tl.constexpr, BK: tl.constexpr):
-    """Rowwise (1×32 along K) quantize + store of one row set ``x [R, BK]`` (rows ``rows``)."""
-    blocks = tl.reshape(x, (R, BK // 32, 32))
-    e = e8m0_rceil(tl.max(tl.abs(blocks), axis=2), E5M2)  # [R, BK/32]
-    q = _to_fp8(blocks * exp2_int(127 - e)[:, :, None], FMAX, E5M2)
-    tl.store(row_ptr + rows * K + rk, tl.reshape(q, (R, BK)), mask=(rows < M) & (rk < K))
-    sk = pid_k * (BK // 32) + tl.arange(0, BK // 32)[None, :]
-    tl.store(row_s_ptr + rows * (K // 32) + sk, e.to(tl.uint8), mask=(rows < M) & (sk < K // 32))
+def _load8(x_ptr, m, rk, M, K, stride_m, EVEN: tl.constexpr):
+    return (_load(x_ptr, m, rk, M, K, stride_m, EVEN), _load(x_ptr, m + 1, rk, M, K, stride_m, EVEN),
+            _load(x_ptr, m + 2, rk, M, K, stride_m, EVEN), _load(x_ptr, m + 3, rk, M, K, stride_m, EVEN),
+            _load(x_ptr, m + 4, rk, M, K, stride_m, EVEN), _load(x_ptr, m + 5, rk, M, K, stride_m, EVEN),
+            _load(x_ptr, m + 6, rk, M, K, stride_m, EVEN), _load(x_ptr, m + 7, rk, M, K, stride_m, EVEN))
 
 
 @triton.jit
-def _set_amax(x, R: tl.constexpr, BK: tl.constexpr):
-    """``[R/8, BK]``: max|x| over each 8 consecutive rows of a row set (one 32-row block)."""
-    return tl.max(tl.reshape(tl.abs(x), (R // 8, 8, BK)), axis=1)
+def _row(x, m, rk, row_ptr, M, K, FMAX: tl.constexpr, E5M2: tl.constexpr, BF16: tl.constexpr,
+         BK: tl.constexpr, EVEN: tl.constexpr):
+    """Rowwise quantize + store of row ``m`` (``x [BK]``); returns its E8M0 codes ``[BK/32]``."""
+    blocks = tl.reshape(x, (BK // 32, 32))
+    e, inv = _e8m0(tl.max(tl.abs(blocks), axis=1), E5M2, BF16)
+    q = tl.reshape(cast_fp8(blocks * inv[:, None], FMAX, row_ptr.dtype.element_ty), (BK,))
+    if EVEN:
+        tl.store(row_ptr + m * K + rk, q)
+    else:
+        tl.store(row_ptr + m * K + rk, q, mask=(m < M) & (rk < K))
+    return e
 
 
 @triton.jit
-def _col_bytes(x, inv, FMAX: tl.constexpr, E5M2: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
-    """fp8 bytes (int32, 0..255) of a row set scaled by its block's ``inv [R/8, BK]``."""
-    q = _to_fp8(tl.reshape(x, (R // 8, 8, BK)) * inv[:, None, :], FMAX, E5M2)
-    return tl.reshape(q, (R, BK)).to(tl.uint8, bitcast=True).to(tl.int32)
+def _rows8(x0, x1, x2, x3, x4, x5, x6, x7, m, rk, row_ptr, M, K, FMAX: tl.constexpr, E5M2: tl.constexpr,
+           BF16: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+    return (_row(x0, m, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN),
+            _row(x1, m + 1, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN),
+            _row(x2, m + 2, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN),
+            _row(x3, m + 3, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN),
+            _row(x4, m + 4, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN),
+            _row(x5, m + 5, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN),
+            _row(x6, m + 6, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN),
+            _row(x7, m + 7, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN))
+
+
+@triton.jit
+def _join32(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+            a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31):
+    """``[N]`` × 32 → ``[N, 32]`` with column ``j`` = ``a_j``: join level ``l`` pairs ``j`` and
+    ``j + 16 / 2**l``, so the joined dims flatten to ``j``."""
+    return tl.reshape(tl.join(
+        tl.join(tl.join(tl.join(tl.join(a0, a16), tl.join(a8, a24)), tl.join(tl.join(a4, a20), tl.join(a12, a28))),
+                tl.join(tl.join(tl.join(a2, a18), tl.join(a10, a26)), tl.join(tl.join(a6, a22), tl.join(a14, a30)))),
+        tl.join(tl.join(tl.join(tl.join(a1, a17), tl.join(a9, a25)), tl.join(tl.join(a5, a21), tl.join(a13, a29))),
+                tl.join(tl.join(tl.join(a3, a19), tl.join(a11, a27)), tl.join(tl.join(a7, a23), tl.join(a15, a31))))),
+        (a0.shape[0], 32))
 
 
 @triton.jit
 def _mxfp8_kernel(
-    x_ptr, row_ptr, row_s_ptr, col32_ptr, col_s_ptr, M, K, stride_m,
-    FMAX: tl.constexpr, E5M2: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, BF16: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+    BK: tl.constexpr, EVEN: tl.constexpr,
 ):
+    """Rows ``32·pid_m ..`` × columns ``BK·pid_k ..`` (module note). ``EVEN``: ``M % 32 == 0``
+    and ``K % BK == 0`` (no masks); columnwise needs ``M % 32 == 0``."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    R: tl.constexpr = BM // 4
-    rs = pid_m * BM + tl.arange(0, R)[:, None] * 4  # first row of each group of 4
-    rk = pid_k * BK + tl.arange(0, BK)[None, :]
-    x0 = _load_set(x_ptr, rs, rk, M, K, stride_m)
-    x1 = _load_set(x_ptr, rs + 1, rk, M, K, stride_m)
-    x2 = _load_set(x_ptr, rs + 2, rk, M, K, stride_m)
-    x3 = _load_set(x_ptr, rs + 3, rk, M, K, stride_m)
+    m0 = pid_m * 32
+    rk = pid_k * BK + tl.arange(0, BK)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _load8(x_ptr, m0, rk, M, K, stride_m, EVEN)
+    x8, x9, x10, x11, x12, x13, x14, x15 = _load8(x_ptr, m0 + 8, rk, M, K, stride_m, EVEN)
+    x16, x17, x18, x19, x20, x21, x22, x23 = _load8(x_ptr, m0 + 16, rk, M, K, stride_m, EVEN)
+    x24, x25, x26, x27, x28, x29, x30, x31 = _load8(x_ptr, m0 + 24, rk, M, K, stride_m, EVEN)
     if ROW:
-        _rows_set(x0, rs, rk, row_ptr, row_s_ptr, pid_k, M, K, FMAX, E5M2, R, BK)
-        _rows_set(x1, rs + 1, rk, row_ptr, row_s_ptr, pid_k, M, K, FMAX, E5M2, R, BK)
-        _rows_set(x2, rs + 2, rk, row_ptr, row_s_ptr, pid_k, M, K, FMAX, E5M2, R, BK)
-        _rows_set(x3, rs + 3, rk, row_ptr, row_s_ptr, pid_k, M, K, FMAX, E5M2, R, BK)
-    if COL:  # 32×1 blocks along M; stored [K, M] as int32 words of 4 consecutive m
-        amax = tl.maximum(tl.maximum(_set_amax(x0, R, BK), _set_amax(x1, R, BK)),
-                          tl.maximum(_set_amax(x2, R, BK), _set_amax(x3, R, BK)))
-        e = e8m0_rceil(amax, E5M2)  # [BM/32, BK]
-        inv = exp2_int(127 - e)
-        w = _col_bytes(x0, inv, FMAX, E5M2, R, BK)
-        w |= _col_bytes(x1, inv, FMAX, E5M2, R, BK) << 8
-        w |= _col_bytes(x2, inv, FMAX, E5M2, R, BK) << 16
-        w |= _col_bytes(x3, inv, FMAX, E5M2, R, BK) << 24
-        ck = pid_k * BK + tl.arange(0, BK)[:, None]
-        cw = pid_m * R + tl.arange(0, R)[None, :]
-        tl.store(col32_ptr + ck * (M // 4) + cw, tl.trans(w), mask=(ck < K) & (cw < M // 4))
-        sm = pid_m * (BM // 32) + tl.arange(0, BM // 32)[None, :]
-        e_t = tl.trans(e).to(tl.uint8)
-        tl.store(col_s_ptr + ck * (M // 32) + sm, e_t, mask=(ck < K) & (sm < M // 32))
+        e0, e1, e2, e3, e4, e5, e6, e7 = _rows8(
+            x0, x1, x2, x3, x4, x5, x6, x7, m0, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN)
+        e8, e9, e10, e11, e12, e13, e14, e15 = _rows8(
+            x8, x9, x10, x11, x12, x13, x14, x15, m0 + 8, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN)
+        e16, e17, e18, e19, e20, e21, e22, e23 = _rows8(
+            x16, x17, x18, x19, x20, x21, x22, x23, m0 + 16, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN)
+        e24, e25, e26, e27, e28, e29, e30, e31 = _rows8(
+            x24, x25, x26, x27, x28, x29, x30, x31, m0 + 24, rk, row_ptr, M, K, FMAX, E5M2, BF16, BK, EVEN)
+        es = _join32(e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15, e16, e17, e18,
+                     e19, e20, e21, e22, e23, e24, e25, e26, e27, e28, e29, e30, e31).to(tl.uint8)  # [BK/32, 32]
+        sk = pid_k * (BK // 32) + tl.arange(0, BK // 32)[:, None]
+        sm = m0 + tl.arange(0, 32)[None, :]
+        if EVEN:
+            tl.store(row_s_ptr + sm * (K // 32) + sk, es)
+        else:
+            tl.store(row_s_ptr + sm * (K // 32) + sk, es, mask=(sm < M) & (sk < K // 32))
+    if COL:
+        y = _join32(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19,
+                    x20, x21, x22, x23, x24, x25, x26, x27, x28, x29, x30, x31)  # [BK, 32]
+        e, inv = _e8m0(tl.max(tl.abs(y), axis=1), E5M2, BF16)  # [BK]
+        q = cast_fp8(y * inv[:, None], FMAX, col_ptr.dtype.element_ty)
+        cm = m0 + tl.arange(0, 32)[None, :]
+        if EVEN:
+            tl.store(col_ptr + rk[:, None] * M + cm, q)
+            tl.store(col_s_ptr + rk * (M // 32) + pid_m, e.to(tl.uint8))
+        else:
+            tl.store(col_ptr + rk[:, None] * M + cm, q, mask=(rk[:, None] < K) & (cm < M))
+            tl.store(col_s_ptr + rk * (M // 32) + pid_m, e.to(tl.uint8), mask=rk < K)
 
 
 def _mxfp8_shapes(m, k, rowwise, columnwise):
@@ -114,6 +161,8 @@ def mxfp8_quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, col
                          config: TileConfig = MXFP8_DEFAULT):
     """Launch on ``x [M, K]`` (unit stride along K; ``M % 32 == 0`` for columnwise):
     ``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty."""
+    if config.bm != 32:
+        raise ValueError(f"MXFP8 quantize tiles are 32 rows (one columnwise block); got {config}")
     m, k = x.shape
     s_row, s_rs, s_col, s_cs = _mxfp8_shapes(m, k, rowwise, columnwise)
     dev = x.device
@@ -122,11 +171,11 @@ def mxfp8_quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, col
     col = torch.empty(s_col, dtype=dtype, device=dev)
     col_s = torch.empty(s_cs, dtype=torch.uint8, device=dev)
     if x.numel():
-        grid = (cdiv(m, config.bm), cdiv(k, config.bk))
-        col32 = col.view(torch.int32) if columnwise else torch.empty(0, dtype=torch.int32, device=dev)
-        _mxfp8_kernel[grid](x, row, row_s, col32, col_s, m, k, x.stride(0),
-                            FMAX=FP8_MAX[dtype], E5M2=dtype == torch.float8_e5m2, ROW=rowwise,
-                            COL=columnwise, BM=config.bm, BK=config.bk, num_warps=config.num_warps)
+        grid = (cdiv(m, 32), cdiv(k, config.bk))
+        _mxfp8_kernel[grid](x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype],
+                            E5M2=dtype == torch.float8_e5m2, BF16=x.dtype == torch.bfloat16, ROW=rowwise,
+                            COL=columnwise, BK=config.bk, EVEN=m % 32 == 0 and k % config.bk == 0,
+                            num_warps=config.num_warps)
     return row, row_s, col, col_s
 
 
@@ -135,13 +184,9 @@ def mxfp8_quantize_op(
     x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty.
-
-    The default is the v1 kernel (``mxfp8_v1``: 0.693x of copy for row+col on an H100
-    against 0.448x for the tile kernel's default config, 16384x8192, one run); the tile
-    kernel runs when a ``config`` is given (tests, ``--sweep``)."""
-    from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
-
-    return mxfp8_quantize_v1(x, dtype, rowwise, columnwise)
+    The 32-row-set kernel at ``MXFP8_DEFAULT`` (row+col on an H100, 16384x8192: 0.733-0.742x
+    of copy in four runs against 0.700-0.708x for the previous kernel, ``mxfp8_v1``)."""
+    return mxfp8_quantize_tiles(x, dtype, rowwise, columnwise)
 
 
 @mxfp8_quantize_op.register_fake
@@ -156,10 +201,9 @@ def quantize_mxfp8(q: MXFP8Quantizer, x2d, *, rowwise, columnwise, state, amax, 
     """Registry impl for :class:`MXFP8Quantizer` (bitwise the reference). ``config``: a tile
     config other than the default (eager only: tests and benchmarks).
 
-    The fused in-register transpose is used for bf16 inputs; other inputs quantize
-    ``x`` and ``x.T`` (a torch transpose) rowwise, since an 8-bit in-register transpose
-    gave wrong bytes for fp32 inputs in the FP8 kernel on Triton 3.6 / H100 (the columnwise
-    bytes now move as 32-bit words, but fp32 inputs are not tested on that path)."""
+    The fused columnwise path is used for bf16 inputs; other inputs quantize ``x`` and
+    ``x.T`` (a torch transpose) rowwise (the columnwise path is tested, and measured, on bf16
+    only)."""
     kw = dict(state=state, amax=amax, config=config)
     if columnwise and x2d.dtype != torch.bfloat16:
         row_st = quantize_mxfp8(q, x2d, rowwise=True, columnwise=False, **kw)[0] if rowwise else None

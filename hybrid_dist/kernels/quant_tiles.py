@@ -6,8 +6,8 @@ choice is explicit, deterministic and the same under ``torch.compile``).
 :data:`NVFP4_SWEEP` so the default can be picked on the target GPU.
 
 Tile shapes: a program owns ``x[BM, BK]`` and reads it as ``G`` interleaved row sets
-(``G = 4`` for MXFP8, ``16`` for NVFP4), each ``[BM/G, BK]``: set ``j`` holds rows
-``m ≡ j (mod G)``. ``BM/G * BK`` should be at least ``4 * 32 * num_warps`` so no thread holds a replicated
+(``G = 32`` for MXFP8, ``16`` for NVFP4), each ``[BM/G, BK]``: set ``j`` holds rows
+``m ≡ j (mod G)``; MXFP8 tiles are one columnwise block (``BM = 32``). ``BM/G * BK`` should be at least ``4 * 32 * num_warps`` so no thread holds a replicated
 element; ``8 * 32 * num_warps`` gives 16-byte loads.
 """
 
@@ -41,7 +41,7 @@ class TileConfig:
 # issue-bound, not bandwidth-bound, when this count is high (the v1 kernels: MXFP8 49-100,
 # NVFP4 1D 117-165, RHT 116-128, 2D 47-64 at their autotuned configs). BM=32 tiles with 8
 # elements per thread keep each column block's rows inside one thread.
-#   MXFP8 row+col : 32x256/w2 23.4 (209 regs), 32x128/w1 22.2, 64x128/w4 32.0, 32x128/w4 38.0
+#   MXFP8 row+col (32 row sets, ninth session, sm_90 SASS): 32x256/w2 15.2 (167 regs), 32x256/w4 23.8 (126)
 #   NVFP4 1D      : 32x256/w2 47.4 (174 regs), 32x128/w1 47.1, 64x128/w4 59.9
 #   NVFP4 RHT     : 32x256/w2 52.1, 64x128/w4 64.6;  2D: 32x256/w2 22.2 (255 regs), 64x256/w4 22.6
 #   NVFP4 RHT+SR  : 32x256/w2 111.9 (Philox), 64x128/w4 125.6
@@ -49,18 +49,18 @@ class TileConfig:
 # bf16, fused pass alone, x copy): 64x128/w4 1D 0.429 (32x256/w2: 0.398), 2D 0.857 (64x256/w4:
 # 0.779), RHT 0.365 (0.358), RHT+SR 0.182 (0.092); no config of the sweep was faster for 2D
 # or SR, 128x128/w8 was for 1D-RHT by 0.03.
+# MXFP8 default: the fastest of the sweep on an H100 (ninth session, 16384x8192 bf16, row+col,
+# x copy over two runs): 32x256/w2 0.739 / 0.742, 32x512/w4 0.737 / 0.738, 32x256/w4 0.734 /
+# 0.735, 32x128/w1 0.732 / 0.731, 32x128/w2 0.719 / 0.717 (mxfp8_v1: 0.708 / 0.708).
 MXFP8_DEFAULT = TileConfig(bm=32, bk=256, num_warps=2)
 NVFP4_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # every block shape (1x16 and 16x16)
 
 MXFP8_SWEEP = (
     MXFP8_DEFAULT,
     TileConfig(bm=32, bk=128, num_warps=1),
-    TileConfig(bm=32, bk=64, num_warps=1),
-    # 64x128/w2 is left out: on an H200 (Triton 3.6) its columnwise-only bytes differed from
-    # the reference (30625 of 245760 at 384x640); every other config here was bitwise.
-    TileConfig(bm=128, bk=64, num_warps=2),
-    TileConfig(bm=64, bk=128, num_warps=4),
-    TileConfig(bm=128, bk=128, num_warps=4),
+    TileConfig(bm=32, bk=512, num_warps=4),
+    TileConfig(bm=32, bk=256, num_warps=4),
+    TileConfig(bm=32, bk=128, num_warps=2),
 )
 NVFP4_SWEEP = (
     NVFP4_DEFAULT,
