@@ -91,8 +91,8 @@ def run_ep(rank: int, world: int, recipes: list[str], shape: Shape = Shape(), st
             results.append((name, "quantized" if quantized else "bf16", slowest[0].item() * 1e3,
                             total[1].item() / world / 1e6))
     base = next(((ms, mb) for n, _, ms, mb in results if n == "bf16"), None)
-    return [[n, d, ms, base[0] / ms if base else "", mb, mb / base[1] if base else ""]
-            for n, d, ms, mb in results]
+    return [[n, d, ms, base[0] / ms if base else "", mb, mb / base[1] if base and base[1] else ""]
+            for n, d, ms, mb in results]  # one rank sends nothing: no bytes ratio
 
 
 def main() -> None:

@@ -184,8 +184,14 @@ def mxfp8_quantize_op(
     x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty.
-    The 32-row-set kernel at ``MXFP8_DEFAULT`` (row+col on an H100, 16384x8192: 0.733-0.742x
-    of copy in four runs against 0.700-0.708x for the previous kernel, ``mxfp8_v1``)."""
+
+    With columnwise: the 32-row-set kernel at ``MXFP8_DEFAULT`` (H100, 16384x8192, x copy:
+    0.733-0.747 in five runs, against 0.700-0.708 for ``mxfp8_v1``); rowwise only: ``mxfp8_v1``
+    (0.907-0.922 in six runs, against 0.895-0.904 for the row-set kernel)."""
+    if not columnwise:
+        from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
+
+        return mxfp8_quantize_v1(x, dtype, rowwise, columnwise)
     return mxfp8_quantize_tiles(x, dtype, rowwise, columnwise)
 
 

@@ -1,6 +1,7 @@
 """The first MXFP8 quantize kernel (one ``[BM, BK]`` tile, 8-bit in-register transpose): the
-registered default until the ninth session (now ``mxfp8``'s 32-row-set kernel, 1.04-1.05x
-faster for row+col on an H100), and the baseline of ``benchmarks/quantize.py --sweep``.
+registered default for rowwise only (``mxfp8.mxfp8_quantize_op``: 1-2% faster there than the
+32-row-set kernel of ``mxfp8``, which does row+col 1.04-1.06x faster on an H100), and the
+baseline of ``benchmarks/quantize.py --sweep``.
 
 One fixed tile, ``32x256`` with 4 warps (no autotuning: deterministic, and no benchmarking
 at the first call). On an H100 (16384x8192 bf16, row+col, × copy in one run): 0.693,
