@@ -126,7 +126,7 @@ def _sass_row(fn, signature, constexprs, cfg, name):
     from triton.compiler import ASTSource
 
     attrs = {(i,): [["tt.divisibility", 16]] for i, (arg, ty) in enumerate(signature.items())
-             if ty.startswith("*") or arg in ("K", "stride_m")}  # as a launch specializes them
+             if ty.startswith("*") or arg in ("M", "K", "stride_m")}  # as a launch specializes them
     tile = {k: v for k, v in (("BM", cfg.bm), ("BK", cfg.bk)) if k in signature}
     src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **tile}, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
