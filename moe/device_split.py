@@ -48,7 +48,7 @@ from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, nvfp
 from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
-__all__ = ["PackedSplit", "split_quantize_packed", "unsupported_reason"]
+__all__ = ["PackedSplit", "packed_fp8_rows", "split_quantize_packed", "unsupported_reason"]
 
 _BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
 
@@ -230,3 +230,18 @@ def split_quantize_packed(
         col = _direction_fields(quantizer, lay, states, "columnwise") if columnwise else None
     return PackedSplit(rowwise=row, columnwise=col, offsets=lay.off, padded_offsets=lay.poff, dest=lay.dest,
                        row_expert=lay.row_expert, capacity=lay.cap, multiple=mult)
+
+
+def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
+                    columnwise: bool) -> PackedSplit:
+    """The packed split of rows already quantized per expert: per-tensor FP8 ``data [T, K]``
+    (rows sorted by expert), ``scale_inv [E]`` fp32. Equal to ``split_quantize_packed`` of
+    the high-precision rows with the same per-expert scales (the codes are placed, not
+    recomputed; columnwise = rowwise transposed, as for every per-tensor FP8 quantizer).
+    The expert-parallel receiver uses it (``expert_parallel.quantized_exchange``)."""
+    lay = _Layout(data.view(torch.uint8), tokens_per_expert, multiple)
+    row = lay.x_pad.view(data.dtype)
+    col = {"data": row.t().contiguous(), "scale_inv": scale_inv} if columnwise else None
+    return PackedSplit(rowwise={"data": row, "scale_inv": scale_inv}, columnwise=col, offsets=lay.off,
+                       padded_offsets=lay.poff, dest=lay.dest, row_expert=lay.row_expert, capacity=lay.cap,
+                       multiple=multiple)

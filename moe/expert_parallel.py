@@ -40,7 +40,7 @@ import torch.distributed as dist
 from hybrid_dist._amax_sync import all_reduce_amaxes
 from hybrid_dist._warn import warn_once
 from hybrid_dist.formats._quantizer import tensor_amax
-from hybrid_dist.moe import _wire
+from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
 
 __all__ = ["WireStats", "Route", "make_route", "dispatch", "combine", "combine_io"]
@@ -141,9 +141,11 @@ def _exchange(x, route: Route, to_experts: bool, stats, key: str):
 
 
 def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_columnwise: bool,
-                       stats, key: str) -> GroupedQuantized:
+                       stats, key: str, packed_multiple: int | None = None):
     """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``) and build the
-    experts' :class:`GroupedQuantized` (padded to ``multiple``) at the receiver."""
+    experts' :class:`GroupedQuantized` (padded to ``multiple``) at the receiver; with
+    ``packed_multiple`` (per-tensor FP8 only), their ``device_split.PackedSplit`` for the
+    sync-free grouped GEMMs instead."""
     e = len(route.counts_global)
     e_l = e // route.world
     chunks = list(torch.split(x_perm.detach(), route.counts_global))
@@ -161,6 +163,10 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     send = torch.cat(packed) if packed else x_perm.new_zeros(0, width, dtype=torch.uint8)
     recv = _a2a(send.reshape(-1, width), route.send_splits, route.recv_splits, route, stats, key)
     recv = _to_expert_major(recv, route)
+    if packed_multiple is not None:  # FP8: a row on the wire is its K codes; the scales come from the amax
+        scale_inv = torch.stack([tmpls[route.rank * e_l + j].scale_inv.reshape(()) for j in range(e_l)])
+        return device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
+                                            packed_multiple, columnwise=need_columnwise)
     rows, cols, start = [], [], 0
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
     for j, (m, p) in enumerate(zip(route.local_splits, padded)):
@@ -173,7 +179,13 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
                             offsets=off, padded_offsets=poff)
 
 
-def _dequantize_rows(g: GroupedQuantized, dtype) -> torch.Tensor:
+def _dequantize_rows(g, dtype) -> torch.Tensor:
+    """The received rows' values ``[R, K]`` (expert order) from a GroupedQuantized or a PackedSplit."""
+    if isinstance(g, device_split.PackedSplit):
+        data, scale_inv = g.rowwise["data"], g.rowwise["scale_inv"]
+        codes = data.view(torch.uint8).index_select(0, g.dest).view(data.dtype)
+        rows = codes.float() * scale_inv[g.row_expert.index_select(0, g.dest)][:, None]
+        return rows.to(dtype)
     parts = [st.dequantize(dtype)[:m] for st, m in zip(g.rowwise, g.splits)]
     return torch.cat(parts)
 
@@ -183,16 +195,16 @@ class _QuantizedDispatch(torch.autograd.Function):
     dequantized values for the graph. Backward: high-precision dx back to the slots."""
 
     @staticmethod
-    def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats):
+    def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats, packed):
         g = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
-                               stats=stats, key="dispatch")
-        io["x_quantized"] = g
+                               stats=stats, key="dispatch", packed_multiple=packed)
+        io["x_packed" if packed is not None else "x_quantized"] = g
         ctx.route, ctx.stats = route, stats
         return _dequantize_rows(g, x_perm.dtype).reshape(-1, x_perm.shape[1])
 
     @staticmethod
     def backward(ctx, dx):
-        return _exchange(dx.contiguous(), ctx.route, False, ctx.stats, "dispatch_grad"), *([None] * 6)
+        return _exchange(dx.contiguous(), ctx.route, False, ctx.stats, "dispatch_grad"), *([None] * 7)
 
 
 class _QuantizedCombine(torch.autograd.Function):
@@ -207,9 +219,10 @@ class _QuantizedCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        packed = ctx.io.get("packed")  # the last GroupedLinear took the packed path (combine_io)
         g = quantized_exchange(dy.contiguous(), ctx.route, ctx.q, multiple=ctx.multiple, need_columnwise=True,
-                               stats=ctx.stats, key="combine_grad")
-        ctx.io["dy_quantized"] = g
+                               stats=ctx.stats, key="combine_grad", packed_multiple=packed)
+        ctx.io["dy_packed" if packed is not None else "dy_quantized"] = g
         return _dequantize_rows(g, dy.dtype).reshape(-1, dy.shape[1]), *([None] * 5)
 
 
@@ -219,26 +232,30 @@ def _warn_once(reason: str) -> None:
     warn_once(f"expert parallel: exchanging high precision and quantizing after, because {reason}", stacklevel=4)
 
 
-def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, stats=None):
+def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, stats=None,
+             packed: int | None = None):
     """Slots → local experts (expert-major rows). With a quantized ``plan`` (the first
     GroupedLinear's) whose input format allows it, the payload travels quantized; returns
-    ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP)."""
+    ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP).
+    ``packed``: the GroupedLinear's packed padding multiple when it takes the packed path
+    (``GroupedLinear.packed_exchange``): the received rows arrive as ``io["x_packed"]``."""
     reason = _quantized_reason(plan, "input", need_columnwise)
     if reason is None:
         io: dict = {}
-        x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats)
+        x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats, packed)
         return x, io
     if plan is not None and reason != "identity":
         _warn_once(reason)
     return _Exchange.apply(x_perm, route, True, stats, "dispatch"), None
 
 
-def combine_io(plan) -> dict | None:
+def combine_io(plan, packed: int | None = None) -> dict | None:
     """The ``io`` dict to give the last GroupedLinear when its dy will arrive quantized
-    (None: high precision; also for ``plan=None``)."""
-    if plan is None:
+    (None: high precision; also for ``plan=None``); ``packed`` as for ``dispatch`` (dy then
+    arrives as ``io["dy_packed"]``)."""
+    if plan is None or _quantized_reason(plan, "grad_output", True) is not None:
         return None
-    return {} if _quantized_reason(plan, "grad_output", True) is None else None
+    return {} if packed is None else {"packed": packed}
 
 
 def combine(y_local, route: Route, *, plan=None, io: dict | None = None, stats=None):

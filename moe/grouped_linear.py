@@ -158,7 +158,9 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, *, io: dict[str, Any] | None = None):
         """``io`` (expert-parallel hook): ``{"x_quantized": GroupedQuantized}`` replaces the
         input quantization; ``"dy_quantized"``, filled before this layer's backward runs,
-        replaces the gradient quantization (``expert_parallel``)."""
+        replaces the gradient quantization (``expert_parallel``). On the packed CUDA path
+        the same as ``"x_packed"`` / ``"dy_packed"`` (``device_split.PackedSplit``; the dict
+        then holds ``"x_packed"`` or ``"packed"``: ``packed_exchange``)."""
         self._check(x, tokens_per_expert)
         recipe = self.active_recipe()
         if recipe is None:
@@ -169,9 +171,26 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         if not in_backward():
             plan.advance("input")
             plan.advance("weight")
-        if io is None and grouped_quantized.fits(plan, x, self.weight):
-            return grouped_quantized.grouped_linear(x, self.weight, tokens_per_expert, plan)
+        packed_io = io is not None and ("x_packed" in io or "packed" in io)
+        if (io is None or packed_io) and grouped_quantized.fits(plan, x, self.weight):
+            return grouped_quantized.grouped_linear(x, self.weight, tokens_per_expert, plan, io)
+        if packed_io:
+            raise ValueError(f"GroupedLinear {self.name!r}: packed expert-parallel operands, but this call does "
+                             "not take the packed path (see packed_exchange)")
         return _GroupedLinearFn.apply(x, self.weight, tokens_per_expert, plan, io)
+
+    def packed_exchange(self, x: torch.Tensor, tensor_type: str) -> int | None:
+        """The padding multiple an expert-parallel exchange of ``tensor_type`` (``"input"`` or
+        ``"grad_output"``) uses to hand this layer its rows packed (``io["x_packed"]`` /
+        ``"dy_packed"``), or None when it should send per-expert storages: the layer must take
+        the packed CUDA path for ``x`` under the active recipe, with a per-tensor FP8 format."""
+        recipe = self.active_recipe()
+        if recipe is None:
+            return None
+        plan = self.plan(recipe)
+        if not (grouped_quantized.fits(plan, x, self.weight) and grouped_quantized.exchange_packable(plan, tensor_type)):
+            return None
+        return grouped_quantized.packed_multiple(plan)
 
     def _check(self, x, tokens_per_expert) -> None:
         if x.dim() != 2 or x.shape[1] != self.in_features:

@@ -57,7 +57,7 @@ from hybrid_dist.moe.grouped_operands import (
 )
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
-__all__ = ["fits", "unsupported_reason", "grouped_linear", "packed_multiple"]
+__all__ = ["exchange_packable", "fits", "unsupported_reason", "grouped_linear", "packed_multiple"]
 
 E4M3 = torch.float8_e4m3fn
 FP8_GROUP_ALIGN = 16  # token offsets along a contraction dim: multiples of 16 for FP8
@@ -192,11 +192,13 @@ def _weights(weight, plan, need_dgrad):
 
 class _QuantizedGroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, plan):
+    def forward(ctx, x, weight, tokens_per_expert, plan, io):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         mult = packed_multiple(plan)
-        xs = device_split.split_quantize_packed(x, tokens_per_expert, plan.input, rowwise=True, columnwise=need_wgrad,
-                                                states=plan.states["input"], multiple=mult)
+        xs = io.get("x_packed") if io else None  # expert parallel: the received rows, packed
+        if xs is None:
+            xs = device_split.split_quantize_packed(x, tokens_per_expert, plan.input, rowwise=True,
+                                                    columnwise=need_wgrad, states=plan.states["input"], multiple=mult)
         offs = xs.padded_offsets[1:].to(torch.int32)
         tok_offs = xs.offsets[1:].to(torch.int32)
         w_row, w_col = _weights(weight, plan, need_dgrad)
@@ -204,7 +206,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                       xs.dest, tok_offs)
         x_col = _token(plan.input, xs.columnwise, "columnwise").storage if need_wgrad else None
         _saved.pack(ctx, x_col, w_col.storage if need_dgrad else None)
-        ctx.plan, ctx.mult, ctx.num_experts = plan, mult, weight.shape[0]
+        ctx.plan, ctx.mult, ctx.num_experts, ctx.io = plan, mult, weight.shape[0], io
         ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
         return y
 
@@ -214,9 +216,11 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_col, w_col = _saved.unpack(ctx)
         plan.advance("grad_output")
-        dys = device_split.split_quantize_packed(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
-                                                 rowwise=need_dgrad, columnwise=need_wgrad,
-                                                 states=plan.states["grad_output"], multiple=ctx.mult)
+        dys = ctx.io.get("dy_packed") if ctx.io else None  # expert parallel: filled by the combine's backward
+        if dys is None:
+            dys = device_split.split_quantize_packed(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
+                                                     rowwise=need_dgrad, columnwise=need_wgrad,
+                                                     states=plan.states["grad_output"], multiple=ctx.mult)
         dx = dw = None
         if need_dgrad:
             w_op = WeightOperand(storage=w_col, scale=w_col.tensor_scale(), num_experts=ctx.num_experts)
@@ -226,13 +230,26 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             x_op = TokenOperand(storage=x_col, scale=x_col.tensor_scale())
             dw = tokens_gemm(_token(plan.grad_output, dys.columnwise, "columnwise"), x_op, ctx.offs, dys.row_expert,
                              ctx.tokens_per_expert, plan.recipe.wgrad)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def grouped_linear(x, weight, tokens_per_expert, plan) -> torch.Tensor:
+def grouped_linear(x, weight, tokens_per_expert, plan, io: dict | None = None) -> torch.Tensor:
     """``y [T, N]`` of the grouped quantized path (module doc); the caller advances the
-    input/weight states as for the reference path. Runs on CPU too (emulated kernels)."""
-    return _QuantizedGroupedFn.apply(x, weight, tokens_per_expert, plan)
+    input/weight states as for the reference path. Runs on CPU too (emulated kernels).
+    ``io``: expert-parallel packed operands (``"x_packed"``, and ``"dy_packed"`` filled
+    before the backward) that replace the quantization of x / dy."""
+    return _QuantizedGroupedFn.apply(x, weight, tokens_per_expert, plan, io)
+
+
+def exchange_packable(plan, tensor_type: str) -> bool:
+    """An expert-parallel exchange can hand this path ``tensor_type``'s rows packed: per-tensor
+    FP8 current scaling with columnwise = rowwise transposed (``device_split.packed_fp8_rows``)."""
+    from hybrid_dist.formats.float8 import Float8Quantizer
+    from hybrid_dist.moe import _wire
+
+    q = getattr(plan, tensor_type)
+    row = q.direction_quantizer("rowwise")
+    return isinstance(row, Float8Quantizer) and row.scaling == "current" and _wire.derivable_columnwise(q)
 
 
 # --- when it applies --------------------------------------------------------------------

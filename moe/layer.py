@@ -106,7 +106,11 @@ class MoE(nn.Module):
         plan1 = self.fc1.plan(r1) if (r1 is not None and self.quantized_dispatch) else None
         plan2 = self.fc2.plan(r2) if (r2 is not None and self.quantized_dispatch and training) else None
         need_col = training and self.fc1.weight.requires_grad
-        x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire)
-        io2 = ep.combine_io(plan2)
+        # received rows go straight into the packed grouped GEMMs where the layer takes that path
+        pk1 = self.fc1.packed_exchange(x_perm, "input") if plan1 is not None else None
+        pk2 = self.fc2.packed_exchange(x_perm.new_empty(0, self.fc2.in_features), "grad_output") \
+            if plan2 is not None else None
+        x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire, packed=pk1)
+        io2 = ep.combine_io(plan2, packed=pk2)
         y_local = self._experts(x_local, route.tokens_per_local_expert, io1, io2)
         return ep.combine(y_local, route, plan=plan2, io=io2, stats=self.wire)

@@ -136,3 +136,44 @@ def test_ep_equals_single_rank_and_counts_bytes(world):
             assert wire_hp["dispatch"] == rows_out * 2 * H, cfg
             assert wire_q["combine"] == wire_hp["combine"], cfg  # combine forward is always high precision
             assert wire_q["counts"] == (world - 1) * (E // world) * 8, cfg
+
+
+def _packed_worker(rank, world):
+    """fp8_current with the packed grouped path forced on CPU (its emulated kernels): the
+    quantized dispatch hands the received rows over packed (``io["x_packed"]`` /
+    ``"dy_packed"``) and equals the high-precision dispatch bitwise. Returns failures."""
+    import hybrid_dist.moe.device_split as ds
+    from hybrid_dist.moe import grouped_quantized as gq
+
+    gq.fits = lambda plan, x, weight: gq.unsupported_reason(plan, x, weight) is None  # CPU too
+    calls = []
+    place = ds.packed_fp8_rows
+    ds.packed_fp8_rows = lambda *a, **k: calls.append(1) or place(*a, **k)
+    torch.manual_seed(1234)
+    xs = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
+    dys = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
+    recipe = hd.recipe_from_name("fp8_current")
+    ref = _build(recipe, None, True)
+    runs, cfg, bad = {}, f"EP={world} rank={rank} fp8_current packed path", []
+    for quantized in (True, False):
+        moe = _build(recipe, dist.group.WORLD, quantized)
+        _load_slice(moe, ref, rank, world)
+        n0 = len(calls)
+        y, dx = _run_ep(moe, xs[rank], dys[rank], True)
+        runs[quantized] = (y, dx, moe.fc1.weight.grad, moe.fc2.weight.grad, len(calls) - n0, dict(moe.wire.bytes))
+    if (runs[True][4], runs[False][4]) != (2, 0):
+        bad.append(f"{cfg}: packed_fp8_rows calls {runs[True][4]} / {runs[False][4]} (expected 2 / 0)")
+    for i, name in enumerate(("y", "dx", "fc1.weight.grad", "fc2.weight.grad")):
+        try:
+            _same(runs[True][i], runs[False][i], f"{cfg}: {name}, quantized vs high-precision dispatch")
+        except AssertionError as e:
+            bad.append(str(e))
+    q, hp = runs[True][5], runs[False][5]
+    if not (q["dispatch"] * 2 == hp["dispatch"] and q["combine_grad"] * 2 == hp["combine_grad"]):
+        bad.append(f"{cfg}: bytes (FP8 payloads: half of bf16) {q} vs {hp}")
+    return bad
+
+
+def test_packed_quantized_dispatch_equals_hp_dispatch():
+    bad = [b for per_rank in run_ranks(_packed_worker, 2) for b in per_rank]
+    assert not bad, "\n".join(bad)

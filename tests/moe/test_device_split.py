@@ -101,3 +101,29 @@ def test_packed_cuda_no_host_sync(name):
     finally:
         torch.cuda.set_sync_debug_mode(prev)
     _compare(name, q, device="cuda")  # and equal to the reference on CUDA
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_packed_fp8_rows_equals_packed_quantize(dtype):
+    """``packed_fp8_rows`` (the expert-parallel receiver: codes quantized per expert by the
+    sender, placed into the packed layout) is bitwise ``split_quantize_packed`` of the
+    high-precision rows, both directions and the index tensors, zero-token experts included."""
+    from hybrid_dist.formats._quantizer import tensor_amax
+    from hybrid_dist.moe.device_split import packed_fp8_rows
+
+    q = hd.Float8Quantizer(dtype=dtype)
+    splits = [37, 0, 90, 73, 0]
+    torch.manual_seed(0)
+    x = (torch.randn(sum(splits), 64) * torch.linspace(0.1, 30, sum(splits))[:, None]).bfloat16()
+    tpe = torch.tensor(splits)
+    ref = split_quantize_packed(x, tpe, q, rowwise=True, columnwise=True, multiple=16)
+    sent = [q.quantize_storages(c, rowwise=True, columnwise=False, amax=tensor_amax(c))[0]
+            for c in torch.split(x, splits)]
+    got = packed_fp8_rows(torch.cat([s.data for s in sent]), torch.stack([s.scale_inv.reshape(()) for s in sent]),
+                          tpe, 16, columnwise=True)
+    for d in ("rowwise", "columnwise"):
+        for f in ("data", "scale_inv"):
+            assert_bitwise_equal(getattr(got, d)[f], getattr(ref, d)[f], f"{dtype} {d}.{f}")
+    for f in ("offsets", "padded_offsets", "dest", "row_expert"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f"{dtype} {f}"
+    assert (got.capacity, got.multiple) == (ref.capacity, ref.multiple)
