@@ -206,7 +206,8 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                       xs.dest, tok_offs)
         x_col = _token(plan.input, xs.columnwise, "columnwise").storage if need_wgrad else None
         _saved.pack(ctx, x_col, w_col.storage if need_dgrad else None)
-        ctx.plan, ctx.mult, ctx.num_experts, ctx.io = plan, mult, weight.shape[0], io
+        ctx.plan, ctx.mult, ctx.num_experts = plan, mult, weight.shape[0]
+        ctx.io = io if io and "packed" in io else None  # only dy_packed is read back (not the x rows)
         ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
         return y
 
