@@ -188,7 +188,8 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         if recipe is None:
             return None
         plan = self.plan(recipe)
-        if not (grouped_quantized.fits(plan, x, self.weight) and grouped_quantized.exchange_packable(plan, tensor_type)):
+        fits = grouped_quantized.fits(plan, x, self.weight)
+        if not (fits and grouped_quantized.exchange_packable(plan, tensor_type)):
             return None
         return grouped_quantized.packed_multiple(plan)
 
