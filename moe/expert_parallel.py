@@ -26,6 +26,12 @@ many bytes as bf16 (1 byte per element per direction plus scales) for a more com
 layout (per-source padding), so it is not done. Delayed scaling (history on the expert's
 rank) and NVFP4 stochastic rounding (the expert's generator) also fall back.
 
+At the receiver, the rows become the experts' per-expert storages (``GroupedQuantized``,
+the reference GEMM loop), or, where the expert layer takes the packed CUDA path with a
+per-tensor FP8 format (``GroupedLinear.packed_exchange``), are placed straight into that
+path's packed layout (``device_split.packed_fp8_rows``: ``io["x_packed"]`` /
+``io["dy_packed"]``). Either way the result is bitwise that of exchanging high precision.
+
 Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes, so the counts are
 read on the host once per step (``make_route``); a static-capacity variant would avoid it.
 """

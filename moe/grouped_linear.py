@@ -10,8 +10,9 @@ offsets (``_grouped_mm.py``); CUDA + a quantized recipe: ``split_quantize_packed
 ``torch._scaled_grouped_mm`` / ``torch._grouped_mm`` (``grouped_quantized.py``). The two
 CUDA paths make no device-to-host sync; the quantized one is not bitwise the reference
 (it rounds per-expert scales into one bf16 operand, its module doc). Expert-parallel calls
-(``io``) and recipes it refuses (``grouped_quantized.unsupported_reason``) take the
-reference. The reference computes:
+(``io``) take the reference, except those whose rows arrive packed for the quantized path
+(per-tensor FP8: ``packed_exchange``); recipes the quantized path refuses
+(``grouped_quantized.unsupported_reason``) take the reference. The reference computes:
 
     fprop  y_e  [p_e, N] = x_e.rowwise  [p_e, K] · W_e.rowwise    [N, K]ᵀ   → rows [:m_e]
     dgrad  dx_e [p_e, K] = dy_e.rowwise [p_e, N] · W_e.columnwise [K, N]ᵀ   → rows [:m_e]
