@@ -38,11 +38,12 @@ def assert_storage_equal(a, b, what: str = "") -> None:
         assert_bitwise_equal(getattr(a, f), getattr(b, f), f"{what}.{f}")
 
 
-def run_under_triton_interpreter(call: str, *, done: str, timeout: float = 300) -> None:
+def run_under_triton_interpreter(call: str, *, done: str, timeout: float = 900) -> None:
     """Run ``call`` (e.g. ``"from tests.x import _check; _check()"``) in a subprocess with
     ``TRITON_INTERPRET=1`` (it must be set before any kernel is defined) from the repository
     root; the call prints ``done`` when its checks pass. Skips without Triton. The
-    subprocess first installs ``tests._triton_interpreter_compat`` (NumPy >= 2.4 scalars)."""
+    subprocess first installs ``tests._triton_interpreter_compat`` (NumPy >= 2.4 scalars) and
+    runs on one thread, as every pytest-xdist worker does (two workers on two cores)."""
     import os
     import subprocess
     import sys
@@ -52,7 +53,8 @@ def run_under_triton_interpreter(call: str, *, done: str, timeout: float = 300) 
 
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root), OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     call = "import tests._triton_interpreter_compat as c; c.install()\n" + call
     res = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
                          timeout=timeout)

@@ -2,7 +2,7 @@
 interpreter, on CPU (CI).
 
 Not marked ``gpu``: runs wherever Triton is installed. ``TRITON_INTERPRET=1`` must be set
-before the kernels are defined, so the checks run in one subprocess.
+before the kernels are defined, so each check runs in a subprocess of its own.
 
 The interpreter's fp32 → fp8 cast does not round like the GPU's ``cvt.rn.satfinite``
 (ties, and carries into the exponent), so the inputs are built so that every fp8 cast is
@@ -16,6 +16,7 @@ random data is ``tests/gpu/test_quantize_kernels.py``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests._helpers import run_under_triton_interpreter
@@ -259,16 +260,12 @@ def _check_nvfp4_empty():
                 _bits_equal(a.global_scale, b.global_scale.reshape(a.global_scale.shape), f"{what} global scale")
 
 
-def _run_all():
-    _check_nvfp4_empty()
-    _check_fp8_batched()
-    _check_fp8_batched_delayed()
-    _check_mxfp8()
-    _check_e8m0_bf16_helpers()
-    _check_nvfp4_reference()
-    _check_nvfp4_sr_stream()
-    print("interpreter checks passed")
+CHECKS = ("nvfp4_empty", "fp8_batched", "fp8_batched_delayed", "mxfp8", "e8m0_bf16_helpers", "nvfp4_reference",
+          "nvfp4_sr_stream")
 
 
-def test_kernels_under_triton_interpreter():
-    run_under_triton_interpreter("from tests.test_quantize_kernels_interpreter import _run_all; _run_all()", done="interpreter checks passed")
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernels_under_triton_interpreter(check):
+    # one subprocess per check: xdist spreads them over the cores, each has its own timeout
+    run_under_triton_interpreter(f"from tests.test_quantize_kernels_interpreter import _check_{check} as c; c()\n"
+                                 f"print('{check} passed')", done=f"{check} passed")

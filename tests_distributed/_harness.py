@@ -15,6 +15,7 @@ that rank's traceback, so a failing test names the rank and configuration.
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import tempfile
 import traceback
 
@@ -57,21 +58,41 @@ def _run(fn, world_size: int, args, *, backend: str, timeout: float):
         for p in procs:
             p.start()
         results, errors = {}, []
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-        for p in procs:
-            p.join(timeout=60)
+        try:
+            for _ in range(world_size):
+                try:  # after a failure, the others get 10 s to report theirs (they may wait on it forever)
+                    rank, status, payload = queue.get(timeout=timeout if not errors else 10.0)
+                except queue_mod.Empty:
+                    if errors:
+                        break
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise AssertionError(f"{fn.__name__} on {world_size} {backend} ranks (args={args!r}): ranks "
+                                         f"{missing} reported nothing within {timeout:.0f} s") from None
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append(f"--- rank {rank} ---\n{payload}")
+            for p in procs:
+                p.join(timeout=60)
+        finally:
+            _reap(procs)
     if errors:
         raise AssertionError(
             f"{fn.__name__} failed on {world_size} {backend} ranks (args={args!r}):\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
+def _reap(procs) -> None:
+    """Kill the ranks still alive (a timeout or a failed peer): left running, they would
+    compete for the CI machine's two cores with every later test."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 900.0):
     """``fn(rank, world_size, *args)`` on gloo CPU processes; results in rank order."""
     return _run(fn, world_size, args, backend="gloo", timeout=timeout)
 

@@ -1,6 +1,7 @@
 """``launch.train`` on 2 gloo ranks (FSDP=2), in-process through ``loop.train``.
 
-Two multi-process runs (each training run costs seconds on CPU), a one-block tiny model, 8 steps each:
+Multi-process runs (each training run costs seconds on CPU; one test per configuration, so
+that pytest-xdist spreads them), a one-block tiny model, 8 steps each:
 
 * every named recipe trains: the first loss is the untrained ``log(vocab)`` and matches
   bf16's first loss (same init and data; quantized forward), the loss falls, both ranks
@@ -25,23 +26,30 @@ import json
 import math
 import os
 
+import pytest
+
 import hybrid_dist as hd
 from tests_distributed._harness import run_ranks
 
 STEPS = 8
 HALF = STEPS // 2
 RESUMED_RECIPES = ("fp8_delayed", "mxfp8_fwd_nvfp4_bwd")  # amax history; stochastic rounding
-# name -> (config, also checkpoint at HALF and resume)
+# name -> (config, also checkpoint at HALF and resume); each is a test of its own, so that
+# pytest-xdist spreads them over the cores and each has its own timeout
 VARIANTS = {
     "moe4_ep2_nvfp4": (dict(recipe="nvfp4", moe_experts=4, ep=2), True),
-    "moe4_ep1_bf16": (dict(recipe="bf16", moe_experts=4), False),
-    "moe4_ep2_bf16": (dict(recipe="bf16", moe_experts=4, ep=2), False),
     "tp2_mxfp8_fwd_nvfp4_bwd": (dict(recipe="mxfp8_fwd_nvfp4_bwd", fsdp=1, tp=2, batch_size=8), False),  # one dp rank
-    "fp8_current": (dict(recipe="fp8_current"), False),
-    "quantized_init_fp8_current": (dict(recipe="fp8_current", quantized_init=True), True),
     "quantized_init_moe4_ep2_mxfp8_fwd_nvfp4_bwd": (
         dict(recipe="mxfp8_fwd_nvfp4_bwd", quantized_init=True, moe_experts=4, ep=2), True),
     "meta_init_ac_fp8_current": (dict(recipe="fp8_current", init="meta", activation_checkpointing=True), False),
+}
+# tests that compare two runs: name -> ((name, config, resume) of each run)
+PAIRS = {
+    "moe4_bf16_ep2_vs_ep1": (("moe4_ep1_bf16", dict(recipe="bf16", moe_experts=4), False),
+                             ("moe4_ep2_bf16", dict(recipe="bf16", moe_experts=4, ep=2), False)),
+    "fp8_current_quantized_init_vs_hp_init": (
+        ("fp8_current", dict(recipe="fp8_current"), False),
+        ("quantized_init_fp8_current", dict(recipe="fp8_current", quantized_init=True), True)),
 }
 
 
@@ -83,11 +91,9 @@ def _train_recipes(rank, world_size, tmp):
     return out
 
 
-def _train_variants(rank, world_size, tmp):
-    out = {name: _train(tmp, name, kw, resume=resume) for name, (kw, resume) in VARIANTS.items()}
-    if _torchao_imports():  # optional baseline (not a CI dependency)
-        out["torchao-float8"] = _train(tmp, "torchao-float8", dict(baseline="torchao-float8"), resume=True)
-    return out
+def _train_runs(rank, world_size, tmp, runs):
+    """``{name: (losses, resumed losses or None)}`` of each ``(name, config, resume)``."""
+    return {name: _train(tmp, name, kw, resume=resume) for name, kw, resume in runs}
 
 
 def _check_falls(where: str, losses: list[float], failures: list[str]) -> bool:
@@ -106,7 +112,7 @@ def _check_resume(where: str, full: list[float], resumed: list[float] | None, fa
 
 
 def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
-    r0, r1 = run_ranks(_train_recipes, 2, str(tmp_path), timeout=600.0)
+    r0, r1 = run_ranks(_train_recipes, 2, str(tmp_path), timeout=900.0)
     failures = []
     bf16_first = r0["bf16"][0][0]
     for recipe, (losses, resumed) in r0.items():
@@ -128,13 +134,26 @@ def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-def test_parallel_variants_train_and_resume_is_bitwise(tmp_path):
-    r0, _ = run_ranks(_train_variants, 2, str(tmp_path), timeout=600.0)
-    failures = []
+def _check_trains(r0, failures):
     for name, (losses, resumed) in r0.items():
         where = f"variant {name} tiny layers=1 gloo 2 ranks"
         if _check_falls(where, losses, failures):
             _check_resume(where, losses, resumed, failures)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_parallel_variant_trains_and_resume_is_bitwise(tmp_path, name):
+    kw, resume = VARIANTS[name]
+    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), [(name, kw, resume)], timeout=900.0)
+    failures = []
+    _check_trains(r0, failures)
+    assert not failures, "\n".join(failures)
+
+
+def test_moe_bf16_trains_the_same_with_ep2_as_with_ep1(tmp_path):
+    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), PAIRS["moe4_bf16_ep2_vs_ep1"], timeout=900.0)
+    failures = []
+    _check_trains(r0, failures)
     ep1, ep2 = r0["moe4_ep1_bf16"][0], r0["moe4_ep2_bf16"][0]
     # early steps agree to fp32 rounding; later, Adam's tiny second moments amplify the
     # different summation orders (measured: identical for 3 steps, then <= 1.1e-4)
@@ -143,8 +162,24 @@ def test_parallel_variants_train_and_resume_is_bitwise(tmp_path):
     if early > 1e-5 or late > 1e-3:
         failures.append(f"MoE bf16 fsdp=2: EP=2 losses {ep2} differ from EP=1 {ep1} (max |diff| {early:.2e} over "
                         f"3 steps, {late:.2e} over {STEPS}; same init and data, only reduction orders differ)")
+    assert not failures, "\n".join(failures)
+
+
+def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
+    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), PAIRS["fp8_current_quantized_init_vs_hp_init"], timeout=900.0)
+    failures = []
+    _check_trains(r0, failures)
     q_first, hp_first = r0["quantized_init_fp8_current"][0][0], r0["fp8_current"][0][0]
     if q_first != hp_first:
         failures.append(f"quantized init fp8_current: first loss {q_first} != high-precision init's {hp_first} "
                         "(same draws, same quantized fprop weight)")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not _torchao_imports(), reason="torchao not installed (optional baseline)")
+def test_torchao_float8_baseline_trains_and_resumes(tmp_path):
+    runs = [("torchao-float8", dict(baseline="torchao-float8"), True)]
+    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), runs, timeout=900.0)
+    failures = []
+    _check_trains(r0, failures)
     assert not failures, "\n".join(failures)

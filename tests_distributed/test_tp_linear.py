@@ -1,6 +1,6 @@
 """TP/SP hd.Linear and a two-layer MLP equal the single-process module (gloo, TP = 2, 4).
 
-One 4-rank job runs every named recipe × TP ∈ {2 (two 2-rank groups of a 2x2 mesh), 4}
+One 4-rank job per named recipe (a test each) runs it × TP ∈ {2 (two 2-rank groups of a 2x2 mesh), 4}
 × SP ∈ {off, on}, for two steps (delayed scaling uses step 0's history in step 1):
 ``fc1 = HybridColwiseParallel``, GELU, ``fc2 = HybridRowwiseParallel``; a gate/up
 block whose input is gathered once by ``PrepareHybridModuleInput`` (also under
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -281,8 +282,10 @@ def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
     return fails, worst
 
 
-def test_tp_mlp_equals_single_process():
+@pytest.mark.parametrize("recipe", hd.RECIPE_NAMES)
+def test_tp_mlp_equals_single_process(recipe):
+    # one test per recipe (4 ranks each): pytest-xdist spreads them, each has its own timeout
     prepared = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block")
-    results = run_ranks(_rank_fn, 4, tuple(hd.RECIPE_NAMES), prepared, timeout=900.0)  # 4 ranks x 9 recipes on 2 cores
+    results = run_ranks(_rank_fn, 4, (recipe,), prepared, timeout=900.0)
     fails = [f"rank {r}: {m}" for r, (fs, _) in enumerate(results) for m in fs]
     assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:30])
