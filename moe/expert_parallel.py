@@ -232,8 +232,6 @@ class _QuantizedCombine(torch.autograd.Function):
         return _dequantize_rows(g, dy.dtype).reshape(-1, dy.shape[1]), *([None] * 5)
 
 
-
-
 def _warn_once(reason: str) -> None:
     warn_once(f"expert parallel: exchanging high precision and quantizing after, because {reason}", stacklevel=4)
 
