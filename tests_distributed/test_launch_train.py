@@ -112,7 +112,7 @@ def _check_resume(where: str, full: list[float], resumed: list[float] | None, fa
 
 
 def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
-    r0, r1 = run_ranks(_train_recipes, 2, str(tmp_path), timeout=900.0)
+    r0, r1 = run_ranks(_train_recipes, 2, str(tmp_path))
     failures = []
     bf16_first = r0["bf16"][0][0]
     for recipe, (losses, resumed) in r0.items():
@@ -134,26 +134,27 @@ def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-def _check_trains(r0, failures):
+def _run_and_check(tmp_path, runs):
+    """Rank 0's ``{name: (losses, resumed)}`` of ``runs`` on 2 gloo ranks, and the failures of
+    the checks every run must pass (the loss falls; a resumed run continues bitwise)."""
+    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), runs)
+    failures = []
     for name, (losses, resumed) in r0.items():
         where = f"variant {name} tiny layers=1 gloo 2 ranks"
         if _check_falls(where, losses, failures):
             _check_resume(where, losses, resumed, failures)
+    return r0, failures
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_parallel_variant_trains_and_resume_is_bitwise(tmp_path, name):
     kw, resume = VARIANTS[name]
-    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), [(name, kw, resume)], timeout=900.0)
-    failures = []
-    _check_trains(r0, failures)
+    _, failures = _run_and_check(tmp_path, [(name, kw, resume)])
     assert not failures, "\n".join(failures)
 
 
 def test_moe_bf16_trains_the_same_with_ep2_as_with_ep1(tmp_path):
-    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), PAIRS["moe4_bf16_ep2_vs_ep1"], timeout=900.0)
-    failures = []
-    _check_trains(r0, failures)
+    r0, failures = _run_and_check(tmp_path, PAIRS["moe4_bf16_ep2_vs_ep1"])
     ep1, ep2 = r0["moe4_ep1_bf16"][0], r0["moe4_ep2_bf16"][0]
     # early steps agree to fp32 rounding; later, Adam's tiny second moments amplify the
     # different summation orders (measured: identical for 3 steps, then <= 1.1e-4)
@@ -166,9 +167,7 @@ def test_moe_bf16_trains_the_same_with_ep2_as_with_ep1(tmp_path):
 
 
 def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
-    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), PAIRS["fp8_current_quantized_init_vs_hp_init"], timeout=900.0)
-    failures = []
-    _check_trains(r0, failures)
+    r0, failures = _run_and_check(tmp_path, PAIRS["fp8_current_quantized_init_vs_hp_init"])
     q_first, hp_first = r0["quantized_init_fp8_current"][0][0], r0["fp8_current"][0][0]
     if q_first != hp_first:
         failures.append(f"quantized init fp8_current: first loss {q_first} != high-precision init's {hp_first} "
@@ -178,8 +177,5 @@ def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
 
 @pytest.mark.skipif(not _torchao_imports(), reason="torchao not installed (optional baseline)")
 def test_torchao_float8_baseline_trains_and_resumes(tmp_path):
-    runs = [("torchao-float8", dict(baseline="torchao-float8"), True)]
-    r0, _ = run_ranks(_train_runs, 2, str(tmp_path), runs, timeout=900.0)
-    failures = []
-    _check_trains(r0, failures)
+    _, failures = _run_and_check(tmp_path, [("torchao-float8", dict(baseline="torchao-float8"), True)])
     assert not failures, "\n".join(failures)
