@@ -20,6 +20,9 @@ import pytest
 import torch
 
 from tests._helpers import run_under_triton_interpreter
+from tests._tiers import slow
+
+pytestmark = slow  # minutes of interpreted kernels on two cores: the slow tier
 
 DIRS = [(True, True), (True, False), (False, True)]
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 
 from tests._helpers import run_under_triton_interpreter
+from tests._tiers import slow
+
+pytestmark = slow  # minutes of interpreted kernels on two cores: the slow tier
 
 SHAPES = [(96, 256), (100, 200)]  # tile multiples and not (masked edges)
 DIRS = [(True, True), (True, False), (False, True)]

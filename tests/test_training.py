@@ -11,6 +11,7 @@ import pytest
 
 import hybrid_dist as hd
 from hybrid_dist.demo import train
+from tests._tiers import by_recipe
 
 REL_TOL = {"nvfp4": 0.40, "mxfp8_fwd_nvfp4_bwd": 0.10}
 
@@ -21,7 +22,7 @@ def bf16_final():
     return sum(losses[-10:]) / 10
 
 
-@pytest.mark.parametrize("name", hd.RECIPE_NAMES)
+@pytest.mark.parametrize("name", by_recipe())
 def test_mlp_trains_close_to_bf16(name, bf16_final):
     losses = train(name, steps=200)
     first, final = sum(losses[:10]) / 10, sum(losses[-10:]) / 10

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 import hybrid_dist as hd
+from tests._tiers import recipe_groups
 from tests_distributed._harness import run_ranks
 from tests_distributed.test_fsdp2_numerics import LAYERS, TOKENS, _shard_mismatches, build, loss_fn, shard
-
-NAMES = list(hd.RECIPE_NAMES)
 
 
 def _batches(n: int):
@@ -42,11 +41,11 @@ def _opt(model):
     return hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)
 
 
-def save_after_one_step(rank, world, root):
+def save_after_one_step(rank, world, root, names):
     import torch.distributed.checkpoint as dcp
 
     x = _batches(1)[0]
-    for name in NAMES:
+    for name in names:
         recipe = hd.recipe_from_name(name)
         model = shard(build(recipe), reshard=True)
         opt = _opt(model)
@@ -55,12 +54,12 @@ def save_after_one_step(rank, world, root):
     return True
 
 
-def load_and_continue(rank, world, root):
+def load_and_continue(rank, world, root, names):
     import torch.distributed.checkpoint as dcp
 
     x0, x1 = _batches(2)
     out = {}
-    for name in NAMES:
+    for name in names:
         recipe = hd.recipe_from_name(name)
         ref = build(recipe)
         ref_opt = _opt(ref)
@@ -101,15 +100,25 @@ def _state_mismatches(ref, model) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp2_dcp")
-    assert run_ranks(save_after_one_step, 4, str(root)) == [True] * 4
-    return str(root)
+def saved(tmp_path_factory):
+    """``saved(names)``: a directory with one 4-rank checkpoint per recipe in ``names``,
+    written on first use (once per module and pytest-xdist worker)."""
+    dirs = {}
+
+    def get(names):
+        if tuple(names) not in dirs:
+            root = str(tmp_path_factory.mktemp("fsdp2_dcp"))
+            assert run_ranks(save_after_one_step, 4, root, names) == [True] * 4
+            dirs[tuple(names)] = root
+        return dirs[tuple(names)]
+
+    return get
 
 
+@pytest.mark.parametrize("names", recipe_groups())
 @pytest.mark.parametrize("world", [2, 1], ids=["save4_load2", "save4_load1"])
-def test_dcp_reshard_round_trip_every_recipe(checkpoint_dir, world):
-    for rank, res in enumerate(run_ranks(load_and_continue, world, checkpoint_dir)):
+def test_dcp_reshard_round_trip_every_recipe(saved, world, names):
+    for rank, res in enumerate(run_ranks(load_and_continue, world, saved(names), names)):
         for name, r in res.items():
             cfg = f"{name} saved on 4 ranks, loaded on {world} (rank {rank})"
             for when in ("loaded", "after"):

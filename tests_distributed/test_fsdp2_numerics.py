@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import hybrid_dist as hd
 from tests._helpers import sqnr_db
+from tests._tiers import recipe_groups
 from tests_distributed._harness import run_ranks
 
 # (out_features, in_features, bias): every dim-0 shard is a multiple of 128 rows up to 4 ranks
@@ -217,15 +218,16 @@ def _check(results, world, exact: bool, reshard: bool, gpu: bool = False):
                 f"{name} world={world} step {step}: payload bytes/elem {got_payload}")
 
 
-def test_fsdp2_trains_bitwise_like_unsharded_2_ranks_every_recipe():
-    results = run_ranks(train_and_compare, 2, list(hd.RECIPE_NAMES), True)
+@pytest.mark.parametrize("names", recipe_groups())
+def test_fsdp2_trains_bitwise_like_unsharded_2_ranks_every_recipe(names):
+    results = run_ranks(train_and_compare, 2, names, True)
     _check(results[0], 2, exact=True, reshard=True)
     _check(results[1], 2, exact=True, reshard=True)
 
 
-def test_fsdp2_trains_like_unsharded_4_ranks_no_reshard():
+@pytest.mark.parametrize("names", recipe_groups(["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]))
+def test_fsdp2_trains_like_unsharded_4_ranks_no_reshard(names):
     """4 ranks, ``reshard_after_forward=False``: the forward gathers both directions once."""
-    names = ["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
     for r in run_ranks(train_and_compare, 4, names, False, "cpu", 2):
         _check(r, 4, exact=False, reshard=False)
 
@@ -315,13 +317,15 @@ def _check_recompute(results, world):
             assert got == pytest.approx(exp), f"{cfg} step {step}: payload bytes/elem {got} != {exp}"
 
 
-def test_recompute_after_reshard_trains_bitwise_like_unsharded_every_recipe():
+@pytest.mark.parametrize("names", recipe_groups())
+def test_recompute_after_reshard_trains_bitwise_like_unsharded_every_recipe(names):
     """Recomputed modules gather both directions in forward and in backward (FSDP2 keeps one
     all-gather signature per parameter), so the recompute reads fresh rowwise bytes. Every
     recipe with ``torch.utils.checkpoint`` around the FSDP modules; two with
     ``checkpoint_wrapper`` applied before ``fully_shard``. A reentrant checkpoint (its
     forward is not seen as checkpointed) raises instead of reading stale bytes."""
-    configs = [(n, "checkpoint") for n in hd.RECIPE_NAMES] + [
-        ("fp8_current", "wrapper"), ("mxfp8_fwd_nvfp4_bwd", "wrapper"), ("mxfp8", "reentrant")]
+    configs = [(n, "checkpoint") for n in names]
+    configs += [("mxfp8_fwd_nvfp4_bwd", "wrapper")] if "mxfp8_fwd_nvfp4_bwd" in names else [
+        ("fp8_current", "wrapper"), ("mxfp8", "reentrant")]
     for r in run_ranks(recompute_trains_like_unsharded, 2, configs):
         _check_recompute(r, 2)

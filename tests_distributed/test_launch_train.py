@@ -29,13 +29,16 @@ import os
 import pytest
 
 import hybrid_dist as hd
+from tests._tiers import recipe_groups, slow
 from tests_distributed._harness import run_ranks
 
 STEPS = 8
 HALF = STEPS // 2
 RESUMED_RECIPES = ("fp8_delayed", "mxfp8_fwd_nvfp4_bwd")  # amax history; stochastic rounding
 # name -> (config, also checkpoint at HALF and resume); each is a test of its own, so that
-# pytest-xdist spreads them over the cores and each has its own timeout
+# pytest-xdist spreads them over the cores and each has its own timeout; all but
+# FAST_VARIANTS are in the slow tier
+FAST_VARIANTS = ("tp2_mxfp8_fwd_nvfp4_bwd",)
 VARIANTS = {
     "moe4_ep2_nvfp4": (dict(recipe="nvfp4", moe_experts=4, ep=2), True),
     "tp2_mxfp8_fwd_nvfp4_bwd": (dict(recipe="mxfp8_fwd_nvfp4_bwd", fsdp=1, tp=2, batch_size=8), False),  # one dp rank
@@ -83,9 +86,9 @@ def _train(tmp: str, name: str, kw: dict, *, resume: bool):
     return full, resumed
 
 
-def _train_recipes(rank, world_size, tmp):
+def _train_recipes(rank, world_size, tmp, recipes):
     out = {}
-    for recipe in hd.RECIPE_NAMES:
+    for recipe in ["bf16", *recipes]:  # bf16's first loss is the reference
         metrics = os.path.join(tmp, f"{recipe}.jsonl")
         out[recipe] = _train(tmp, recipe, dict(recipe=recipe, metrics=metrics), resume=recipe in RESUMED_RECIPES)
     return out
@@ -111,8 +114,9 @@ def _check_resume(where: str, full: list[float], resumed: list[float] | None, fa
                         f"(full run {full})")
 
 
-def test_every_recipe_trains_and_resume_is_bitwise(tmp_path):
-    r0, r1 = run_ranks(_train_recipes, 2, str(tmp_path))
+@pytest.mark.parametrize("recipes", recipe_groups([n for n in hd.RECIPE_NAMES if n != "bf16"]))
+def test_every_recipe_trains_and_resume_is_bitwise(tmp_path, recipes):
+    r0, r1 = run_ranks(_train_recipes, 2, str(tmp_path), recipes)
     failures = []
     bf16_first = r0["bf16"][0][0]
     for recipe, (losses, resumed) in r0.items():
@@ -146,13 +150,14 @@ def _run_and_check(tmp_path, runs):
     return r0, failures
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_VARIANTS else slow) for n in VARIANTS])
 def test_parallel_variant_trains_and_resume_is_bitwise(tmp_path, name):
     kw, resume = VARIANTS[name]
     _, failures = _run_and_check(tmp_path, [(name, kw, resume)])
     assert not failures, "\n".join(failures)
 
 
+@slow
 def test_moe_bf16_trains_the_same_with_ep2_as_with_ep1(tmp_path):
     r0, failures = _run_and_check(tmp_path, PAIRS["moe4_bf16_ep2_vs_ep1"])
     ep1, ep2 = r0["moe4_ep1_bf16"][0], r0["moe4_ep2_bf16"][0]
@@ -166,6 +171,7 @@ def test_moe_bf16_trains_the_same_with_ep2_as_with_ep1(tmp_path):
     assert not failures, "\n".join(failures)
 
 
+@slow
 def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
     r0, failures = _run_and_check(tmp_path, PAIRS["fp8_current_quantized_init_vs_hp_init"])
     q_first, hp_first = r0["quantized_init_fp8_current"][0][0], r0["fp8_current"][0][0]
@@ -175,6 +181,7 @@ def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
     assert not failures, "\n".join(failures)
 
 
+@slow
 @pytest.mark.skipif(not _torchao_imports(), reason="torchao not installed (optional baseline)")
 def test_torchao_float8_baseline_trains_and_resumes(tmp_path):
     _, failures = _run_and_check(tmp_path, [("torchao-float8", dict(baseline="torchao-float8"), True)])

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import hybrid_dist as hd
 from hybrid_dist.moe import MoE
+from tests._tiers import slow
 from tests_distributed._harness import run_ranks
 
 H, FFN, E, TOP_K, T = 64, 64, 8, 2, 32  # T tokens per rank
@@ -114,7 +115,7 @@ def _worker(rank, world, configs):
     return report
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"EP={w}")
+@pytest.mark.parametrize("world", [pytest.param(2, id="EP=2"), pytest.param(4, id="EP=4", marks=slow)])
 def test_ep_equals_single_rank_and_counts_bytes(world):
     reports = run_ranks(_worker, world, CONFIGS)
     for rank, rep in enumerate(reports):

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import hybrid_dist as hd
 from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel, PrepareHybridModuleInput
 from tests._helpers import as_bits, sqnr_db
+from tests._tiers import by_recipe
 from tests_distributed._harness import run_ranks
 
 REL_TOL = 1e-5
@@ -282,7 +283,7 @@ def _rank_fn(rank, world, recipes, prepared_recipes, device: str = "cpu"):
     return fails, worst
 
 
-@pytest.mark.parametrize("recipe", hd.RECIPE_NAMES)
+@pytest.mark.parametrize("recipe", by_recipe())
 def test_tp_mlp_equals_single_process(recipe):
     # one test per recipe (4 ranks each): pytest-xdist spreads them, each has its own timeout
     prepared = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block")

@@ -13,6 +13,7 @@ from hybrid_dist.launch.model import Transformer, apply_recipe
 from hybrid_dist.launch.parallelize import apply_ac
 from hybrid_dist.launch.presets import preset
 from tests._helpers import assert_bitwise_equal
+from tests._tiers import by_recipe
 
 
 def _train(recipe_name: str, *, share: bool, checkpoint: bool = False, steps: int = 2, moe_experts: int = 0):
@@ -44,7 +45,7 @@ def _train(recipe_name: str, *, share: bool, checkpoint: bool = False, steps: in
     return losses, grads, shared
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "fp8_fwd_bf16_bwd", "fp8_delayed"])
+@pytest.mark.parametrize("name", by_recipe(["fp8_current", "mxfp8", "nvfp4", "fp8_fwd_bf16_bwd", "fp8_delayed"]))
 def test_linked_model_trains_bitwise_like_unlinked(name):
     ref_losses, ref_grads, ref_shared = _train(name, share=False)
     assert not any(ref_shared)

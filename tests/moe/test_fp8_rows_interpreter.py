@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 
 from tests._helpers import run_under_triton_interpreter
+from tests._tiers import slow
+
+pytestmark = slow  # minutes of interpreted kernels on two cores: the slow tier
 
 SPLITS = [37, 0, 90, 22, 1]
 

@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 
 from tests._helpers import run_under_triton_interpreter
+from tests._tiers import slow
+
+pytestmark = slow  # minutes of interpreted kernels on two cores: the slow tier
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 PAIRS = [(E5M2, E4M3), (E4M3, E4M3), (E4M3, E5M2), (E5M2, E5M2)]

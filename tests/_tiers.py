@@ -1,0 +1,34 @@
+"""The two tiers of the test suite.
+
+The fast tier is the README's test command (``pytest -n 2``; ``pyproject.toml`` adds
+``-m "not slow"``): every module, every format and every parallel layout, with the
+multi-rank training tests run on ``FAST_RECIPES``. The slow tier (``pytest -m slow``) holds
+the rest of that matrix: the other recipes of each multi-rank training test, the Triton
+interpreter checks and the longer launcher variants. It runs with the GPU tests on the
+lent GPU machine (16 cores), ``pytest -m "gpu or slow" -n 8``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import hybrid_dist as hd
+
+# a hybrid recipe whose backward is NVFP4 (RHT, stochastic rounding) and whose forward is
+# MXFP8, and the stateful per-tensor FP8 recipe (amax history): between them every storage
+# kind, the scale state and the random state that training carries
+FAST_RECIPES = ("fp8_delayed", "mxfp8_fwd_nvfp4_bwd")
+slow = pytest.mark.slow
+
+
+def by_recipe(names=hd.RECIPE_NAMES, fast=FAST_RECIPES) -> list:
+    """One pytest param per recipe name; names outside ``fast`` are marked slow."""
+    return [pytest.param(n, marks=() if n in fast else slow) for n in names]
+
+
+def recipe_groups(names=hd.RECIPE_NAMES, fast=FAST_RECIPES) -> list:
+    """Two params for a test that runs several recipes in one multi-rank job (one process
+    start-up for all): ``fast`` (the names in ``fast``) and ``rest`` (marked slow)."""
+    names = list(names)
+    return [pytest.param([n for n in names if n in fast], id="fast"),
+            pytest.param([n for n in names if n not in fast], id="rest", marks=slow)]
