@@ -4,8 +4,8 @@ The fast tier is the README's test command (``pytest -n 2``; ``pyproject.toml`` 
 ``-m "not slow"``): every module, every format and every parallel layout, with the
 multi-rank training tests run on ``FAST_RECIPES``. The slow tier (``pytest -m slow``) holds
 the rest of that matrix: the other recipes of each multi-rank training test, the Triton
-interpreter checks and the longer launcher variants. It runs with the GPU tests on the
-lent GPU machine (16 cores), ``pytest -m "gpu or slow" -n 8``.
+interpreter checks and the longer launcher variants. It is CPU-only; run it apart from
+the GPU tier (``pytest -m gpu``), whose timing-sensitive tests do not share a loaded host.
 """
 
 from __future__ import annotations
