@@ -18,6 +18,10 @@ that pytest-xdist spreads them), a one-block tiny model, 8 steps each:
   experts (checkpoint keys carry the EP slot) and quantized parameters (the checkpoint
   holds the fp32 masters, requantized on load); with torchao installed, ``--baseline
   torchao-float8`` (float8 all-gather) trains and resumes too.
+
+Tiers (``tests/_tiers.py``): the fast tier trains ``fp8_delayed`` and
+``mxfp8_fwd_nvfp4_bwd`` (both resumed) next to bf16, and the TP variant; the other recipes,
+variants and pairs are in the slow tier.
 """
 
 from __future__ import annotations
