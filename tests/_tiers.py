@@ -22,7 +22,8 @@ slow = pytest.mark.slow
 
 
 def by_recipe(names=hd.RECIPE_NAMES, fast=FAST_RECIPES) -> list:
-    """One pytest param per recipe name; names outside ``fast`` are marked slow."""
+    """One pytest param per name (a recipe's, or any test id with its own ``fast`` set);
+    names outside ``fast`` are marked slow."""
     return [pytest.param(n, marks=() if n in fast else slow) for n in names]
 
 
@@ -32,3 +33,9 @@ def recipe_groups(names=hd.RECIPE_NAMES, fast=FAST_RECIPES) -> list:
     names = list(names)
     return [pytest.param([n for n in names if n in fast], id="fast"),
             pytest.param([n for n in names if n not in fast], id="rest", marks=slow)]
+
+
+def is_fast_group(names, fast=FAST_RECIPES) -> bool:
+    """Whether ``names`` is ``recipe_groups``' fast group (for configurations a test adds
+    per tier)."""
+    return set(names) <= set(fast)

@@ -4,7 +4,7 @@ the fast tier's params and the slow tier's together name every recipe exactly on
 import pytest
 
 import hybrid_dist as hd
-from tests._tiers import FAST_RECIPES, by_recipe, recipe_groups
+from tests._tiers import FAST_RECIPES, by_recipe, is_fast_group, recipe_groups
 
 
 def _is_slow(param) -> bool:
@@ -29,3 +29,4 @@ def test_recipe_groups_partition_the_names(names):
     assert (fast.id, rest.id) == ("fast", "rest") and not _is_slow(fast) and _is_slow(rest)
     assert sorted(fast.values[0] + rest.values[0]) == sorted(names), (fast.values, rest.values)
     assert set(fast.values[0]) == set(names) & set(FAST_RECIPES), fast.values
+    assert is_fast_group(fast.values[0]) and not is_fast_group(rest.values[0]), (fast.values, rest.values)

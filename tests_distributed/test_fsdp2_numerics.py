@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import hybrid_dist as hd
 from tests._helpers import sqnr_db
-from tests._tiers import recipe_groups
+from tests._tiers import is_fast_group, recipe_groups
 from tests_distributed._harness import run_ranks
 
 # (out_features, in_features, bias): every dim-0 shard is a multiple of 128 rows up to 4 ranks
@@ -325,7 +325,7 @@ def test_recompute_after_reshard_trains_bitwise_like_unsharded_every_recipe(name
     ``checkpoint_wrapper`` applied before ``fully_shard``. A reentrant checkpoint (its
     forward is not seen as checkpointed) raises instead of reading stale bytes."""
     configs = [(n, "checkpoint") for n in names]
-    configs += [("mxfp8_fwd_nvfp4_bwd", "wrapper")] if "mxfp8_fwd_nvfp4_bwd" in names else [
+    configs += [("mxfp8_fwd_nvfp4_bwd", "wrapper")] if is_fast_group(names) else [
         ("fp8_current", "wrapper"), ("mxfp8", "reentrant")]
     for r in run_ranks(recompute_trains_like_unsharded, 2, configs):
         _check_recompute(r, 2)

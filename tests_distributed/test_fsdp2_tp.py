@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import hybrid_dist as hd
 from tests._helpers import sqnr_db
-from tests._tiers import recipe_groups
+from tests._tiers import is_fast_group, recipe_groups
 from tests_distributed._harness import run_ranks
 from tests_distributed.test_fsdp2_numerics import _diff_count
 
@@ -141,7 +141,7 @@ def test_fsdp2_over_dp_with_tp_quantized_params_every_recipe(names):
     """Every recipe without sequence parallelism; with it (the input all-gathered in its
     fprop format, the output reduce-scattered), ``fp8_current`` in the fast tier and
     ``mxfp8`` in the slow one."""
-    sp = ["fp8_current"] if "mxfp8_fwd_nvfp4_bwd" in names else ["mxfp8"]  # deterministic rounding
+    sp = ["fp8_current"] if is_fast_group(names) else ["mxfp8"]  # deterministic rounding
     configs = [(n, False) for n in names] + [(n, True) for n in sp]
     for rank, res in enumerate(run_ranks(train, 4, configs)):
         for (name, sp), r in res.items():

@@ -33,7 +33,7 @@ import os
 import pytest
 
 import hybrid_dist as hd
-from tests._tiers import recipe_groups, slow
+from tests._tiers import by_recipe, recipe_groups, slow
 from tests_distributed._harness import run_ranks
 
 STEPS = 8
@@ -154,7 +154,7 @@ def _run_and_check(tmp_path, runs):
     return r0, failures
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_VARIANTS else slow) for n in VARIANTS])
+@pytest.mark.parametrize("name", by_recipe(VARIANTS, fast=FAST_VARIANTS))
 def test_parallel_variant_trains_and_resume_is_bitwise(tmp_path, name):
     kw, resume = VARIANTS[name]
     _, failures = _run_and_check(tmp_path, [(name, kw, resume)])
