@@ -189,11 +189,45 @@ def eager_or_op(op, raw):
     return call
 
 
+RCP6_BITS = tl.constexpr(0x3E2AAAAB)  # RN(1/6) in fp32
+
+
+@triton.jit
+def div_by_rcp(a, y, r):
+    """``RN(a / y)`` from ``r = RN(1 / y)`` in three fp32 ops instead of an IEEE division
+    (~9 SASS instructions and a slow-path branch): ``q = RN(a·r)`` is within one ulp of
+    ``a/y``, the FMA gives the exact remainder ``a - q·y``, and ``RN(q + rem·r)`` is then
+    ``RN(a/y)`` (Markstein's correction theorem) as long as that remainder is not below
+    the fp32 subnormal quantum, i.e. for ``|a| >= 2**-100`` or so. The interpreter's
+    ``fma`` rounds twice, so it divides."""
+    if INTERPRET:
+        return div_rn(a, y)
+    q = a * r
+    return tl.fma(tl.fma(-q, y, a), r, q)
+
+
+@triton.jit
+def rcp_rn(d):
+    """IEEE ``RN(1 / d)`` (``rcp.rn.f32``: the division's reciprocal without its quotient steps)."""
+    if INTERPRET:
+        return div_rn(tl.zeros_like(d) + 1.0, d)
+    return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
 @triton.jit
 def nvfp4_block_scale(bamax, gs):
     """NVFP4 block scale: E4M3 ``sat(amax_block / 6 / gs)`` and the fp32 encode multiplier
-    ``1/(bs·gs)`` (0 if 0), as ``formats.nvfp4.nvfp4_quantize_rows``."""
-    bs = cast_fp8(div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), tl.zeros_like(bamax) + gs),
-                  448.0, tl.float8e4nv)
+    ``1/(bs·gs)`` (0 if 0), as ``formats.nvfp4.nvfp4_quantize_rows``, for a scalar ``gs``.
+
+    The two quotients are ``div_by_rcp`` with ``RN(1/6)`` and ``RN(1/gs)`` (one division per
+    program: the compiler shares it between the inlined calls), bitwise the reference's
+    IEEE divisions whenever the tensor amax behind ``gs`` is at least ``2**-80``: a block
+    whose ``amax/6`` is under ``2**-100`` (where the remainder could underflow) then has
+    ``amax/6/gs < 2**-10.6`` and an E4M3 scale of 0 either way. ``gs = inf`` (an inf amax)
+    divides as ``min(gs, fp32 max)``: ``a/inf = 0`` for finite ``a``, NaN for ``inf``, as IEEE."""
+    r6 = tl.full([], RCP6_BITS, tl.int32).to(tl.float32, bitcast=True)
+    rcp_gs = div_rn(1.0, gs)
+    bs = cast_fp8(div_by_rcp(div_by_rcp(bamax, 6.0, r6), tl.minimum(gs, FP32_MAX), rcp_gs), 448.0, tl.float8e4nv)
     denom = bs.to(tl.float32) * gs
-    return bs, tl.where(denom > 0, div_rn(tl.zeros_like(denom) + 1.0, denom), 0.0)
+    return bs, tl.where(denom > 0, rcp_rn(denom), 0.0)

@@ -174,22 +174,35 @@ def _codes(v, enc, seed, offs_q, R: tl.constexpr, BK: tl.constexpr, K16: tl.cons
 
 
 @triton.jit
-def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, row_s_ptr, M, K, R: tl.constexpr,
+def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, M, K, R: tl.constexpr,
              BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, STORE: tl.constexpr):
-    """Rowwise codes of one set (1×16 blocks from its own amax, or the 16×16 ``enc_2d``);
-    with ``STORE`` writes packed ``[R, BK/2]`` bytes (and the 1×16 scales) at ``rows``."""
+    """Rowwise codes of one set and its 1×16 block scales ``[R, BK/16]`` (``enc_2d`` and
+    no scales of its own for 16×16 blocks); with ``STORE`` writes the packed ``[R, BK/2]``
+    bytes at ``rows`` (the scales of the 16 sets are stored together: ``_store_row_scales``)."""
     if TWO_D:
+        bs = enc_2d
         codes = _codes(x, enc_2d, seed, offs_q, R, BK, True, SR)
     else:
         bs, enc = _block_scale(_kmax(x, R, BK, True), gs)
         codes = _codes(x, enc, seed, offs_q, R, BK, True, SR)
-        if STORE:
-            sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
-            tl.store(row_s_ptr + rows * (K // 16) + sk, bs, mask=(rows < M) & (sk < K // 16))
     if STORE:
         pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
         tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK), mask=(rows < M) & (pk < K // 2))
-    return codes
+    return codes, bs
+
+
+@triton.jit
+def _store_row_scales4(s0, s1, s2, s3, j0: tl.constexpr, row_s_ptr, pid_m, pid_k, M, K,
+                       R: tl.constexpr, BK: tl.constexpr):
+    """The 1×16 scales of sets ``j0 .. j0+3`` (``s_j [R, BK/16]``: rows ``16i + j`` of the
+    tile) in one store: one layout conversion per 4 sets instead of one per set (all 16 at
+    once keeps too many scales live: 254 registers at 64×256)."""
+    C: tl.constexpr = BK // 16
+    s = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (R, C, 4))  # join appends its axis: [.., j//2, j%2]
+    i = tl.arange(0, R)[:, None, None]
+    rows = pid_m * (R * 16) + i * 16 + j0 + tl.arange(0, 4)[None, None, :]
+    sk = pid_k * C + tl.arange(0, C)[None, :, None]
+    tl.store(row_s_ptr + rows * (K // 16) + sk, s, mask=(rows < M) & (sk < K // 16))
 
 
 @triton.jit
@@ -231,38 +244,46 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
             sb = pid_m * R + tl.arange(0, R)[:, None]
             sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
             tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
-    w_lo = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 4
-    w_lo |= _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 8
-    w_lo |= _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 12
-    w_lo |= _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 16
-    w_lo |= _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 20
-    w_lo |= _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 24
-    w_lo |= _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 28
-    w_hi = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 4
-    w_hi |= _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 8
-    w_hi |= _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 12
-    w_hi |= _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 16
-    w_hi |= _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 20
-    w_hi |= _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 24
-    w_hi |= _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, row_s_ptr,
-        M, K, R, BK, TWO_D, SR, ROW) << 28
+    c, s0 = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo = c
+    c, s1 = _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= c << 4
+    c, s2 = _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= c << 8
+    c, s3 = _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= c << 12
+    if ROW and not TWO_D:
+        _store_row_scales4(s0, s1, s2, s3, 0, row_s_ptr, pid_m, pid_k, M, K, R, BK)
+    c, s4 = _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= c << 16
+    c, s5 = _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= c << 20
+    c, s6 = _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= c << 24
+    c, s7 = _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= c << 28
+    if ROW and not TWO_D:
+        _store_row_scales4(s4, s5, s6, s7, 4, row_s_ptr, pid_m, pid_k, M, K, R, BK)
+    c, s8 = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi = c
+    c, s9 = _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= c << 4
+    c, s10 = _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= c << 8
+    c, s11 = _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= c << 12
+    if ROW and not TWO_D:
+        _store_row_scales4(s8, s9, s10, s11, 8, row_s_ptr, pid_m, pid_k, M, K, R, BK)
+    c, s12 = _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= c << 16
+    c, s13 = _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= c << 20
+    c, s14 = _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= c << 24
+    c, s15 = _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= c << 28
+    if ROW and not TWO_D:
+        _store_row_scales4(s12, s13, s14, s15, 12, row_s_ptr, pid_m, pid_k, M, K, R, BK)
     if DERIVE_COL:  # codes packed as they are made (``w |= code << 4j``: few live registers)
         _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
 

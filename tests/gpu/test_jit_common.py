@@ -1,0 +1,68 @@
+"""``kernels._jit_common``'s NVFP4 block scale on the GPU: the divisions by a reciprocal
+(``div_by_rcp``) and ``rcp.rn`` against the reference's IEEE divisions, bitwise, on random
+fp32 block amaxes down to 100 binades below the tensor amax, and global scales from tensor amaxes ``2**-80 .. 2**100``
+(the documented domain), plus zeros, infinities and an inf global scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_dist.formats._numerics import cast_to_fp8
+from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
+from hybrid_dist.kernels._jit_common import nvfp4_block_scale
+
+pytestmark = pytest.mark.gpu
+
+
+@triton.jit
+def _block_scale_probe(a_ptr, gs_ptr, bs_ptr, enc_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs, mask=offs < n, other=0.0)
+    bs, enc = nvfp4_block_scale(a, tl.load(gs_ptr))
+    tl.store(bs_ptr + offs, bs, mask=offs < n)
+    tl.store(enc_ptr + offs, enc, mask=offs < n)
+
+
+def _reference(a, gs):
+    """``formats.nvfp4.nvfp4_quantize_rows``' block-scale lines on the block amaxes ``a``."""
+    bs = cast_to_fp8(a / torch.full_like(a, 6.0) / gs, torch.float8_e4m3fn)
+    denom = bs.float() * gs
+    return bs, torch.where(denom > 0, torch.reciprocal(denom), torch.zeros_like(denom))
+
+
+def _random_fp32(n, lo_exp, hi_exp, gen):
+    """Positive fp32 with uniformly random significand bits and exponents in [lo, hi)."""
+    e = torch.randint(max(lo_exp, -126) + 127, hi_exp + 127, (n,), generator=gen, device="cuda", dtype=torch.int32)
+    m = torch.randint(0, 1 << 23, (n,), generator=gen, device="cuda", dtype=torch.int32)
+    return ((e << 23) | m).view(torch.float32)
+
+
+@pytest.mark.parametrize("amax_exp", [-80, -40, -3, 0, 2, 11, 60, 100])
+def test_nvfp4_block_scale_bitwise_the_ieee_divisions(amax_exp):
+    gen = torch.Generator(device="cuda").manual_seed(amax_exp + 1000)
+    n = 1 << 20
+    amax = _random_fp32(1, amax_exp, amax_exp + 1, gen)  # the tensor amax behind gs
+    gs = nvfp4_global_scale(amax).reshape(())
+    a = torch.minimum(_random_fp32(n, amax_exp - 100, amax_exp + 1, gen), amax)  # block amax <= amax
+    a[:4] = torch.tensor([0.0, float("inf"), 2.0**-149, 3.4e38], device="cuda").clamp(max=amax.item())
+    bs, enc = torch.empty(n, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(n, device="cuda")
+    _block_scale_probe[(triton.cdiv(n, 1024),)](a, gs, bs, enc, n, BLOCK=1024)
+    ref_bs, ref_enc = _reference(a, gs)
+    bad = (bs.view(torch.uint8) != ref_bs.view(torch.uint8)) | (enc.view(torch.int32) != ref_enc.view(torch.int32))
+    assert not bad.any(), (f"amax 2**{amax_exp}: {int(bad.sum())} of {n} block scales differ, first "
+                           f"a={a[bad][0].item()!r} gs={gs.item()!r}")
+
+
+def test_nvfp4_block_scale_with_an_infinite_global_scale():
+    """An inf tensor amax gives ``gs = inf``: finite block amaxes divide to 0, inf to NaN."""
+    a = torch.tensor([0.0, 1.0, 3e38, float("inf")], device="cuda")
+    gs = torch.tensor(float("inf"), device="cuda")
+    bs, enc = torch.empty(4, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(4, device="cuda")
+    _block_scale_probe[(1,)](a, gs, bs, enc, 4, BLOCK=16)
+    ref_bs, ref_enc = _reference(a, gs)
+    assert torch.equal(bs.view(torch.uint8), ref_bs.view(torch.uint8)), (bs, ref_bs)
+    assert torch.equal(enc.view(torch.int32), ref_enc.view(torch.int32)), (enc, ref_enc)
