@@ -28,7 +28,7 @@ from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
-from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, TileConfig
+from hybrid_dist.kernels.quant_tiles import TileConfig, nvfp4_default
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
 _AMAX_PROGRAMS_PER_SM = 8
@@ -59,14 +59,16 @@ def nvfp4_amax_tiles(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch
 def nvfp4_quantize_tiles(
     x: torch.Tensor, rht_row: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
-    config: TileConfig = NVFP4_DEFAULT,
+    config: TileConfig | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``(row_data, row_block_scale, col_data, col_block_scale, row_global_scale,
     col_global_scale)``; absent data empty. ``amax`` fp32: ``[max|x|]``, or ``[max|x|,
     max|RHT(x)|]`` when ``rht`` (the columnwise direction's amax); the global scales are the
     fp32 scalar decode scales the kernel computes from them (``formats.nvfp4.
     nvfp4_global_scale``: no torch ops between the passes). ``seed`` int64 ``[1]``;
-    ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks)."""
+    ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks).
+    ``config``: the tile config (default ``quant_tiles.nvfp4_default(block_rows)``)."""
+    config = config or nvfp4_default(block_rows)
     m, k = x.shape
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
@@ -103,9 +105,8 @@ def nvfp4_quantize_op(
     x: torch.Tensor, rht_row: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`nvfp4_quantize_tiles` (the default tile config, one for every block shape)."""
-    return nvfp4_quantize_tiles(x, rht_row, amax, seed, rowwise, columnwise, derive_col, rht, sr,
-                                block_rows, NVFP4_DEFAULT)
+    """See :func:`nvfp4_quantize_tiles` (the default tile config of the block shape)."""
+    return nvfp4_quantize_tiles(x, rht_row, amax, seed, rowwise, columnwise, derive_col, rht, sr, block_rows)
 
 
 @nvfp4_quantize_op.register_fake

@@ -40,7 +40,7 @@ def e2m1_rne_bits(v):
     hi = (b + (0x1FFFFF - (252 << 22)) + ((b >> 22) & 1)) >> 22
     lo = (u * 2.0 + 8388608.0).to(tl.int32, bitcast=True) & 3
     code = tl.where(u < 1.0, lo, hi)
-    return code | ((v < 0).to(tl.int32) << 3)
+    return tl.where(v < 0, code | 8, code)  # a predicated OR in SASS (no select of the sign bit)
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def e2m1_sr_bits(v, rand):
     lo_val = tl.where(small, lo.to(tl.float32) * 0.5, ((lo + 252) << 22).to(tl.float32, bitcast=True))
     inv_gap = tl.where(small, 2.0, ((255 - e) << 23).to(tl.float32, bitcast=True))
     code = lo + (rand < (u - lo_val) * inv_gap).to(tl.int32)
-    return code | ((v < 0).to(tl.int32) << 3)
+    return tl.where(v < 0, code | 8, code)
 
 
 @triton.jit

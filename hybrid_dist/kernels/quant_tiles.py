@@ -53,7 +53,18 @@ class TileConfig:
 # x copy over two runs): 32x256/w2 0.739 / 0.742, 32x512/w4 0.737 / 0.738, 32x256/w4 0.734 /
 # 0.735, 32x128/w1 0.732 / 0.731, 32x128/w2 0.719 / 0.717 (mxfp8_v1: 0.708 / 0.708).
 MXFP8_DEFAULT = TileConfig(bm=32, bk=256, num_warps=2)
-NVFP4_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # every block shape (1x16 and 16x16)
+# NVFP4 defaults per block shape: the fastest fused pass of a one-run H100 sweep (twelfth
+# session, 16384x8192 bf16, x copy): 1x16 blocks 128x128/w8 (1D 0.485, RHT 0.439, RHT+SR 0.222;
+# 64x128/w4 0.447 / 0.395 / 0.193, 64x256/w8 0.478 / 0.434 / 0.219, 8 elements per thread
+# (64x256/w4, 168 registers) 0.421 / 0.396); 16x16 blocks 64x128/w4 (0.852; 128x128/w8 0.595).
+NVFP4_DEFAULT = TileConfig(bm=128, bk=128, num_warps=8)  # 1x16 blocks (with or without RHT / SR)
+NVFP4_2D_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # 16x16 blocks (weights)
+
+
+def nvfp4_default(block_rows: int) -> TileConfig:
+    """The NVFP4 tile config for ``block_rows`` (1: 1x16 blocks, 16: 16x16 blocks)."""
+    return NVFP4_2D_DEFAULT if block_rows == 16 else NVFP4_DEFAULT
+
 
 MXFP8_SWEEP = (
     MXFP8_DEFAULT,
@@ -64,13 +75,14 @@ MXFP8_SWEEP = (
 )
 NVFP4_SWEEP = (
     NVFP4_DEFAULT,
+    NVFP4_2D_DEFAULT,
+    TileConfig(bm=64, bk=256, num_warps=8),
     TileConfig(bm=32, bk=256, num_warps=2),
     TileConfig(bm=32, bk=128, num_warps=1),
     TileConfig(bm=64, bk=128, num_warps=2),
     TileConfig(bm=64, bk=256, num_warps=4),
     TileConfig(bm=64, bk=64, num_warps=1),
-    TileConfig(bm=32, bk=256, num_warps=4),
-    TileConfig(bm=128, bk=128, num_warps=8),
 )
 
-__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_DEFAULT", "NVFP4_SWEEP", "TileConfig"]
+__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_2D_DEFAULT", "NVFP4_DEFAULT", "NVFP4_SWEEP", "TileConfig",
+           "nvfp4_default"]

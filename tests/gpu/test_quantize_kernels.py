@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hybrid_dist as hd
-from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_SWEEP
+from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_2D_DEFAULT, NVFP4_DEFAULT, NVFP4_SWEEP
 from tests.gpu._gpu_helpers import assert_storages_bitwise, kernel_quantize, n_bit_diffs, reference_quantize
 
 pytestmark = pytest.mark.gpu
@@ -217,8 +217,8 @@ def test_mxfp8_tile_configs_bitwise(cfg):
 @pytest.mark.parametrize("cfg", NVFP4_SWEEP, ids=lambda c: c.label())
 def test_nvfp4_tile_configs(cfg):
     """RNE bitwise the reference; RHT within the bound; SR bitwise the v1 kernel. Every
-    direction set for the default config, row+col for the others (compile time)."""
-    dirs = DIRS if cfg == NVFP4_SWEEP[0] else [(True, True)]
+    direction set for the default configs, row+col for the others (compile time)."""
+    dirs = DIRS if cfg in (NVFP4_DEFAULT, NVFP4_2D_DEFAULT) else [(True, True)]
     for shape in ((384, 640), (96, 160)):
         x = _x(shape)
         for block_2d in (False, True):
