@@ -45,10 +45,8 @@ class TileConfig:
 #   NVFP4 1D      : 32x256/w2 47.4 (174 regs), 32x128/w1 47.1, 64x128/w4 59.9
 #   NVFP4 RHT     : 32x256/w2 52.1, 64x128/w4 64.6;  2D: 32x256/w2 22.2 (255 regs), 64x256/w4 22.6
 #   NVFP4 RHT+SR  : 32x256/w2 111.9 (Philox), 64x128/w4 125.6
-# NVFP4 defaults: the fastest config on an H100 (session 6, `--sweep`-style run, 16384x8192
-# bf16, fused pass alone, x copy): 64x128/w4 1D 0.429 (32x256/w2: 0.398), 2D 0.857 (64x256/w4:
-# 0.779), RHT 0.365 (0.358), RHT+SR 0.182 (0.092); no config of the sweep was faster for 2D
-# or SR, 128x128/w8 was for 1D-RHT by 0.03.
+#   (NVFP4, twelfth session, cheaper block scales and sign: 1D 128x128/w8 49.6 (114 regs),
+#   64x256/w4 43.1 (168); RHT 128x128/w8 55.5 (107); RHT+SR 128x128/w8 115.1 (126))
 # MXFP8 default: the fastest of the sweep on an H100 (ninth session, 16384x8192 bf16, row+col,
 # x copy over two runs): 32x256/w2 0.739 / 0.742, 32x512/w4 0.737 / 0.738, 32x256/w4 0.734 /
 # 0.735, 32x128/w1 0.732 / 0.731, 32x128/w2 0.719 / 0.717 (mxfp8_v1: 0.708 / 0.708).
