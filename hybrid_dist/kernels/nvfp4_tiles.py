@@ -225,6 +225,23 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
 
 
 @triton.jit
+def _rows4(x0, x1, x2, x3, j0: tl.constexpr, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+           M, K, R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr):
+    """Sets ``j0 .. j0+3`` (``x0..x3``) rowwise (stored if ``ROW``, 1×16 scales in one store);
+    returns their codes packed ``c0 | c1 << 4 | c2 << 8 | c3 << 12`` (int32)."""
+    c0, s0 = _row_set(x0, enc2, gs, seed, oq + j0 * kq, rs + j0, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    c1, s1 = _row_set(x1, enc2, gs, seed, oq + (j0 + 1) * kq, rs + j0 + 1, pid_k, row_ptr, M, K, R, BK, TWO_D, SR,
+                      ROW)
+    c2, s2 = _row_set(x2, enc2, gs, seed, oq + (j0 + 2) * kq, rs + j0 + 2, pid_k, row_ptr, M, K, R, BK, TWO_D, SR,
+                      ROW)
+    c3, s3 = _row_set(x3, enc2, gs, seed, oq + (j0 + 3) * kq, rs + j0 + 3, pid_k, row_ptr, M, K, R, BK, TWO_D, SR,
+                      ROW)
+    if ROW and not TWO_D:
+        _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, BK)
+    return c0 | (c1 << 4) | (c2 << 8) | (c3 << 12)
+
+
+@triton.jit
 def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
             gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
             R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr,
@@ -244,46 +261,14 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
             sb = pid_m * R + tl.arange(0, R)[:, None]
             sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
             tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
-    c, s0 = _row_set(x0, enc2, gs, seed, oq, rs, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo = c
-    c, s1 = _row_set(x1, enc2, gs, seed, oq + kq, rs + 1, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= c << 4
-    c, s2 = _row_set(x2, enc2, gs, seed, oq + 2 * kq, rs + 2, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= c << 8
-    c, s3 = _row_set(x3, enc2, gs, seed, oq + 3 * kq, rs + 3, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= c << 12
-    if ROW and not TWO_D:
-        _store_row_scales4(s0, s1, s2, s3, 0, row_s_ptr, pid_m, pid_k, M, K, R, BK)
-    c, s4 = _row_set(x4, enc2, gs, seed, oq + 4 * kq, rs + 4, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= c << 16
-    c, s5 = _row_set(x5, enc2, gs, seed, oq + 5 * kq, rs + 5, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= c << 20
-    c, s6 = _row_set(x6, enc2, gs, seed, oq + 6 * kq, rs + 6, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= c << 24
-    c, s7 = _row_set(x7, enc2, gs, seed, oq + 7 * kq, rs + 7, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= c << 28
-    if ROW and not TWO_D:
-        _store_row_scales4(s4, s5, s6, s7, 4, row_s_ptr, pid_m, pid_k, M, K, R, BK)
-    c, s8 = _row_set(x8, enc2, gs, seed, oq + 8 * kq, rs + 8, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi = c
-    c, s9 = _row_set(x9, enc2, gs, seed, oq + 9 * kq, rs + 9, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= c << 4
-    c, s10 = _row_set(x10, enc2, gs, seed, oq + 10 * kq, rs + 10, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= c << 8
-    c, s11 = _row_set(x11, enc2, gs, seed, oq + 11 * kq, rs + 11, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= c << 12
-    if ROW and not TWO_D:
-        _store_row_scales4(s8, s9, s10, s11, 8, row_s_ptr, pid_m, pid_k, M, K, R, BK)
-    c, s12 = _row_set(x12, enc2, gs, seed, oq + 12 * kq, rs + 12, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= c << 16
-    c, s13 = _row_set(x13, enc2, gs, seed, oq + 13 * kq, rs + 13, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= c << 20
-    c, s14 = _row_set(x14, enc2, gs, seed, oq + 14 * kq, rs + 14, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= c << 24
-    c, s15 = _row_set(x15, enc2, gs, seed, oq + 15 * kq, rs + 15, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= c << 28
-    if ROW and not TWO_D:
-        _store_row_scales4(s12, s13, s14, s15, 12, row_s_ptr, pid_m, pid_k, M, K, R, BK)
+    w_lo = _rows4(x0, x1, x2, x3, 0, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+                M, K, R, BK, TWO_D, SR, ROW)
+    w_lo |= _rows4(x4, x5, x6, x7, 4, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+                M, K, R, BK, TWO_D, SR, ROW) << 16
+    w_hi = _rows4(x8, x9, x10, x11, 8, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+                M, K, R, BK, TWO_D, SR, ROW)
+    w_hi |= _rows4(x12, x13, x14, x15, 12, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+                M, K, R, BK, TWO_D, SR, ROW) << 16
     if DERIVE_COL:  # codes packed as they are made (``w |= code << 4j``: few live registers)
         _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
 
