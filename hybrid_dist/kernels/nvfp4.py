@@ -1,6 +1,7 @@
 """NVFP4 fused quantize (host side): an amax pass (with the Hadamard-domain amax), then one
 pass that reads each ``[BM, BK]`` tile once and writes every requested direction. The
-kernels and their data layout in registers: ``kernels.nvfp4_tiles``.
+kernels and their data layout in registers: ``kernels.nvfp4_tiles``; 1×16 blocks without
+RHT or stochastic rounding from bf16 take ``kernels.nvfp4_words`` (bf16 pairs as words).
 
 Layouts (``formats.nvfp4``): rowwise ``data [M, K/2]`` uint8 + ``block_scale [M/br, K/16]``
 E4M3; columnwise ``data [K, M/2]`` + ``block_scale [K/br, M/16]``; ``br`` = 16 for 2D blocks.
@@ -30,7 +31,8 @@ from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
-from hybrid_dist.kernels.quant_tiles import TileConfig, nvfp4_default
+from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel
+from hybrid_dist.kernels.quant_tiles import NVFP4_WORDS_DEFAULT, TileConfig, nvfp4_default
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
 _AMAX_PROGRAMS_PER_SM = 8
@@ -69,18 +71,33 @@ def nvfp4_quantize_tiles(
     fp32 scalar decode scales the kernel computes from them (``formats.nvfp4.
     nvfp4_global_scale``: no torch ops between the passes). ``seed`` int64 ``[1]``;
     ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks).
-    ``config``: the tile config (default ``quant_tiles.nvfp4_default(block_rows)``)."""
-    config = config or nvfp4_default(block_rows)
+    ``config``: the tile config (default ``quant_tiles.NVFP4_WORDS_DEFAULT`` for the words
+    kernel, else ``quant_tiles.nvfp4_default(block_rows)``)."""
     m, k = x.shape
+    words = block_rows == 1 and not rht and not sr and _bf16_words(x)
+    config = config or (NVFP4_WORDS_DEFAULT if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
     col64 = outs[2].view(torch.int64) if columnwise and x.numel() else torch.empty(0, dtype=torch.int64, device=x.device)
     grid = (max(cdiv(m, config.bm), 1), max(cdiv(k, config.bk), 1))  # program (0, 0) writes gs even if x is empty
-    nvfp4_quantize_kernel[grid](
-        x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k, max(x.stride(0), 1),
-        ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
-        TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, num_warps=config.num_warps)
+    opts = config.launch_options(x.device)
+    if words:
+        xw = x.view(torch.int32)
+        nvfp4_words_kernel[grid](xw, amax, outs[0], outs[1], col64, outs[3], *gs, m, k, max(xw.stride(0), 1),
+                                 ROW=rowwise, COL=columnwise, BM=config.bm, BK=config.bk, **opts)
+    else:
+        nvfp4_quantize_kernel[grid](
+            x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k, max(x.stride(0), 1),
+            ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
+            TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, **opts)
     return (*outs, *gs)
+
+
+def _bf16_words(x: torch.Tensor) -> bool:
+    """``x`` bf16 with unit column stride, even K, even row stride and a 4-byte aligned start:
+    readable as int32 words ``[M, K/2]``."""
+    return (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
+            and (x.shape[0] <= 1 or x.stride(0) % 2 == 0) and x.data_ptr() % 4 == 0)
 
 
 def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):

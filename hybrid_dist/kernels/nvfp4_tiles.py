@@ -202,7 +202,7 @@ def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, M, K, R: tl.cons
         bs = enc_2d
         codes = _codes(x, enc_2d, seed, offs_q, R, BK, True, SR)
     else:
-        bs, enc = _block_scale(_kmax(x, R, BK, True), gs)
+        bs, enc = _block_scale(_kmax(x, R, BK, True), gs, not SR)
         codes = _codes(x, enc, seed, offs_q, R, BK, True, SR)
     if STORE:
         pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
@@ -275,7 +275,7 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
             _kmax(x6, R, BK, True), _kmax(x7, R, BK, True), _kmax(x8, R, BK, True),
             _kmax(x9, R, BK, True), _kmax(x10, R, BK, True), _kmax(x11, R, BK, True),
             _kmax(x12, R, BK, True), _kmax(x13, R, BK, True), _kmax(x14, R, BK, True),
-            _kmax(x15, R, BK, True)), gs)
+            _kmax(x15, R, BK, True)), gs, not SR)
         if ROW:
             sb = pid_m * R + tl.arange(0, R)[:, None]
             sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
@@ -307,7 +307,7 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x6, R, BK, TWO_D), _kmax(x7, R, BK, TWO_D), _kmax(x8, R, BK, TWO_D),
         _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
         _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
-        _kmax(x15, R, BK, TWO_D)), gs)
+        _kmax(x15, R, BK, TWO_D)), gs, not SR)
     w_lo = _codes(x0, enc, seed, co, R, BK, TWO_D, SR)
     w_lo |= _codes(x1, enc, seed, co + kq, R, BK, TWO_D, SR) << 4
     w_lo |= _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR) << 8

@@ -18,11 +18,13 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TileConfig:
-    """``bm`` rows (M) × ``bk`` columns (K) per program, ``num_warps`` per program."""
+    """``bm`` rows (M) × ``bk`` columns (K) per program, ``num_warps`` per program;
+    ``maxnreg``: a register cap per thread (None: the compiler's choice)."""
 
     bm: int
     bk: int
     num_warps: int
+    maxnreg: int | None = None
 
     def __post_init__(self):
         for name in ("bm", "bk", "num_warps"):
@@ -33,7 +35,15 @@ class TileConfig:
             raise ValueError(f"TileConfig needs bm >= 32 and bk >= 32 (one MXFP8 block), got {self}")
 
     def label(self) -> str:
-        return f"{self.bm}x{self.bk}/w{self.num_warps}"
+        cap = "" if self.maxnreg is None else f"/r{self.maxnreg}"
+        return f"{self.bm}x{self.bk}/w{self.num_warps}{cap}"
+
+    def launch_options(self, device) -> dict:
+        """Triton launch keywords: ``num_warps``, and ``maxnreg`` on a GPU (the interpreter has none)."""
+        opts = {"num_warps": self.num_warps}
+        if self.maxnreg is not None and device.type == "cuda":
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 # Defaults from the SASS each config compiles to (sm_90, Triton 3.9, no GPU run yet):
@@ -57,6 +67,10 @@ MXFP8_DEFAULT = TileConfig(bm=32, bk=256, num_warps=2)
 # (64x256/w4, 168 registers) 0.421 / 0.396); 16x16 blocks 64x128/w4 (0.852; 128x128/w8 0.595).
 NVFP4_DEFAULT = TileConfig(bm=128, bk=128, num_warps=8)  # 1x16 blocks (with or without RHT / SR)
 NVFP4_2D_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # 16x16 blocks (weights)
+# 1x16 blocks without RHT or SR from bf16 (``nvfp4_words``): thirteenth session, one H100 run,
+# fused pass 16384x8192: 64x128/w4 capped at 128 registers 0.2535 ms (16 warps per SM), uncapped
+# (137 registers) 0.2838, 128x128/w8 0.2644, 64x256/w4/r168 0.3550, 32x128/w2 0.3018.
+NVFP4_WORDS_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=128)
 
 
 def nvfp4_default(block_rows: int) -> TileConfig:
@@ -80,7 +94,8 @@ NVFP4_SWEEP = (
     TileConfig(bm=64, bk=128, num_warps=2),
     TileConfig(bm=64, bk=256, num_warps=4),
     TileConfig(bm=64, bk=64, num_warps=1),
+    NVFP4_WORDS_DEFAULT,
 )
 
-__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_2D_DEFAULT", "NVFP4_DEFAULT", "NVFP4_SWEEP", "TileConfig",
+__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_2D_DEFAULT", "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_DEFAULT", "TileConfig",
            "nvfp4_default"]
