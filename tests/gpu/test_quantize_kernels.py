@@ -151,6 +151,19 @@ def test_nvfp4_rne_bitwise(shape, block_2d):
     _check(q, x, True, True, f"nvfp4 amax= {shape}", amax=torch.tensor(40.0, device="cuda"))
 
 
+def test_nvfp4_1d_tile_kernel_where_the_words_kernel_does_not_apply():
+    """1×16 blocks from bf16 take ``nvfp4_words``; a 2-byte aligned bf16 view (all directions)
+    and an fp32 input (rowwise) take the tile kernel, bitwise the reference too."""
+    from hybrid_dist.kernels.nvfp4 import _bf16_words
+
+    q = hd.NVFP4Quantizer()
+    x = _x((96 * 160 + 1, 1)).reshape(-1)[1:].view(96, 160)
+    assert not _bf16_words(x) and _bf16_words(x.clone())
+    for rw, cw in DIRS:
+        _check(q, x, rw, cw, f"nvfp4 1d unaligned bf16 dirs={rw, cw}")
+    _check(q, _x((96, 160), dtype=torch.float32), True, False, "nvfp4 1d fp32 rowwise")
+
+
 def _check_rht_within_bound(q, x, what, **kw):
     k = kernel_quantize(q, x, rowwise=True, columnwise=True, **kw)
     r = reference_quantize(q, x, rowwise=True, columnwise=True)
