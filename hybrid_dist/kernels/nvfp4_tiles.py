@@ -63,6 +63,23 @@ def e2m1_rne_bits(v):
 
 
 @triton.jit
+def e2m1_rne_mad(v, acc, mult):
+    """``acc + e2m1_rne_bits(v) * mult`` (int32; codes land in disjoint nibbles, so the add is
+    the packing OR): the packing and the sign are integer multiply-adds (FMA pipe) instead of
+    logic ops (ALU pipe, half rate on sm_90, the kernel's bottleneck)."""
+    if INTERPRET:
+        return acc + e2m1_rne_bits(v) * mult
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 u, l; .reg .b32 b, t, h; .reg .pred p, q; "
+        "abs.f32 u, $1; min.f32 u, u, 0f40C00000; mov.b32 b, u; "
+        "shr.u32 t, b, 22; and.b32 t, t, 1; add.s32 h, b, -1054867457; add.s32 h, h, t; "
+        "shr.s32 h, h, 22; fma.rn.f32 l, u, 0f40000000, 0f4B000000; mov.b32 t, l; and.b32 t, t, 3; "
+        "setp.lt.f32 p, u, 0f3F800000; selp.b32 h, t, h, p; "
+        "setp.lt.f32 q, $1, 0f00000000; @q add.s32 h, h, 8; mad.lo.u32 $0, h, $3, $2; }",
+        "=r,f,r,r", [v, acc, mult], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def e2m1_sr_bits(v, rand):
     """Stochastic E2M1 code: up with probability ``(u - lo) / (hi - lo)``, bitwise
     ``_jit_common.e2m1_stochastic`` (the gap ``hi - lo`` is a power of two, so the IEEE
@@ -193,6 +210,19 @@ def _codes(v, enc, seed, offs_q, R: tl.constexpr, BK: tl.constexpr, K16: tl.cons
 
 
 @triton.jit
+def _codes_into(acc, j: tl.constexpr, v, enc, seed, offs_q, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr,
+                SR: tl.constexpr):
+    """``acc`` with the codes of ``v · enc`` (see ``_codes``) added into nibble ``j``."""
+    if SR:
+        return acc | (_codes(v, enc, seed, offs_q, R, BK, K16, SR) << (4 * j))
+    if K16:
+        scaled = tl.reshape(tl.reshape(v, (R, BK // 16, 16)) * enc[:, :, None], (R, BK))
+    else:
+        scaled = v * enc
+    return e2m1_rne_mad(scaled, acc, tl.full((R, BK), 1 << (4 * j), tl.int32))
+
+
+@triton.jit
 def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, M, K, R: tl.constexpr,
              BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, STORE: tl.constexpr):
     """Rowwise codes of one set and its 1×16 block scales ``[R, BK/16]`` (``enc_2d`` and
@@ -308,22 +338,25 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
         _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
         _kmax(x15, R, BK, TWO_D)), gs, not SR)
-    w_lo = _codes(x0, enc, seed, co, R, BK, TWO_D, SR)
-    w_lo |= _codes(x1, enc, seed, co + kq, R, BK, TWO_D, SR) << 4
-    w_lo |= _codes(x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR) << 8
-    w_lo |= _codes(x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR) << 12
-    w_lo |= _codes(x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR) << 16
-    w_lo |= _codes(x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR) << 20
-    w_lo |= _codes(x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR) << 24
-    w_lo |= _codes(x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR) << 28
-    w_hi = _codes(x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR)
-    w_hi |= _codes(x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR) << 4
-    w_hi |= _codes(x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR) << 8
-    w_hi |= _codes(x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR) << 12
-    w_hi |= _codes(x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR) << 16
-    w_hi |= _codes(x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR) << 20
-    w_hi |= _codes(x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR) << 24
-    w_hi |= _codes(x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR) << 28
+    z = tl.zeros((R, BK), tl.int32)
+    w_lo = z
+    w_lo = _codes_into(w_lo, 0, x0, enc, seed, co, R, BK, TWO_D, SR)
+    w_lo = _codes_into(w_lo, 1, x1, enc, seed, co + kq, R, BK, TWO_D, SR)
+    w_lo = _codes_into(w_lo, 2, x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR)
+    w_lo = _codes_into(w_lo, 3, x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR)
+    w_lo = _codes_into(w_lo, 4, x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR)
+    w_lo = _codes_into(w_lo, 5, x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR)
+    w_lo = _codes_into(w_lo, 6, x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR)
+    w_lo = _codes_into(w_lo, 7, x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR)
+    w_hi = z
+    w_hi = _codes_into(w_hi, 0, x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR)
+    w_hi = _codes_into(w_hi, 1, x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR)
+    w_hi = _codes_into(w_hi, 2, x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR)
+    w_hi = _codes_into(w_hi, 3, x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR)
+    w_hi = _codes_into(w_hi, 4, x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR)
+    w_hi = _codes_into(w_hi, 5, x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR)
+    w_hi = _codes_into(w_hi, 6, x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR)
+    w_hi = _codes_into(w_hi, 7, x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR)
     _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
 
 

@@ -36,24 +36,7 @@ import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import INTERPRET, global_decode_scale
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
-from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4, e2m1_rne_bits
-
-
-@triton.jit
-def e2m1_rne_mad(v, acc, mult):
-    """``acc + e2m1_rne_bits(v) * mult`` (int32; codes land in disjoint nibbles, so the add is
-    the packing OR): the packing and the sign are integer multiply-adds (FMA pipe) instead of
-    logic ops (ALU pipe, half rate on sm_90, the kernel's bottleneck)."""
-    if INTERPRET:
-        return acc + e2m1_rne_bits(v) * mult
-    return tl.inline_asm_elementwise(
-        "{ .reg .f32 u, l; .reg .b32 b, t, h; .reg .pred p, q; "
-        "abs.f32 u, $1; min.f32 u, u, 0f40C00000; mov.b32 b, u; "
-        "shr.u32 t, b, 22; and.b32 t, t, 1; add.s32 h, b, -1054867457; add.s32 h, h, t; "
-        "shr.s32 h, h, 22; fma.rn.f32 l, u, 0f40000000, 0f4B000000; mov.b32 t, l; and.b32 t, t, 3; "
-        "setp.lt.f32 p, u, 0f3F800000; selp.b32 h, t, h, p; "
-        "setp.lt.f32 q, $1, 0f00000000; @q add.s32 h, h, 8; mad.lo.u32 $0, h, $3, $2; }",
-        "=r,f,r,r", [v, acc, mult], dtype=tl.int32, is_pure=True, pack=1)
+from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4, e2m1_rne_bits, e2m1_rne_mad
 
 
 @triton.jit
