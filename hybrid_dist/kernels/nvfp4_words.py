@@ -36,7 +36,8 @@ import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import INTERPRET, global_decode_scale
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
-from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4, e2m1_rne_bits, e2m1_rne_mad
+from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad
+from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
 
 
 @triton.jit
