@@ -158,6 +158,22 @@ def _codes_into(acc, j: tl.constexpr, v, enc, seed, offs_q, R: tl.constexpr, BK:
 
 
 @triton.jit
+def _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, seed, co, kq, R: tl.constexpr, BK: tl.constexpr,
+            K16: tl.constexpr, SR: tl.constexpr):
+    """Eight sets' codes packed into one int32 word (set ``i`` in nibble ``i``); Philox offsets
+    ``co + i·kq``."""
+    w = tl.zeros((R, BK), tl.int32)
+    w = _codes_into(w, 0, x0, enc, seed, co, R, BK, K16, SR)
+    w = _codes_into(w, 1, x1, enc, seed, co + kq, R, BK, K16, SR)
+    w = _codes_into(w, 2, x2, enc, seed, co + 2 * kq, R, BK, K16, SR)
+    w = _codes_into(w, 3, x3, enc, seed, co + 3 * kq, R, BK, K16, SR)
+    w = _codes_into(w, 4, x4, enc, seed, co + 4 * kq, R, BK, K16, SR)
+    w = _codes_into(w, 5, x5, enc, seed, co + 5 * kq, R, BK, K16, SR)
+    w = _codes_into(w, 6, x6, enc, seed, co + 6 * kq, R, BK, K16, SR)
+    return _codes_into(w, 7, x7, enc, seed, co + 7 * kq, R, BK, K16, SR)
+
+
+@triton.jit
 def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, M, K, R: tl.constexpr,
              BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, STORE: tl.constexpr):
     """Rowwise codes of one set and its 1×16 block scales ``[R, BK/16]`` (``enc_2d`` and
@@ -273,25 +289,8 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
         _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
         _kmax(x15, R, BK, TWO_D)), gs, not SR)
-    z = tl.zeros((R, BK), tl.int32)
-    w_lo = z
-    w_lo = _codes_into(w_lo, 0, x0, enc, seed, co, R, BK, TWO_D, SR)
-    w_lo = _codes_into(w_lo, 1, x1, enc, seed, co + kq, R, BK, TWO_D, SR)
-    w_lo = _codes_into(w_lo, 2, x2, enc, seed, co + 2 * kq, R, BK, TWO_D, SR)
-    w_lo = _codes_into(w_lo, 3, x3, enc, seed, co + 3 * kq, R, BK, TWO_D, SR)
-    w_lo = _codes_into(w_lo, 4, x4, enc, seed, co + 4 * kq, R, BK, TWO_D, SR)
-    w_lo = _codes_into(w_lo, 5, x5, enc, seed, co + 5 * kq, R, BK, TWO_D, SR)
-    w_lo = _codes_into(w_lo, 6, x6, enc, seed, co + 6 * kq, R, BK, TWO_D, SR)
-    w_lo = _codes_into(w_lo, 7, x7, enc, seed, co + 7 * kq, R, BK, TWO_D, SR)
-    w_hi = z
-    w_hi = _codes_into(w_hi, 0, x8, enc, seed, co + 8 * kq, R, BK, TWO_D, SR)
-    w_hi = _codes_into(w_hi, 1, x9, enc, seed, co + 9 * kq, R, BK, TWO_D, SR)
-    w_hi = _codes_into(w_hi, 2, x10, enc, seed, co + 10 * kq, R, BK, TWO_D, SR)
-    w_hi = _codes_into(w_hi, 3, x11, enc, seed, co + 11 * kq, R, BK, TWO_D, SR)
-    w_hi = _codes_into(w_hi, 4, x12, enc, seed, co + 12 * kq, R, BK, TWO_D, SR)
-    w_hi = _codes_into(w_hi, 5, x13, enc, seed, co + 13 * kq, R, BK, TWO_D, SR)
-    w_hi = _codes_into(w_hi, 6, x14, enc, seed, co + 14 * kq, R, BK, TWO_D, SR)
-    w_hi = _codes_into(w_hi, 7, x15, enc, seed, co + 15 * kq, R, BK, TWO_D, SR)
+    w_lo = _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, seed, co, kq, R, BK, TWO_D, SR)
+    w_hi = _codes8(x8, x9, x10, x11, x12, x13, x14, x15, enc, seed, co + 8 * kq, kq, R, BK, TWO_D, SR)
     _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
 
 
