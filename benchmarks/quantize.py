@@ -67,13 +67,15 @@ def _row(name, label, fn, ref_out, copy):
 def _sweep_mxfp8(x, copy) -> list[list]:
     from hybrid_dist.kernels.mxfp8 import mxfp8_quantize_tiles
     from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
-    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP
+    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
 
     base = mxfp8_quantize_v1(x, E4M3, True, True)
     rows = [_row("mxfp8 row+col", "v1 (32x256/w4)", lambda: mxfp8_quantize_v1(x, E4M3, True, True), None, copy)]
-    for cfg in MXFP8_SWEEP:
-        rows.append(_row("mxfp8 row+col", cfg.label(),
-                         lambda cfg=cfg: mxfp8_quantize_tiles(x, E4M3, True, True, cfg), base, copy))
+    for words, sweep in ((False, MXFP8_SWEEP), (True, MXFP8_WORDS_SWEEP)):
+        for cfg in sweep:
+            label = f"{'words' if words else 'row sets'} {cfg.label()}"
+            rows.append(_row("mxfp8 row+col", label, lambda cfg=cfg, w=words: mxfp8_quantize_tiles(
+                x, E4M3, True, True, cfg, words=w), base, copy))
     return rows
 
 
@@ -104,12 +106,13 @@ def _sweep_nvfp4(x, copy) -> list[list]:
     return rows
 
 
-def sweep() -> None:
+def sweep(mxfp8_only: bool = False) -> None:
     x = torch.randn(M, K, device="cuda").bfloat16()
     copy = copy_gbps(M * K)
     rows = [["device copy", "", "", copy, 1.0, ""]]
     rows += _sweep_mxfp8(x, copy)
-    rows += _sweep_nvfp4(x, copy)
+    if not mxfp8_only:
+        rows += _sweep_nvfp4(x, copy)
     dev = torch.cuda.get_device_name()
     print_table(["kernel pass", "tile config", "ms", "GB/s", "x copy", "differs"], rows,
                 f"quantize tile sweep {M}x{K} bf16 on {dev} (one pass each; GB/s = input once + outputs)")
@@ -207,6 +210,7 @@ def main() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every MXFP8/NVFP4 tile config")
+    parser.add_argument("--mxfp8-only", action="store_true", help="with --sweep: the MXFP8 configs only")
     parser.add_argument("--sass", action="store_true", help="offline: registers and SASS size per tile config")
     parser.add_argument("--once", action="store_true", help="quantize each case once (under a profiler)")
     args = parser.parse_args()
@@ -215,6 +219,6 @@ if __name__ == "__main__":
     elif args.sass:
         sass()
     elif args.sweep:
-        sweep()
+        sweep(args.mxfp8_only)
     else:
         main()

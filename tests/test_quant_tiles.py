@@ -22,12 +22,12 @@ def test_tile_config_rejects_bad_shapes(bad):
 
 
 def test_words_kernel_takes_only_word_aligned_bf16():
-    from hybrid_dist.kernels.nvfp4 import _bf16_words
+    from hybrid_dist.kernels.quant_tiles import bf16_words
 
     x = torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert _bf16_words(x)
-    assert not _bf16_words(x.float())
-    assert not _bf16_words(x[:, 1:33])  # odd start: not 4-byte aligned
-    assert not _bf16_words(torch.zeros(32, 66, dtype=torch.bfloat16)[:, :64].t().contiguous().t())  # column-major
-    assert not _bf16_words(torch.zeros(32, 65, dtype=torch.bfloat16)[:, :64])  # odd row stride
-    assert _bf16_words(torch.zeros(32, 66, dtype=torch.bfloat16)[:, :64])
+    assert bf16_words(x)
+    assert not bf16_words(x.float())
+    assert not bf16_words(x[:, 1:33])  # odd start: not 4-byte aligned
+    assert not bf16_words(torch.zeros(32, 66, dtype=torch.bfloat16)[:, :64].t().contiguous().t())  # column-major
+    assert not bf16_words(torch.zeros(32, 65, dtype=torch.bfloat16)[:, :64])  # odd row stride
+    assert bf16_words(torch.zeros(32, 66, dtype=torch.bfloat16)[:, :64])

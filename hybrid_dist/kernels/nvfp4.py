@@ -32,7 +32,7 @@ from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
 from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel
-from hybrid_dist.kernels.quant_tiles import NVFP4_WORDS_DEFAULT, TileConfig, nvfp4_default
+from hybrid_dist.kernels.quant_tiles import NVFP4_WORDS_DEFAULT, TileConfig, bf16_words, nvfp4_default
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
 _AMAX_PROGRAMS_PER_SM = 8
@@ -74,7 +74,7 @@ def nvfp4_quantize_tiles(
     ``config``: the tile config (default ``quant_tiles.NVFP4_WORDS_DEFAULT`` for the words
     kernel, else ``quant_tiles.nvfp4_default(block_rows)``)."""
     m, k = x.shape
-    words = block_rows == 1 and not rht and not sr and _bf16_words(x)
+    words = block_rows == 1 and not rht and not sr and bf16_words(x)
     config = config or (NVFP4_WORDS_DEFAULT if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
@@ -91,13 +91,6 @@ def nvfp4_quantize_tiles(
             ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
             TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, **opts)
     return (*outs, *gs)
-
-
-def _bf16_words(x: torch.Tensor) -> bool:
-    """``x`` bf16 with unit column stride, even K, even row stride and a 4-byte aligned start:
-    readable as int32 words ``[M, K/2]``."""
-    return (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
-            and (x.shape[0] <= 1 or x.stride(0) % 2 == 0) and x.data_ptr() % 4 == 0)
 
 
 def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):

@@ -2,18 +2,22 @@
 
 A config is a plain frozen dataclass passed to the launch functions (no autotuning: the
 choice is explicit, deterministic and the same under ``torch.compile``).
-``benchmarks/quantize.py --sweep`` times every config of :data:`MXFP8_SWEEP` /
-:data:`NVFP4_SWEEP` so the default can be picked on the target GPU.
+``benchmarks/quantize.py --sweep`` times every config of :data:`MXFP8_WORDS_SWEEP`,
+:data:`MXFP8_SWEEP` and :data:`NVFP4_SWEEP` so the default can be picked on the target GPU.
 
 Tile shapes: a program owns ``x[BM, BK]`` and reads it as ``G`` interleaved row sets
-(``G = 32`` for MXFP8, ``16`` for NVFP4), each ``[BM/G, BK]``: set ``j`` holds rows
-``m ≡ j (mod G)``; MXFP8 tiles are one columnwise block (``BM = 32``). ``BM/G * BK`` should be at least ``4 * 32 * num_warps`` so no thread holds a replicated
-element; ``8 * 32 * num_warps`` gives 16-byte loads.
+(``G = 32`` for the MXFP8 row-set kernel, 8 for ``mxfp8_words``, 16 for NVFP4), each
+``[BM/G, BK]``: set ``j`` holds rows ``m ≡ j (mod G)`` (``mxfp8_words``: see its note);
+the MXFP8 row-set tiles are one columnwise block (``BM = 32``). ``BM/G * BK`` should be at
+least ``4 * 32 * num_warps`` so no thread holds a replicated element; ``8 * 32 * num_warps``
+gives 16-byte loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,13 @@ class TileConfig:
         return opts
 
 
+def bf16_words(x: torch.Tensor) -> bool:
+    """``x`` bf16 with unit column stride, even K, even row stride and a 4-byte aligned start:
+    readable as int32 words ``[M, K/2]`` (the ``*_words`` kernels)."""
+    return (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
+            and (x.shape[0] <= 1 or x.stride(0) % 2 == 0) and x.data_ptr() % 4 == 0)
+
+
 # Defaults from the SASS each config compiles to (sm_90, Triton 3.9, no GPU run yet):
 # thread-instructions per element of the row+col pass, registers/thread. The kernels are
 # issue-bound, not bandwidth-bound, when this count is high (the v1 kernels: MXFP8 49-100,
@@ -61,6 +72,12 @@ class TileConfig:
 # x copy over two runs): 32x256/w2 0.739 / 0.742, 32x512/w4 0.737 / 0.738, 32x256/w4 0.734 /
 # 0.735, 32x128/w1 0.732 / 0.731, 32x128/w2 0.719 / 0.717 (mxfp8_v1: 0.708 / 0.708).
 MXFP8_DEFAULT = TileConfig(bm=32, bk=256, num_warps=2)
+# MXFP8 with columnwise from word-readable bf16 (``mxfp8_words``): 8 row sets of [BM/8, 32 words],
+# one warp per 32-row block (4 threads along M, 8 along K, 4 words each). Fourteenth session, one
+# H100 run, 16384x8192 row+col, kernel + scale unstaging, x copy: 128x64/w4/r96 0.888 (116 registers
+# uncapped), 128x64/w4 0.886, 32x64/w1 0.876, 64x64/w2/r96 0.877, 32x64/w1/r96 0.867,
+# 256x64/w8/r96 0.856, 128x64/w4/r80 0.749 (spills); the row-set kernel 0.742 in the same run.
+MXFP8_WORDS_DEFAULT = TileConfig(bm=128, bk=64, num_warps=4, maxnreg=96)
 # NVFP4 defaults per block shape: the fastest fused pass of a one-run H100 sweep (twelfth
 # session, 16384x8192 bf16, x copy): 1x16 blocks 128x128/w8 (1D 0.485, RHT 0.439, RHT+SR 0.222;
 # 64x128/w4 0.447 / 0.395 / 0.193, 64x256/w8 0.478 / 0.434 / 0.219, 8 elements per thread
@@ -78,7 +95,16 @@ def nvfp4_default(block_rows: int) -> TileConfig:
     return NVFP4_2D_DEFAULT if block_rows == 16 else NVFP4_DEFAULT
 
 
-MXFP8_SWEEP = (
+MXFP8_WORDS_SWEEP = (
+    MXFP8_WORDS_DEFAULT,
+    TileConfig(bm=128, bk=64, num_warps=4),
+    TileConfig(bm=128, bk=64, num_warps=4, maxnreg=80),
+    TileConfig(bm=64, bk=64, num_warps=2, maxnreg=96),
+    TileConfig(bm=32, bk=64, num_warps=1, maxnreg=96),
+    TileConfig(bm=32, bk=64, num_warps=1),
+    TileConfig(bm=256, bk=64, num_warps=8, maxnreg=96),
+)
+MXFP8_SWEEP = (  # the 32-row-set kernel
     MXFP8_DEFAULT,
     TileConfig(bm=32, bk=128, num_warps=1),
     TileConfig(bm=32, bk=512, num_warps=4),
@@ -97,5 +123,5 @@ NVFP4_SWEEP = (
     NVFP4_WORDS_DEFAULT,
 )
 
-__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "NVFP4_2D_DEFAULT", "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_DEFAULT", "TileConfig",
-           "nvfp4_default"]
+__all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "MXFP8_WORDS_DEFAULT", "MXFP8_WORDS_SWEEP", "NVFP4_2D_DEFAULT",
+           "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_DEFAULT", "TileConfig", "bf16_words", "nvfp4_default"]

@@ -1,4 +1,4 @@
-"""``transpose_into(dst, src)``: ``dst [C, R] = src [R, C]ᵀ`` for 2D tensors of 1, 2 or 4
+"""``transpose_into(dst, src)``: ``dst [C, R] = src [R, C]ᵀ`` for 2D tensors of 1, 2, 4 or 8
 byte elements, as one tiled Triton kernel (bitwise a copy: bytes are moved, never
 converted).
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE = 64
 
 
@@ -40,7 +40,7 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
             or src.element_size() != dst.element_size() or src.element_size() not in _VIEW):
         raise ValueError(
             f"transpose_into: needs a 2D src [R, C] and a contiguous dst [C, R] of the same element size "
-            f"(1, 2 or 4 bytes); got src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}"
+            f"(1, 2, 4 or 8 bytes); got src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}"
         )
     r, c = src.shape
     if torch.compiler.is_compiling():  # inductor generates its own transpose

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from hybrid_dist.formats._numerics import cast_to_fp8
-from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
-from hybrid_dist.kernels._jit_common import nvfp4_block_scale
+triton = pytest.importorskip("triton")  # absent on CPU-only installs (CI)
+import triton.language as tl  # noqa: E402
+
+from hybrid_dist.formats._numerics import cast_to_fp8  # noqa: E402
+from hybrid_dist.formats.nvfp4 import nvfp4_global_scale  # noqa: E402
+from hybrid_dist.kernels._jit_common import nvfp4_block_scale  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import hybrid_dist as hd
-from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_2D_DEFAULT, NVFP4_DEFAULT, NVFP4_SWEEP
+from hybrid_dist.kernels.quant_tiles import (MXFP8_SWEEP, MXFP8_WORDS_SWEEP, NVFP4_2D_DEFAULT, NVFP4_DEFAULT,
+                                             NVFP4_SWEEP, bf16_words)
 from tests.gpu._gpu_helpers import assert_storages_bitwise, kernel_quantize, n_bit_diffs, reference_quantize
 
 pytestmark = pytest.mark.gpu
@@ -154,11 +155,11 @@ def test_nvfp4_rne_bitwise(shape, block_2d):
 def test_nvfp4_1d_tile_kernel_where_the_words_kernel_does_not_apply():
     """1×16 blocks from bf16 take ``nvfp4_words``; a 2-byte aligned bf16 view (all directions)
     and an fp32 input (rowwise) take the tile kernel, bitwise the reference too."""
-    from hybrid_dist.kernels.nvfp4 import _bf16_words
+    from hybrid_dist.kernels.quant_tiles import bf16_words
 
     q = hd.NVFP4Quantizer()
     x = _x((96 * 160 + 1, 1)).reshape(-1)[1:].view(96, 160)
-    assert not _bf16_words(x) and _bf16_words(x.clone())
+    assert not bf16_words(x) and bf16_words(x.clone())
     for rw, cw in DIRS:
         _check(q, x, rw, cw, f"nvfp4 1d unaligned bf16 dirs={rw, cw}")
     _check(q, _x((96, 160), dtype=torch.float32), True, False, "nvfp4 1d fp32 rowwise")
@@ -216,15 +217,34 @@ def _bytes_equal(a, b, what):
     assert n == 0, f"{what}: {n} of {b.numel()} elements differ bitwise"
 
 
-@pytest.mark.parametrize("cfg", MXFP8_SWEEP, ids=lambda c: c.label())
-def test_mxfp8_tile_configs_bitwise(cfg):
+def _unaligned(x):
+    """``x``'s values in a 2-byte aligned view: not readable as int32 words."""
+    m, k = x.shape
+    v = torch.empty(m * k + 1, dtype=x.dtype, device=x.device)[1:].view(m, k)
+    v.copy_(x)
+    assert not bf16_words(v)
+    return v
+
+
+MXFP8_KERNEL_CONFIGS = [("words", c) for c in MXFP8_WORDS_SWEEP] + [("row sets", c) for c in MXFP8_SWEEP]
+
+
+@pytest.mark.parametrize("kernel,cfg", MXFP8_KERNEL_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.label())
+def test_mxfp8_tile_configs_bitwise(kernel, cfg):
+    """Both columnwise kernels at every tile config: word-aligned bf16 takes ``mxfp8_words``,
+    a 2-byte aligned view the 32-row-set kernel (rowwise alone is ``mxfp8_v1``'s, or the row-set
+    kernel's at a 32-row config). Shapes with partial tiles along M and K."""
+    dirs = DIRS if kernel == "row sets" else [(True, True), (False, True)]
     for dtype in (E4M3, E5M2):
         q = hd.MXFP8Quantizer(dtype=dtype)
-        for shape in ((384, 640), (96, 160)):
+        for shape in ((384, 640), (96, 160), (160, 96)):
             x = _x(shape)
-            x[3, 40] = 1e-30
-            for rw, cw in DIRS:
-                _check(q, x, rw, cw, f"mxfp8 {cfg.label()} {dtype} {shape} dirs={rw, cw}", config=cfg)
+            x[3, 40 % shape[1]] = 1e-30
+            x[37, 5], x[70, 90 % shape[1]] = float("inf"), float("-inf")
+            if kernel == "row sets":
+                x = _unaligned(x)
+            for rw, cw in dirs:
+                _check(q, x, rw, cw, f"mxfp8 {kernel} {cfg.label()} {dtype} {shape} dirs={rw, cw}", config=cfg)
 
 
 @pytest.mark.parametrize("cfg", NVFP4_SWEEP, ids=lambda c: c.label())
