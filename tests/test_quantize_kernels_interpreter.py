@@ -90,14 +90,21 @@ def _storages_equal(k, r, what):
 def _check_mxfp8():
     import hybrid_dist as hd
     from hybrid_dist.kernels import mxfp8, mxfp8_v1
-    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP
+    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
     from hybrid_dist.formats.mxfp8 import mxfp8_quantize_rows
 
     gen = torch.Generator().manual_seed(0)
     for dtype, bits in ((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 2)):
         x = mxfp8_input((96, 160), bits, gen)  # K = 160: a partial K tile at every config
         ref = (*mxfp8_quantize_rows(x, dtype), *mxfp8_quantize_rows(x.t(), dtype))
-        outs = {cfg.label(): mxfp8.mxfp8_quantize_tiles(x, dtype, True, True, cfg) for cfg in MXFP8_SWEEP[:2]}
+        outs = {f"row sets {cfg.label()}": mxfp8.mxfp8_quantize_tiles(x, dtype, True, True, cfg, words=False)
+                for cfg in MXFP8_SWEEP[:2]}
+        for cfg in MXFP8_WORDS_SWEEP[:3]:  # scales unstaged in one launch (K % 64 == 0) or not (K = 160)
+            for xi, what in ((x, "96x160"), (x[:, :128], "96x128 view")):
+                r = (*mxfp8_quantize_rows(xi, dtype), *mxfp8_quantize_rows(xi.t(), dtype))
+                for name, a, b in zip(("row", "row_scale", "col", "col_scale"),
+                                      mxfp8.mxfp8_quantize_tiles(xi, dtype, True, True, cfg, words=True), r):
+                    _bits_equal(a, b, f"mxfp8 words {cfg.label()} {dtype} {what} {name}")
         outs["v1 (the previous kernel)"] = mxfp8_v1.mxfp8_quantize_v1(x, dtype, True, True)
         for label, out in outs.items():
             for name, a, b in zip(("row", "row_scale", "col", "col_scale"), out, ref):

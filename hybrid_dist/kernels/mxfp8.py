@@ -35,9 +35,9 @@ from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
 from hybrid_dist.kernels._jit_common import (cast_fp8, cdiv, e8m0_inv_bf16, e8m0_rceil, e8m0_rceil_bf16, eager_or_op,
                                              exp2_int)
-from hybrid_dist.kernels.mxfp8_words import mxfp8_words_kernel, unstage_kernel
-from hybrid_dist.kernels.transpose import transposed
+from hybrid_dist.kernels.mxfp8_words import mxfp8_words_kernel
 from hybrid_dist.kernels.quant_tiles import MXFP8_DEFAULT, MXFP8_WORDS_DEFAULT, TileConfig, bf16_words
+from hybrid_dist.kernels.scale_staging import new_stage, stage_unit, unstage
 
 
 @triton.jit
@@ -166,41 +166,21 @@ def _words(x, rowwise, columnwise):
     return columnwise and bf16_words(x) and m % 32 == 0 and (not rowwise or k % 32 == 0)
 
 
-def _unit(nbytes: int) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[nbytes]
-
-
 def _launch_words(x, row, row_s, col, col_s, dtype, rowwise, config):
-    """``mxfp8_words_kernel`` into the outputs. Its scales go to staging buffers in which each
-    program's bytes are contiguous (rowwise ``[K/BK, M, BK/32]``, columnwise ``[M/BM, K, BM/32]``)
-    and are then transposed into place in units of ``BK/32`` / ``BM/32`` bytes: written in
-    place, every 32-byte sector of a scale tensor takes bytes from 8-16 programs, and those
-    partial-sector writes cost 0.045 ms of 0.245 (16384x8192 bf16, one H100 run: 0.1987 ms
-    staged, kernel alone)."""
+    """``mxfp8_words_kernel`` into the outputs; its scales through ``scale_staging``."""
     m, k = x.shape
     bm, bk = config.bm, config.bk
-    if bm > 256 or bk > 256:
-        raise ValueError(f"MXFP8 words tiles stage scales in units of at most 8 bytes (bm, bk <= 256); got {config}")
-    n_m, n_k = cdiv(m, bm), cdiv(k, bk)
+    ur, uc = stage_unit(bk // 32), stage_unit(bm // 32)
     dev = x.device
-    stage_r = torch.empty((n_k, m) if rowwise else (0, 0), dtype=_unit(bk // 32), device=dev)
-    stage_c = torch.empty((n_m, k), dtype=_unit(bm // 32), device=dev)
+    stage_r = new_stage(m if rowwise else 0, k // 32 if rowwise else 0, ur, dev)
+    stage_c = new_stage(k, m // 32, uc, dev)
     xw = x.view(torch.int32)
     row64 = row.view(torch.int64) if rowwise else torch.empty(0, dtype=torch.int64, device=dev)
-    mxfp8_words_kernel[(n_k, n_m)](xw, row64, stage_r.view(torch.uint8), col.view(torch.int64),
-                                   stage_c.view(torch.uint8), m, k, max(xw.stride(0), 1),
-                                   E5M2=dtype == torch.float8_e5m2, ROW=rowwise, BM=bm, BK=bk,
-                                   EVEN=m % bm == 0 and k % bk == 0, **config.launch_options(dev))
-    if m % bm == 0 and k % bk == 0:  # the units tile the scale tensors exactly: one launch
-        tile = 64
-        n = cdiv(n_m, tile) * cdiv(k, tile) + (cdiv(n_k, tile) * cdiv(m, tile) if rowwise else 0)
-        dst_r = row_s.view(stage_r.dtype) if rowwise else stage_r
-        unstage_kernel[(n,)](stage_r, dst_r, n_k, m, stage_c, col_s.view(stage_c.dtype), n_m, k, ROW=rowwise,
-                             TILE=tile, num_warps=4)
-        return
-    if rowwise:
-        row_s.copy_(transposed(stage_r).view(torch.uint8)[:, :row_s.shape[1]])
-    col_s.copy_(transposed(stage_c).view(torch.uint8)[:, :col_s.shape[1]])
+    mxfp8_words_kernel[(cdiv(k, bk), cdiv(m, bm))](
+        xw, row64, stage_r.view(torch.uint8), col.view(torch.int64), stage_c.view(torch.uint8), m, k,
+        max(xw.stride(0), 1), E5M2=dtype == torch.float8_e5m2, ROW=rowwise, BM=bm, BK=bk,
+        EVEN=m % bm == 0 and k % bk == 0, UR=ur, UC=uc, **config.launch_options(dev))
+    unstage((row_s, stage_r), (col_s, stage_c))
 
 
 def mxfp8_quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool,

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8
 from hybrid_dist.kernels.nvfp4_words import _unpack, umax16x2
+from hybrid_dist.kernels.scale_staging import staged
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def _by_block(v, s, R: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _set(w, row, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2: tl.constexpr,
-         R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, EVEN: tl.constexpr):
+         R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, EVEN: tl.constexpr, UR: tl.constexpr):
     """Set ``w [R, W]`` (rows ``row [R, 1]``): rowwise bytes and scales stored; returns the
     columnwise products ``(x[., 2c] · cinv_lo, x[., 2c+1] · cinv_hi)``."""
     lo, hi = _unpack(w)
@@ -137,14 +138,14 @@ def _set(w, row, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2: tl.con
         q_e, q_o = tl.split(tl.reshape(q, (R, W // 4, 2)))
         q64 = join64(q_e, q_o)  # [R, W/4]
         pw = pid_k * (W // 4) + tl.arange(0, W // 4)[None, :]
-        b = tl.arange(0, W // 16)[None, :]
-        ps = row_s_ptr + pid_k * (M * (W // 16)) + row * (W // 16) + b  # staged [K/BK, M, BK/32]
+        sc = pid_k * (W // 16) + tl.arange(0, W // 16)[None, :]
+        ps = staged(row_s_ptr, row, sc, M, UR)
         if EVEN:
             tl.store(row_ptr + row * (K // 8) + pw, q64)
-            st8(ps, e, tl.full(b.shape, 1, tl.int1))
+            st8(ps, e, tl.full(sc.shape, 1, tl.int1))
         else:
             tl.store(row_ptr + row * (K // 8) + pw, q64, mask=(row < M) & (pw < K // 8))
-            st8(ps, e, (row < M) & (pid_k * (W // 16) + b < K // 32))
+            st8(ps, e, (row < M) & (sc < K // 32))
     return lo * cinv_lo, hi * cinv_hi
 
 
@@ -152,6 +153,7 @@ def _set(w, row, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2: tl.con
 def mxfp8_words_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_w,
     E5M2: tl.constexpr, ROW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+    UR: tl.constexpr, UC: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile (module note) → rowwise ``data [M, K]`` (``row_ptr``: its int64
     view ``[M, K/8]``) + ``scale [M, K/32]`` and columnwise ``data [K, M]`` (``col_ptr``: int64
@@ -187,16 +189,16 @@ def mxfp8_words_kernel(
     cm = tl.reshape(tl.broadcast_to(cm[:, None, :], (R // 4, 4, W)), (R, W))
     ce_lo, cinv_lo = _e8m0_bits(cm << 16, E5M2)
     ce_hi, cinv_hi = _e8m0_bits(cm & -65536, E5M2)
-    a0, b0 = _set(w0, row, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
-    a1, b1 = _set(w1, row + 1, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
-    a2, b2 = _set(w2, row + 2, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
-    a3, b3 = _set(w3, row + 3, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
+    a0, b0 = _set(w0, row, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
+    a1, b1 = _set(w1, row + 1, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
+    a2, b2 = _set(w2, row + 2, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
+    a3, b3 = _set(w3, row + 3, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
     qa = fp8x4(a0, a1, a2, a3, E5M2)  # [R, W]: rows 0..3 of column 2c
     qb = fp8x4(b0, b1, b2, b3, E5M2)  # column 2c + 1
-    a4, b4 = _set(w4, row + 4, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
-    a5, b5 = _set(w5, row + 5, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
-    a6, b6 = _set(w6, row + 6, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
-    a7, b7 = _set(w7, row + 7, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN)
+    a4, b4 = _set(w4, row + 4, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
+    a5, b5 = _set(w5, row + 5, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
+    a6, b6 = _set(w6, row + 6, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
+    a7, b7 = _set(w7, row + 7, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2, R, W, ROW, EVEN, UR)
     col_a = join64(qa, fp8x4(a4, a5, a6, a7, E5M2))
     col_b = join64(qb, fp8x4(b4, b5, b6, b7, E5M2))
     ok = okw if EVEN else (row < M) & okw
@@ -204,31 +206,7 @@ def mxfp8_words_kernel(
     st64(col_ptr + k * (M // 8) + row // 8, col_a, ok)
     st64(col_ptr + (k + 1) * (M // 8) + row // 8, col_b, ok)
     first = (r % 4) == 0  # one thread row per block stores its scales
-    cs = col_s_ptr + pid_m * (K * (BM // 32)) + k * (BM // 32) + r // 4  # staged [M/BM, K, BM/32]
-    st8(cs, ce_lo, ok & first)
-    st8(cs + BM // 32, ce_hi, ok & first)
+    blk = pid_m * (BM // 32) + r // 4
+    st8(staged(col_s_ptr, k, blk, K, UC), ce_lo, ok & first)
+    st8(staged(col_s_ptr, k + 1, blk, K, UC), ce_hi, ok & first)
 
-
-@triton.jit
-def _transpose_tile(src_ptr, dst_ptr, T, R, pid, TILE: tl.constexpr):
-    """Tile ``pid`` of ``dst [R, T] = src [T, R]ᵀ`` (``TILE × TILE`` tiles, ``R`` fastest)."""
-    n_r = tl.cdiv(R, TILE)
-    t = (pid // n_r) * TILE + tl.arange(0, TILE)[:, None]
-    r = (pid % n_r) * TILE + tl.arange(0, TILE)[None, :]
-    tile = tl.load(src_ptr + t * R + r, mask=(t < T) & (r < R))
-    tt = (pid // n_r) * TILE + tl.arange(0, TILE)[None, :]
-    rt = (pid % n_r) * TILE + tl.arange(0, TILE)[:, None]
-    tl.store(dst_ptr + rt * T + tt, tl.trans(tile), mask=(rt < R) & (tt < T))
-
-
-@triton.jit
-def unstage_kernel(sr_ptr, dr_ptr, T_r, R_r, sc_ptr, dc_ptr, T_c, R_c, ROW: tl.constexpr, TILE: tl.constexpr):
-    """Both staged scale tensors into place in one launch (``mxfp8._launch_words``): the
-    first programs transpose the rowwise ``[T_r, R_r]`` units (``ROW``), the rest the
-    columnwise ``[T_c, R_c]`` ones."""
-    pid = tl.program_id(0)
-    n_row = tl.cdiv(T_r, TILE) * tl.cdiv(R_r, TILE) if ROW else 0
-    if pid < n_row:
-        _transpose_tile(sr_ptr, dr_ptr, T_r, R_r, pid, TILE)
-    else:
-        _transpose_tile(sc_ptr, dc_ptr, T_c, R_c, pid - n_row, TILE)
