@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8
-from hybrid_dist.kernels.nvfp4_words import _unpack, umax16x2
+from hybrid_dist.kernels._words import load8w, umax16x2, unpack
 from hybrid_dist.kernels.scale_staging import staged
 
 
@@ -128,7 +128,7 @@ def _set(w, row, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2: tl.con
          R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, EVEN: tl.constexpr, UR: tl.constexpr):
     """Set ``w [R, W]`` (rows ``row [R, 1]``): rowwise bytes and scales stored; returns the
     columnwise products ``(x[., 2c] · cinv_lo, x[., 2c+1] · cinv_hi)``."""
-    lo, hi = _unpack(w)
+    lo, hi = unpack(w)
     if ROW:
         am = tl.reduce(tl.reshape(w & 0x7FFF7FFF, (R, W // 16, 16)), 2, _umax)  # [R, W/16]
         e, inv = _e8m0_bits(tl.maximum(am << 16, am & -65536), E5M2)
@@ -174,14 +174,7 @@ def mxfp8_words_kernel(
         w6, w7 = tl.load(p + 6 * stride_w), tl.load(p + 7 * stride_w)
     else:
         okw = cw < K // 2
-        w0 = tl.load(p, mask=(row < M) & okw, other=0)
-        w1 = tl.load(p + stride_w, mask=(row + 1 < M) & okw, other=0)
-        w2 = tl.load(p + 2 * stride_w, mask=(row + 2 < M) & okw, other=0)
-        w3 = tl.load(p + 3 * stride_w, mask=(row + 3 < M) & okw, other=0)
-        w4 = tl.load(p + 4 * stride_w, mask=(row + 4 < M) & okw, other=0)
-        w5 = tl.load(p + 5 * stride_w, mask=(row + 5 < M) & okw, other=0)
-        w6 = tl.load(p + 6 * stride_w, mask=(row + 6 < M) & okw, other=0)
-        w7 = tl.load(p + 7 * stride_w, mask=(row + 7 < M) & okw, other=0)
+        w0, w1, w2, w3, w4, w5, w6, w7 = load8w(p, row, okw, M, stride_w)
     m = 0x7FFF7FFF
     cm = umax16x2(umax16x2(umax16x2(w0 & m, w1 & m), umax16x2(w2 & m, w3 & m)),
                   umax16x2(umax16x2(w4 & m, w5 & m), umax16x2(w6 & m, w7 & m)))

@@ -36,25 +36,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import INTERPRET, global_decode_scale
+from hybrid_dist.kernels._jit_common import global_decode_scale
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad
+from hybrid_dist.kernels._words import load8w, umax16x2, unpack
 from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
-
-
-@triton.jit
-def umax16x2(a, b):
-    """Per-halfword unsigned max of int32 ``a``, ``b`` whose bit 31 is 0 (``max.u16x2``)."""
-    if INTERPRET:
-        return tl.maximum(a & 0x7FFF0000, b & 0x7FFF0000) | tl.maximum(a & 0xFFFF, b & 0xFFFF)
-    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _unpack(w):
-    """bf16 pair word → (fp32 of the low half, fp32 of the high half)."""
-    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -68,7 +54,7 @@ def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_p
           R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr):
     """Set ``j``: rowwise bytes stored, 1x16 scales ``[R, W/8]`` returned; its columnwise codes
     added into nibble ``j % 8`` of ``acc_e`` (low halves: even k) and ``acc_o`` (odd k)."""
-    lo, hi = _unpack(w)
+    lo, hi = unpack(w)
     bs = gs
     if ROW:
         ram = tl.max(tl.reshape(tl.maximum(tl.abs(lo), tl.abs(hi)), (R, W // 8, 8)), axis=2)
@@ -108,22 +94,8 @@ def _load16w(x_ptr, rs, rw, M, KW, stride_w):
     """The 16 row sets as words ``w_j = x[rs + j, words rw]`` (int32 ``[R, W]``), 0 outside."""
     p = x_ptr + rs * stride_w + rw
     mk = rw < KW
-    w0 = tl.load(p, mask=(rs < M) & mk, other=0)
-    w1 = tl.load(p + stride_w, mask=(rs + 1 < M) & mk, other=0)
-    w2 = tl.load(p + 2 * stride_w, mask=(rs + 2 < M) & mk, other=0)
-    w3 = tl.load(p + 3 * stride_w, mask=(rs + 3 < M) & mk, other=0)
-    w4 = tl.load(p + 4 * stride_w, mask=(rs + 4 < M) & mk, other=0)
-    w5 = tl.load(p + 5 * stride_w, mask=(rs + 5 < M) & mk, other=0)
-    w6 = tl.load(p + 6 * stride_w, mask=(rs + 6 < M) & mk, other=0)
-    w7 = tl.load(p + 7 * stride_w, mask=(rs + 7 < M) & mk, other=0)
-    w8 = tl.load(p + 8 * stride_w, mask=(rs + 8 < M) & mk, other=0)
-    w9 = tl.load(p + 9 * stride_w, mask=(rs + 9 < M) & mk, other=0)
-    w10 = tl.load(p + 10 * stride_w, mask=(rs + 10 < M) & mk, other=0)
-    w11 = tl.load(p + 11 * stride_w, mask=(rs + 11 < M) & mk, other=0)
-    w12 = tl.load(p + 12 * stride_w, mask=(rs + 12 < M) & mk, other=0)
-    w13 = tl.load(p + 13 * stride_w, mask=(rs + 13 < M) & mk, other=0)
-    w14 = tl.load(p + 14 * stride_w, mask=(rs + 14 < M) & mk, other=0)
-    w15 = tl.load(p + 15 * stride_w, mask=(rs + 15 < M) & mk, other=0)
+    w0, w1, w2, w3, w4, w5, w6, w7 = load8w(p, rs, mk, M, stride_w)
+    w8, w9, w10, w11, w12, w13, w14, w15 = load8w(p + 8 * stride_w, rs + 8, mk, M, stride_w)
     return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
 
 
@@ -163,7 +135,7 @@ def nvfp4_words_kernel(
     bs_lo = gs
     bs_hi = gs
     if COL:
-        cam_lo, cam_hi = _unpack(_colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15))
+        cam_lo, cam_hi = unpack(_colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15))
         bs_lo, enc_lo = _block_scale(cam_lo, gs)
         bs_hi, enc_hi = _block_scale(cam_hi, gs)
     z = tl.zeros((R, W), tl.int32)
