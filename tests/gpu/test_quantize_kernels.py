@@ -297,3 +297,7 @@ def test_nvfp4_amax_pass(shape):
         ref_h = apply_hadamard16(x.t().float(), hadamard16(seed, x.device)).abs().amax()
         assert torch.allclose(out[1], ref_h, rtol=1e-6, atol=0), (shape, seed, out[1], ref_h)
     assert nvfp4_amax_tiles(x, _rht_row(0, x.device), False)[1] == 0
+    x[7, 9] = -3e4  # without RHT: the amax itself, from word-aligned bf16 and from a 2-byte aligned view
+    for xi in (x, _unaligned(x)):
+        out = nvfp4_amax_tiles(xi, _rht_row(0, x.device), False)
+        assert out[0] == x.float().abs().amax() and out[1] == 0, (shape, out)
