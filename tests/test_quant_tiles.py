@@ -31,3 +31,16 @@ def test_words_kernel_takes_only_word_aligned_bf16():
     assert not bf16_words(torch.zeros(32, 66, dtype=torch.bfloat16)[:, :64].t().contiguous().t())  # column-major
     assert not bf16_words(torch.zeros(32, 65, dtype=torch.bfloat16)[:, :64])  # odd row stride
     assert bf16_words(torch.zeros(32, 66, dtype=torch.bfloat16)[:, :64])
+
+
+@pytest.mark.parametrize("case", ["fp32", "M % 32", "odd start", "rowwise only"])
+def test_mxfp8_words_kernel_refuses_what_it_cannot_read(case):
+    """``words=True`` on an input the MXFP8 words kernel cannot take raises before any launch."""
+    pytest.importorskip("triton")  # the kernel modules import Triton (absent on CPU-only installs)
+    from hybrid_dist.kernels.mxfp8 import mxfp8_quantize_tiles
+
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    xi, rw, cw = {"fp32": (x.float(), True, True), "M % 32": (x[:40], True, True),
+                  "odd start": (x[:, 1:33], False, True), "rowwise only": (x, True, False)}[case]
+    with pytest.raises(ValueError, match="words kernel"):
+        mxfp8_quantize_tiles(xi, torch.float8_e4m3fn, rw, cw, words=True)

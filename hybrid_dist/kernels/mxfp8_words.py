@@ -24,7 +24,7 @@ block, which sets everything else:
 E8M0 scales come from the bf16 amax bits with integer ops (``_jit_common.e8m0_rceil_bf16``).
 They are written to staging buffers in which each program's bytes are contiguous (rowwise
 ``[K/BK, M, BK/32]``, columnwise ``[M/BM, K, BM/32]``) and moved into place by
-``unstage_kernel``: in place, every 32-byte sector of a scale tensor would take its bytes
+``scale_staging.unstage``: in place, every 32-byte sector of a scale tensor would take its bytes
 from 8 to 16 programs, and those partial-sector writes were the bound (one H100 run,
 16384×8192: 0.2435 ms in place, 0.1931 ms with no scale stores at all, 0.1987 staged; the
 unstaging adds 6.5 µs). Program order is ``pid_k`` fastest, so the programs in flight read
@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8
+from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8, e8m0_inv_bf16, e8m0_rceil_bf16
 from hybrid_dist.kernels._words import load8w, umax16x2, unpack
 from hybrid_dist.kernels.scale_staging import staged
 
@@ -109,12 +109,9 @@ def st8(ptr, v, mask):
 
 @triton.jit
 def _e8m0_bits(bits, E5M2: tl.constexpr):
-    """(E8M0 code, fp32 ``2**(127-e)``) of an amax given as its fp32 bits (a bf16 value):
-    ``e8m0_rceil_bf16`` and ``e8m0_inv_bf16`` on the bits."""
-    SHIFT: tl.constexpr = 15 if E5M2 else 8
-    e = tl.where(bits >= 0x7F800000, 0xFF, tl.maximum(((bits + 0x1FFFFF) >> 23) - SHIFT, 0))
-    inv = tl.where(e == 255, 0x00200000, 0x7F000000 - (e << 23)).to(tl.float32, bitcast=True)
-    return e, inv
+    """(E8M0 code, fp32 ``2**(127-e)``) of an amax given as its fp32 bits (a bf16 value)."""
+    e = e8m0_rceil_bf16(bits.to(tl.float32, bitcast=True), E5M2)
+    return e, e8m0_inv_bf16(e)
 
 
 @triton.jit

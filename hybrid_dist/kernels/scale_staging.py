@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import cdiv
+from hybrid_dist.kernels.transpose import transpose_tile, transposed
 
 _UNIT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE = 64
@@ -45,32 +46,23 @@ def staged(ptr, r, c, R, U: tl.constexpr):
 
 
 @triton.jit
-def _transpose_tile(src_ptr, dst_ptr, T, R, pid, TILE: tl.constexpr):
-    """Tile ``pid`` of ``dst [R, T] = src [T, R]ᵀ`` (``TILE × TILE`` tiles, ``R`` fastest)."""
-    n_r = tl.cdiv(R, TILE)
-    t = (pid // n_r) * TILE + tl.arange(0, TILE)[:, None]
-    r = (pid % n_r) * TILE + tl.arange(0, TILE)[None, :]
-    tile = tl.load(src_ptr + t * R + r, mask=(t < T) & (r < R))
-    tt = (pid // n_r) * TILE + tl.arange(0, TILE)[None, :]
-    rt = (pid % n_r) * TILE + tl.arange(0, TILE)[:, None]
-    tl.store(dst_ptr + rt * T + tt, tl.trans(tile), mask=(rt < R) & (tt < T))
-
-
-@triton.jit
 def _unstage_kernel(a_src, a_dst, a_T, a_R, b_src, b_dst, b_T, b_R, TWO: tl.constexpr, TILE: tl.constexpr):
     """``a_dst = a_srcᵀ`` and, if ``TWO``, ``b_dst = b_srcᵀ``: the first programs do ``a``."""
     pid = tl.program_id(0)
     n_a = tl.cdiv(a_T, TILE) * tl.cdiv(a_R, TILE)
     if pid < n_a:
-        _transpose_tile(a_src, a_dst, a_T, a_R, pid, TILE)
+        n_r = tl.cdiv(a_R, TILE)
+        transpose_tile(a_src, a_dst, a_T, a_R, a_R, 1, pid // n_r, pid % n_r, TILE)
     elif TWO:
-        _transpose_tile(b_src, b_dst, b_T, b_R, pid - n_a, TILE)
+        n_r = tl.cdiv(b_R, TILE)
+        transpose_tile(b_src, b_dst, b_T, b_R, b_R, 1, (pid - n_a) // n_r, (pid - n_a) % n_r, TILE)
 
 
 def unstage(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Each ``(dst, stage)``: ``dst [R, S]`` uint8 (contiguous) from its stage ``[T, R]``.
-    Where the units tile ``dst`` exactly (``S % U == 0``) one launch moves them all; else the
-    stage is transposed and its first ``S`` columns copied."""
+    Where the units tile ``dst`` exactly (``S % U == 0``) one launch moves them all (tiles of
+    ``transpose.transpose_tile``); else the stage is transposed (``transpose.transposed``)
+    and its first ``S`` columns copied."""
     exact = []
     for dst, stage in pairs:
         if not dst.numel():
@@ -79,9 +71,7 @@ def unstage(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
         if dst.shape[1] % u == 0:
             exact.append((dst.view(stage.dtype), stage))
         else:
-            t = torch.empty((stage.shape[1], stage.shape[0]), dtype=stage.dtype, device=stage.device)
-            _launch([(t, stage)])
-            dst.copy_(t.view(torch.uint8)[:, :dst.shape[1]])
+            dst.copy_(transposed(stage).view(torch.uint8)[:, :dst.shape[1]])
     if exact:
         _launch(exact)
 

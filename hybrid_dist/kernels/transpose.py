@@ -24,14 +24,20 @@ _TILE = 64
 
 
 @triton.jit
-def _transpose_kernel(src_ptr, dst_ptr, R, C, s_r, s_c, TILE: tl.constexpr):
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+def transpose_tile(src_ptr, dst_ptr, R, C, s_r, s_c, pid_r, pid_c, TILE: tl.constexpr):
+    """Tile ``(pid_r, pid_c)`` of ``dst [C, R] = src [R, C]ᵀ`` (``src`` strides ``s_r, s_c``;
+    ``dst`` contiguous)."""
     r = pid_r * TILE + tl.arange(0, TILE)[:, None]
     c = pid_c * TILE + tl.arange(0, TILE)[None, :]
     tile = tl.load(src_ptr + r * s_r + c * s_c, mask=(r < R) & (c < C))
     rt = pid_r * TILE + tl.arange(0, TILE)[None, :]
     ct = pid_c * TILE + tl.arange(0, TILE)[:, None]
     tl.store(dst_ptr + ct * R + rt, tl.trans(tile), mask=(ct < C) & (rt < R))
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, s_r, s_c, TILE: tl.constexpr):
+    transpose_tile(src_ptr, dst_ptr, R, C, s_r, s_c, tl.program_id(0), tl.program_id(1), TILE)
 
 
 def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
