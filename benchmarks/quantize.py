@@ -9,7 +9,8 @@ which is counted too (``reads`` column). Run: ``python -m benchmarks.quantize``.
 ``hybrid_dist.kernels.quant_tiles`` (and the previous ``*_v1`` kernels as the baseline),
 each pass timed alone (NVFP4 with precomputed global scales; the amax pass in its own
 rows). ``differs`` = bytes of the outputs that differ from the v1 kernel's (0 expected,
-except the RHT columnwise direction: different fp32 summation order).
+except the RHT columnwise direction: different fp32 summation order; and stochastic
+rounding: v1 draws 32-bit uniforms, the current kernels 8 bits per element).
 """
 
 from __future__ import annotations

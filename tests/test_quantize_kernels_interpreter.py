@@ -8,9 +8,9 @@ The interpreter's fp32 → fp8 cast does not round like the GPU's ``cvt.rn.satfi
 (ties, and carries into the exponent), so the inputs are built so that every fp8 cast is
 exact (values with few mantissa bits, global scales that are powers of two); then the
 kernels must be bitwise equal to the reference — every scale byte, FP8 byte and FP4
-code, for every tile config of ``quant_tiles`` and every direction set. The
-stochastic-rounding stream (not the reference's) is compared with the previous kernel
-(``*_v1``, same interpreter casts on both sides): bitwise. The bitwise GPU comparison on
+code, for every tile config of ``quant_tiles`` and every direction set. Stochastic
+rounding is compared with the reference fed the kernels' Philox stream (modelled in torch:
+``tests/_nvfp4_sr_stream.py``): bitwise. The bitwise GPU comparison on
 random data is ``tests/gpu/test_quantize_kernels.py``.
 """
 
@@ -166,29 +166,29 @@ def _check_nvfp4_reference():
 
 
 def _check_nvfp4_sr_stream():
-    """Random data, stochastic rounding: bitwise the previous kernel (same Philox stream)."""
-    from hybrid_dist.kernels import nvfp4, nvfp4_v1
+    """Stochastic rounding: bitwise the reference fed the kernels' Philox stream
+    (``tests/_nvfp4_sr_stream``), 1D and 2D blocks, with and without RHT, every direction set,
+    two tile configs, a seed with a non-zero high word."""
+    from hybrid_dist.kernels import nvfp4
     from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
+    from tests._nvfp4_sr_stream import KernelStreamNVFP4, fixed_kernel_seed
 
     gen = torch.Generator().manual_seed(2)
-    m, k = 64, 128
-    x = (torch.randn(m, k, generator=gen) * 4).bfloat16()
-    from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
-
-    amax = torch.tensor([33.6, 33.6])
-    gs = nvfp4_global_scale(amax)
-    seed = torch.tensor([77], dtype=torch.int64)
-    for br in (1, 16):
-        shapes = [((m, k // 2), torch.uint8), ((m // br, k // 16), torch.float8_e4m3fn),
-                  ((k, m // 2), torch.uint8), ((k // br, m // 16), torch.float8_e4m3fn)]
-        old = [torch.empty(s, dtype=d) for s, d in shapes]
-        nvfp4_v1._nvfp4_kernel.fn[(1, 2)](x, x, gs, seed, *old, m, k, k, ROW=True, COL=True, DERIVE_COL=br == 16,
-                                          RHT=False, SR=True, BR=br, BM=64, BK=64, num_warps=4)
-        new = nvfp4.nvfp4_quantize_tiles(x, x, amax, seed, True, True, br == 16, False, True, br, NVFP4_SWEEP[0])
-        for name, a, b in zip(("row", "row_scale", "col", "col_scale"), new, old):
-            _bits_equal(a, b, f"nvfp4 sr br={br} {name} vs v1")
-        for name, a in zip(("row", "col"), new[4:]):
-            _bits_equal(a, gs[0], f"nvfp4 br={br} {name} global scale (kernel) vs nvfp4_global_scale")
+    seed = (5 << 32) + 77
+    x, amax = nvfp4_input((96, 160), gen), torch.tensor(2688.0)
+    xr = nvfp4_rht_input((64, 96), 5, gen)
+    for block_2d in (False, True):
+        q = KernelStreamNVFP4(stochastic_rounding=True, block_2d=block_2d, kernel_seed=seed)
+        qr = KernelStreamNVFP4(stochastic_rounding=True, rht=True, rht_seed=5, block_2d=block_2d, kernel_seed=seed)
+        cases = [(q, x, amax, rw, cw) for rw, cw in DIRS] + [(qr, xr, None, True, True)]
+        for cfg in NVFP4_SWEEP[:2]:
+            for qi, xi, am, rw, cw in cases:
+                with fixed_kernel_seed(seed):
+                    k = nvfp4.quantize_nvfp4(qi, xi, rowwise=rw, columnwise=cw, state=None, amax=am, config=cfg)
+                r = qi._quantize_2d(xi, rowwise=rw, columnwise=cw, state=None, amax=am)
+                what = f"nvfp4 sr rht={qi.rht} 2d={block_2d} {cfg.label()} dirs={rw, cw}"
+                _storages_equal(k[0], r[0], f"{what} row")
+                _storages_equal(k[1], r[1], f"{what} col")
 
 
 def _check_fp8_batched():

@@ -1,6 +1,7 @@
 """E2M1 (NVFP4 element) encoders for the Triton kernels, bitwise ``formats._numerics``:
 round to nearest even (``e2m1_rne_bits``; ``e2m1_rne_mad`` adds the code into a packed word)
-and stochastic rounding (``e2m1_sr_bits``). Codes are int32 with the sign in bit 3."""
+and stochastic rounding from 8 random bits per element (``e2m1_sr_mad`` with ``sr_noise``).
+Codes are int32 with the sign in bit 3."""
 
 from __future__ import annotations
 
@@ -67,17 +68,66 @@ def e2m1_rne_mad(v, acc, mult):
     return tl.inline_asm_elementwise(_RNE_MAD_ASM, "=r,f,r,r", [v, acc, mult], dtype=tl.int32, is_pure=True, pack=1)
 
 
+# Stochastic rounding with 8 random bits per element (``e2m1_sr_mad``): the noise ``f = 64 + n/2``
+# with ``n = (r8 + 1/2) / 256`` is built by one byte permute (``sr_noise``); the encoder adds
+# ``gap · n`` to ``u`` and truncates to E2M1's grid, both rounding toward zero, so the code is
+# ``hi`` exactly when ``u + gap · n >= hi``: up with probability ``(u - lo) / gap`` rounded to a
+# multiple of 1/256 (to nearest, halves up: the noise sits at cell midpoints).
+_SR_CODE = ("abs.f32 u, $1; min.f32 u, u, 0f40C00000; max.f32 e, u, 0f3F800000; "
+            "mov.b32 h, e; and.b32 h, h, 2139095040; mov.b32 e, h; mul.rn.f32 m, e, 0f4AC00000; "
+            "sub.rn.f32 t, $2, 0f42800000; fma.rz.f32 s, e, t, u; "
+            "add.rz.f32 r, s, m; sub.rn.f32 r, r, m; mul.rn.f32 r, r, 0f00800000; "
+            "mov.b32 h, r; shr.u32 h, h, 22; setp.lt.f32 q, $1, 0f00000000; ")
+_SR_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, t, s, r; .reg .b32 h; .reg .pred q; " + _SR_CODE
+                           + "@q add.s32 h, h, 8; mad.lo.u32 $0, h, $4, $3; }")
+# prmt: bytes {0x80, w.byte[B], 0x80, 0x42} = fp32 64 + (w.byte[B] + 1/2) / 512 (selector 0x76B4)
+_NOISE = "{ .reg .b32 k; mov.b32 k, 1115684992; prmt.b32 $0, $1, k, %d; }"
+_NOISE_B0 = tl.constexpr(_NOISE % 0x7604)
+_NOISE_B1 = tl.constexpr(_NOISE % 0x7614)
+_NOISE_B2 = tl.constexpr(_NOISE % 0x7624)
+_NOISE_B3 = tl.constexpr(_NOISE % 0x7634)
+
+
 @triton.jit
-def e2m1_sr_bits(v, rand):
-    """Stochastic E2M1 code: up with probability ``(u - lo) / (hi - lo)``, bitwise
-    ``_jit_common.e2m1_stochastic`` (the gap ``hi - lo`` is a power of two, so the IEEE
-    division equals the multiplication by its exact inverse)."""
+def sr_noise(w, B: tl.constexpr):
+    """fp32 ``64 + (r8 + 1/2) / 512`` of byte ``B`` (``r8``) of the random int32 words ``w``:
+    the stochastic-rounding noise ``e2m1_sr_mad`` takes (one PRMT)."""
+    if INTERPRET:
+        return ((((w >> (8 * B)) & 0xFF) << 8) | 0x42800080).to(tl.float32, bitcast=True)
+    if B == 0:
+        return tl.inline_asm_elementwise(_NOISE_B0, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
+    elif B == 1:
+        return tl.inline_asm_elementwise(_NOISE_B1, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
+    elif B == 2:
+        return tl.inline_asm_elementwise(_NOISE_B2, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_NOISE_B3, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def e2m1_sr_ops(v, f):
+    """``e2m1_sr_mad``'s code with plain ops (the interpreter's path): ``lo`` = ``u`` truncated
+    to E2M1's grid (the top mantissa bit kept; 0 or 0.5 below 1), up when
+    ``u - lo >= gap · (1 - n)`` (all exact: ``gap = 2**(E-1)``, ``n`` has 9 bits)."""
     u = tl.minimum(tl.abs(v), 6.0)
     b = u.to(tl.int32, bitcast=True)
-    small = u < 1.0
-    lo = tl.where(small, (u >= 0.5).to(tl.int32), tl.minimum((b >> 22) - 252, 6))
-    e = (lo + 252) >> 1  # biased exponent of the grid value of code lo >= 2
-    lo_val = tl.where(small, lo.to(tl.float32) * 0.5, ((lo + 252) << 22).to(tl.float32, bitcast=True))
-    inv_gap = tl.where(small, 2.0, ((255 - e) << 23).to(tl.float32, bitcast=True))
-    code = lo + (rand < (u - lo_val) * inv_gap).to(tl.int32)
+    lo = tl.where(u < 1.0, tl.where(u >= 0.5, 0.5, 0.0), (b & 0x7FC00000).to(tl.float32, bitcast=True))
+    e = (tl.maximum(u, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    n = (f - 64.0) * 2.0
+    code = e2m1_rne_ops(lo) + (u - lo >= e * 0.5 * (1.0 - n)).to(tl.int32)
     return tl.where(v < 0, code | 8, code)
+
+
+@triton.jit
+def e2m1_sr_mad(v, f, acc, mult):
+    """``acc + code * mult`` for the stochastically rounded E2M1 code of fp32 ``v`` (magnitude
+    clamped to 6) with the noise ``f`` of ``sr_noise``: ``u + gap · n`` (``gap = 2**(E-1)``,
+    E2M1's spacing in ``u``'s binade) by one ``fma.rz``, truncated to the grid by the magic
+    add of ``e2m1_rne_bits`` in round-toward-zero. The truncation of a value ``>= hi`` is
+    ``hi`` (grid points are fp32), so the code goes up exactly when ``(u - lo) / gap >= 1 - n``:
+    ``_numerics.e2m1_encode(v, rand)`` with ``rand`` the fp32 just below ``1 - n``
+    (``tests/formats/test_e2m1_magic.py``)."""
+    if INTERPRET:
+        return acc + e2m1_sr_ops(v, f) * mult
+    return tl.inline_asm_elementwise(_SR_MAD_ASM, "=r,f,f,r,r", [v, f, acc, mult], dtype=tl.int32, is_pure=True,
+                                     pack=1)

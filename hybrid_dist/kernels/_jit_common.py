@@ -164,6 +164,17 @@ def e2m1_decode(code):
 
 
 @triton.jit
+def same_layout(v, ref):
+    """``v`` (32-bit), placed in ``ref``'s register layout: a move that reads both, so the
+    compiler's layout pass computes ``v`` where ``ref`` lives. Without it, values built from
+    ``tl.arange`` alone take the default layout and long chains on them (Philox) end in one
+    shared-memory layout conversion per use."""
+    if INTERPRET:
+        return v
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [v, ref], dtype=v.dtype, is_pure=True, pack=1)
+
+
+@triton.jit
 def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
     """Pack int32 codes ``[R, C]`` into uint8 ``[R, C/2]`` (element 2j low nibble)."""
     lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))

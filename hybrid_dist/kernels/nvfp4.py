@@ -16,9 +16,13 @@ Exactness against the reference (``formats.nvfp4``):
   reference with a matmul: equal whenever the fp32 sums are exact (they are for most
   bf16 data), a code may differ where a value sits within an fp32 ulp of a rounding
   boundary (tested with a mismatch bound);
-* stochastic rounding draws uniforms from Philox (``tl.rand4x``) seeded by one int64
-  drawn from the state's generator per call, offset by the element's index: reproducible
-  for a seeded state and unbiased, but not the reference's ``torch.rand`` stream;
+* stochastic rounding takes 8 random bits per element from Philox4x32-10 (``tl.randint4x``,
+  one call per 16 elements: ``kernels.nvfp4_tiles``) seeded by one int64 drawn from the
+  state's generator per call: reproducible for a seeded state, not the reference's
+  ``torch.rand`` stream. Rounding up has probability ``(|v| - lo) / (hi - lo)`` rounded to a
+  multiple of 1/256 (the resolution of Blackwell's ``cvt.rs.satfinite.e2m1x4``, 32 random
+  bits per 4 elements): unbiased to within ``(hi - lo) / 512`` per element. Bitwise the
+  reference fed the same decisions (``tests/_nvfp4_sr_stream.py`` models the stream in torch);
 * 2D blocks without RHT: columnwise is the exact transpose of rowwise (codes and scales).
 """
 
@@ -74,6 +78,9 @@ def nvfp4_quantize_tiles(
     ``config``: the tile config (default ``quant_tiles.NVFP4_WORDS_DEFAULT`` for the words
     kernel, else ``quant_tiles.nvfp4_default(block_rows)``)."""
     m, k = x.shape
+    if sr and 2 * cdiv(m, NV_BLOCK) * k > 2**32:
+        raise ValueError(f"NVFP4 stochastic rounding of a {m}x{k} tensor: its Philox counters "
+                         f"(2·⌈M/16⌉·K) would wrap at 2**32; quantize it in row chunks")
     words = block_rows == 1 and not rht and not sr and bf16_words(x)
     config = config or (NVFP4_WORDS_DEFAULT if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]

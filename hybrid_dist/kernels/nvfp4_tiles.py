@@ -15,9 +15,12 @@ block), so everything columnwise is elementwise across the 16 sets:
 
 Rowwise blocks (1×16, or 16×16 for 2D) reduce along K inside each set. 2D without RHT
 derives columnwise from the rowwise codes (exact transpose, as the reference).
-Stochastic rounding: Philox ``tl.rand4x`` at the previous kernel's offsets (one counter
-per 4 consecutive elements along K, rowwise ``m·⌈K/4⌉ + k/4``, columnwise ``M·⌈K/4⌉`` +
-the same), so the stream is unchanged.
+Stochastic rounding: 8 random bits per element (``_e2m1.e2m1_sr_mad``). One Philox call
+(``tl.randint4x``, 4 int32 words) serves the 16 elements of a 16-row group at one column:
+element ``(m, k)`` takes byte ``m % 4`` of word ``(m % 16) / 4`` of counter ``(m / 16)·K + k``
+(rowwise), ``⌈M/16⌉·K + (m / 16)·K + k`` (columnwise), i.e. set ``j`` takes byte ``j % 4`` of
+word ``j / 4`` of the tile's ``[R, BK]`` counters. Counters are uint32 (the host checks that
+they do not wrap).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad, e2m1_sr_bits
-from hybrid_dist.kernels._jit_common import global_decode_scale, pack_pairs
+from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad, e2m1_sr_mad, sr_noise
+from hybrid_dist.kernels._jit_common import global_decode_scale, pack_pairs, same_layout
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
@@ -128,63 +131,62 @@ def _max16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
 
 
 @triton.jit
-def _codes(v, enc, seed, offs_q, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr,
-           SR: tl.constexpr):
-    """E2M1 codes (int32 ``[R, BK]``) of ``v · enc`` (``enc`` per 16 k if ``K16``, else per
-    element). SR draws 4 uniforms per Philox call at ``offs_q [R, BK/4]``."""
+def _scaled(v, enc, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr):
+    """``v · enc`` (``enc [R, BK/16]`` per 16 k if ``K16``, else ``[R, BK]``)."""
     if K16:
-        scaled = tl.reshape(tl.reshape(v, (R, BK // 16, 16)) * enc[:, :, None], (R, BK))
+        return tl.reshape(tl.reshape(v, (R, BK // 16, 16)) * enc[:, :, None], (R, BK))
     else:
-        scaled = v * enc
-    if SR:
-        u0, u1, u2, u3 = tl.rand4x(seed, offs_q)
-        rand = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (R, BK))
-        return e2m1_sr_bits(scaled, rand)
-    else:
-        return e2m1_rne_bits(scaled)
+        return v * enc
 
 
 @triton.jit
-def _codes_into(acc, j: tl.constexpr, v, enc, seed, offs_q, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr,
+def _codes_into(acc, j: tl.constexpr, v, enc, w, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr,
                 SR: tl.constexpr):
-    """``acc`` with the codes of ``v · enc`` (see ``_codes``) added into nibble ``j``."""
+    """``acc`` plus the E2M1 codes of ``v · enc`` in nibble ``j`` (``acc`` zero: the codes);
+    SR with the noise of byte ``j % 4`` of the random words ``w`` (int32 ``[R, BK]``)."""
+    mult = tl.full((R, BK), 1 << (4 * j), tl.int32)
     if SR:
-        return acc | (_codes(v, enc, seed, offs_q, R, BK, K16, SR) << (4 * j))
-    if K16:
-        scaled = tl.reshape(tl.reshape(v, (R, BK // 16, 16)) * enc[:, :, None], (R, BK))
-    else:
-        scaled = v * enc
-    return e2m1_rne_mad(scaled, acc, tl.full((R, BK), 1 << (4 * j), tl.int32))
+        return e2m1_sr_mad(_scaled(v, enc, R, BK, K16), sr_noise(w, j % 4), acc, mult)
+    return e2m1_rne_mad(_scaled(v, enc, R, BK, K16), acc, mult)
 
 
 @triton.jit
-def _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, seed, co, kq, R: tl.constexpr, BK: tl.constexpr,
+def _codes(v, enc, w, B: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, K16: tl.constexpr, SR: tl.constexpr):
+    """E2M1 codes (int32 ``[R, BK]``) of ``v · enc``; SR with byte ``B`` of the words ``w``."""
+    if SR:
+        return e2m1_sr_mad(_scaled(v, enc, R, BK, K16), sr_noise(w, B), tl.zeros((R, BK), tl.int32),
+                           tl.full((R, BK), 1, tl.int32))
+    return e2m1_rne_bits(_scaled(v, enc, R, BK, K16))
+
+
+@triton.jit
+def _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, w_a, w_b, R: tl.constexpr, BK: tl.constexpr,
             K16: tl.constexpr, SR: tl.constexpr):
-    """Eight sets' codes packed into one int32 word (set ``i`` in nibble ``i``); Philox offsets
-    ``co + i·kq``."""
+    """Eight sets' codes packed into one int32 word (set ``i`` in nibble ``i``); SR noise of
+    sets 0-3 from the random words ``w_a``, of sets 4-7 from ``w_b``."""
     w = tl.zeros((R, BK), tl.int32)
-    w = _codes_into(w, 0, x0, enc, seed, co, R, BK, K16, SR)
-    w = _codes_into(w, 1, x1, enc, seed, co + kq, R, BK, K16, SR)
-    w = _codes_into(w, 2, x2, enc, seed, co + 2 * kq, R, BK, K16, SR)
-    w = _codes_into(w, 3, x3, enc, seed, co + 3 * kq, R, BK, K16, SR)
-    w = _codes_into(w, 4, x4, enc, seed, co + 4 * kq, R, BK, K16, SR)
-    w = _codes_into(w, 5, x5, enc, seed, co + 5 * kq, R, BK, K16, SR)
-    w = _codes_into(w, 6, x6, enc, seed, co + 6 * kq, R, BK, K16, SR)
-    return _codes_into(w, 7, x7, enc, seed, co + 7 * kq, R, BK, K16, SR)
+    w = _codes_into(w, 0, x0, enc, w_a, R, BK, K16, SR)
+    w = _codes_into(w, 1, x1, enc, w_a, R, BK, K16, SR)
+    w = _codes_into(w, 2, x2, enc, w_a, R, BK, K16, SR)
+    w = _codes_into(w, 3, x3, enc, w_a, R, BK, K16, SR)
+    w = _codes_into(w, 4, x4, enc, w_b, R, BK, K16, SR)
+    w = _codes_into(w, 5, x5, enc, w_b, R, BK, K16, SR)
+    w = _codes_into(w, 6, x6, enc, w_b, R, BK, K16, SR)
+    return _codes_into(w, 7, x7, enc, w_b, R, BK, K16, SR)
 
 
 @triton.jit
-def _row_set(x, enc_2d, gs, seed, offs_q, rows, pid_k, row_ptr, M, K, R: tl.constexpr,
+def _row_set(x, enc_2d, gs, w, B: tl.constexpr, rows, pid_k, row_ptr, M, K, R: tl.constexpr,
              BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, STORE: tl.constexpr):
     """Rowwise codes of one set and its 1×16 block scales ``[R, BK/16]`` (``enc_2d`` and
     no scales of its own for 16×16 blocks); with ``STORE`` writes the packed ``[R, BK/2]``
     bytes at ``rows`` (the scales of the 16 sets are stored together: ``_store_row_scales``)."""
     if TWO_D:
         bs = enc_2d
-        codes = _codes(x, enc_2d, seed, offs_q, R, BK, True, SR)
+        codes = _codes(x, enc_2d, w, B, R, BK, True, SR)
     else:
         bs, enc = _block_scale(_kmax(x, R, BK, True), gs, not SR)
-        codes = _codes(x, enc, seed, offs_q, R, BK, True, SR)
+        codes = _codes(x, enc, w, B, R, BK, True, SR)
     if STORE:
         pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
         tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK), mask=(rows < M) & (pk < K // 2))
@@ -225,17 +227,15 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
 
 
 @triton.jit
-def _rows4(x0, x1, x2, x3, j0: tl.constexpr, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+def _rows4(x0, x1, x2, x3, j0: tl.constexpr, enc2, gs, w, rs, pid_m, pid_k, row_ptr, row_s_ptr,
            M, K, R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr):
-    """Sets ``j0 .. j0+3`` (``x0..x3``) rowwise (stored if ``ROW``, 1×16 scales in one store);
-    returns their codes packed ``c0 | c1 << 4 | c2 << 8 | c3 << 12`` (int32)."""
-    c0, s0 = _row_set(x0, enc2, gs, seed, oq + j0 * kq, rs + j0, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    c1, s1 = _row_set(x1, enc2, gs, seed, oq + (j0 + 1) * kq, rs + j0 + 1, pid_k, row_ptr, M, K, R, BK, TWO_D, SR,
-                      ROW)
-    c2, s2 = _row_set(x2, enc2, gs, seed, oq + (j0 + 2) * kq, rs + j0 + 2, pid_k, row_ptr, M, K, R, BK, TWO_D, SR,
-                      ROW)
-    c3, s3 = _row_set(x3, enc2, gs, seed, oq + (j0 + 3) * kq, rs + j0 + 3, pid_k, row_ptr, M, K, R, BK, TWO_D, SR,
-                      ROW)
+    """Sets ``j0 .. j0+3`` (``x0..x3``; SR noise from bytes 0..3 of the words ``w``) rowwise
+    (stored if ``ROW``, 1×16 scales in one store); returns their codes packed
+    ``c0 | c1 << 4 | c2 << 8 | c3 << 12`` (int32)."""
+    c0, s0 = _row_set(x0, enc2, gs, w, 0, rs + j0, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    c1, s1 = _row_set(x1, enc2, gs, w, 1, rs + j0 + 1, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    c2, s2 = _row_set(x2, enc2, gs, w, 2, rs + j0 + 2, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    c3, s3 = _row_set(x3, enc2, gs, w, 3, rs + j0 + 3, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
     if ROW and not TWO_D:
         _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, BK)
     return c0 | (c1 << 4) | (c2 << 8) | (c3 << 12)
@@ -243,11 +243,12 @@ def _rows4(x0, x1, x2, x3, j0: tl.constexpr, enc2, gs, seed, oq, kq, rs, pid_m, 
 
 @triton.jit
 def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
+            gs, w0, w1, w2, w3, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
             R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr,
             DERIVE_COL: tl.constexpr):
     """Rowwise codes of the 16 sets (stored if ``ROW``), global decode scale ``gs``; with
-    ``DERIVE_COL`` (2D blocks) also their exact transpose as the columnwise direction."""
+    ``DERIVE_COL`` (2D blocks) also their exact transpose as the columnwise direction; SR
+    noise of set ``j`` from byte ``j % 4`` of the random words ``w{j / 4}``."""
     enc2 = gs  # unused by 1×16 blocks
     if TWO_D:  # 16×16 blocks: amax over the 16 sets of each set's 16-along-K max
         bs2, enc2 = _block_scale(_max16(
@@ -261,13 +262,13 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
             sb = pid_m * R + tl.arange(0, R)[:, None]
             sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
             tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
-    w_lo = _rows4(x0, x1, x2, x3, 0, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+    w_lo = _rows4(x0, x1, x2, x3, 0, enc2, gs, w0, rs, pid_m, pid_k, row_ptr, row_s_ptr,
                 M, K, R, BK, TWO_D, SR, ROW)
-    w_lo |= _rows4(x4, x5, x6, x7, 4, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+    w_lo |= _rows4(x4, x5, x6, x7, 4, enc2, gs, w1, rs, pid_m, pid_k, row_ptr, row_s_ptr,
                 M, K, R, BK, TWO_D, SR, ROW) << 16
-    w_hi = _rows4(x8, x9, x10, x11, 8, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+    w_hi = _rows4(x8, x9, x10, x11, 8, enc2, gs, w2, rs, pid_m, pid_k, row_ptr, row_s_ptr,
                 M, K, R, BK, TWO_D, SR, ROW)
-    w_hi |= _rows4(x12, x13, x14, x15, 12, enc2, gs, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr,
+    w_hi |= _rows4(x12, x13, x14, x15, 12, enc2, gs, w3, rs, pid_m, pid_k, row_ptr, row_s_ptr,
                 M, K, R, BK, TWO_D, SR, ROW) << 16
     if DERIVE_COL:  # codes packed as they are made (``w |= code << 4j``: few live registers)
         _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
@@ -275,10 +276,11 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
 @triton.jit
 def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            t_ptr, gs, seed, co, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R: tl.constexpr,
+            t_ptr, gs, w0, w1, w2, w3, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R: tl.constexpr,
             BK: tl.constexpr, RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr):
     """Columnwise direction (16 along M, × 16 along K if ``TWO_D``), optionally in the
-    Hadamard domain, global decode scale ``gs``; Philox offsets ``co + j·kq`` for set ``j``."""
+    Hadamard domain, global decode scale ``gs``; SR noise of set ``j`` from byte ``j % 4`` of
+    the random words ``w{j / 4}``."""
     if RHT:
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, t_ptr)
@@ -289,8 +291,8 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
         _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
         _kmax(x15, R, BK, TWO_D)), gs, not SR)
-    w_lo = _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, seed, co, kq, R, BK, TWO_D, SR)
-    w_hi = _codes8(x8, x9, x10, x11, x12, x13, x14, x15, enc, seed, co + 8 * kq, kq, R, BK, TWO_D, SR)
+    w_lo = _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, w0, w1, R, BK, TWO_D, SR)
+    w_hi = _codes8(x8, x9, x10, x11, x12, x13, x14, x15, enc, w2, w3, R, BK, TWO_D, SR)
     _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
 
 
@@ -318,16 +320,20 @@ def nvfp4_quantize_kernel(
     rs = pid_m * BM + tl.arange(0, R)[:, None] * 16  # first row of each 16-row group
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(x_ptr, rs, rk, M, K, stride_m)
-    seed = tl.load(seed_ptr) if SR else 0
-    kq = tl.cdiv(K, 4)  # Philox counters per row: one per 4 elements along K
-    oq = rs * kq + pid_k * (BK // 4) + tl.arange(0, BK // 4)[None, :]  # set 0; set j adds j * kq
+    # SR: Philox counters of the tile's (16-row group, column) pairs, uint32 (module doc)
+    ctr = same_layout(((rs // 16) * K + rk).to(tl.uint32), x0)
+    w0, w1, w2, w3 = ctr, ctr, ctr, ctr  # unused without SR
     if ROW or DERIVE_COL:
+        if SR:
+            w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), ctr)
         _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                gs_row, seed, oq, kq, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
+                gs_row, w0, w1, w2, w3, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
                 R, BK, TWO_D, SR, ROW, DERIVE_COL)
     if COL and not DERIVE_COL:
+        if SR:
+            w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), ctr + (tl.cdiv(M, 16) * K).to(tl.uint32))
         _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                t_ptr, gs_col, seed, M * kq + oq, kq, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R, BK,
+                t_ptr, gs_col, w0, w1, w2, w3, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R, BK,
                 RHT, TWO_D, SR)
 
 

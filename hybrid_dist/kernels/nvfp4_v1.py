@@ -1,7 +1,8 @@
 """The previous NVFP4 quantize kernels (64-row tiles, RHT as a ``[64, 64]`` block-diagonal
 ``tl.dot``, 8-bit in-register transposes), kept verbatim as the baseline of
-``benchmarks/quantize.py --sweep`` and for the GPU tests that compare the new kernels with
-them (the stochastic-rounding stream must be unchanged). Not registered; not used by the library.
+``benchmarks/quantize.py --sweep``. Its stochastic rounding draws a 32-bit uniform per
+element (one Philox call per 4 elements), not the current kernels' 8 bits per element, so
+its SR outputs differ from theirs. Not registered; not used by the library.
 """
 
 from __future__ import annotations

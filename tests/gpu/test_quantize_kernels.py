@@ -4,8 +4,9 @@ Bitwise for FP8 per-tensor (current and delayed), FP8 block, MXFP8 and NVFP4 wit
 RHT/SR. NVFP4 with RHT multiplies by the Hadamard matrix in a different summation order
 than the reference's fp32 matmul, so codes may flip where a value sits within an ulp of a
 rounding boundary: bounded mismatch fraction, matching global scales to 1e-6.
-Stochastic rounding uses a Philox stream (not torch.rand's): tested for reproducibility
-and unbiasedness instead, and bitwise against the previous kernel (``*_v1``: same stream).
+Stochastic rounding uses a Philox stream (not torch.rand's): bitwise the reference fed that
+stream (modelled in torch: ``tests/_nvfp4_sr_stream.py``; with RHT within the same bound),
+and tested for reproducibility and unbiasedness.
 Every tile config of ``kernels.quant_tiles`` is tested the same way as the default one.
 """
 
@@ -169,7 +170,12 @@ def _check_rht_within_bound(q, x, what, **kw):
     k = kernel_quantize(q, x, rowwise=True, columnwise=True, **kw)
     r = reference_quantize(q, x, rowwise=True, columnwise=True)
     assert_storages_bitwise(k[0], r[0], f"{what} rht rowwise (not transformed)")
-    kc, rc = k[1], r[1]
+    _rht_within_bound(k[1], r[1], x, q, what)
+
+
+def _rht_within_bound(kc, rc, x, q, what):
+    """The columnwise RHT direction: global scale to 1e-6, few codes and scales differ, and
+    as close to ``x`` as the reference's."""
     assert kc.rht_seed == rc.rht_seed == q.rht_seed
     assert torch.allclose(kc.global_scale, rc.global_scale, rtol=1e-6, atol=0), what
     codes = n_bit_diffs(kc.data, rc.data, "rht data")
@@ -249,7 +255,8 @@ def test_mxfp8_tile_configs_bitwise(kernel, cfg):
 
 @pytest.mark.parametrize("cfg", NVFP4_SWEEP, ids=lambda c: c.label())
 def test_nvfp4_tile_configs(cfg):
-    """RNE bitwise the reference; RHT within the bound; SR bitwise the v1 kernel. Every
+    """RNE bitwise the reference; RHT within the bound; SR bitwise the reference fed the
+    kernels' stream (with RHT: within the bound). Every
     direction set for the default configs, row+col for the others (compile time)."""
     dirs = DIRS if cfg in (NVFP4_DEFAULT, NVFP4_2D_DEFAULT) else [(True, True)]
     for shape in ((384, 640), (96, 160)):
@@ -264,25 +271,35 @@ def test_nvfp4_tile_configs(cfg):
     for block_2d in (False, True):
         _check_rht_within_bound(hd.NVFP4Quantizer(rht=True, block_2d=block_2d), x,
                                 f"{cfg.label()} 2d={block_2d}", config=cfg)
-        _check_sr_matches_v1(x, block_2d, cfg)
+        _check_sr_stream(x, block_2d, cfg)
 
 
-def _check_sr_matches_v1(x, block_2d, cfg):
-    from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
-    from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_quantize_tiles
-    from hybrid_dist.kernels.nvfp4_v1 import nvfp4_quantize_v1
+def _check_sr_stream(x, block_2d, cfg, dirs=((True, True),)):
+    from hybrid_dist.kernels.nvfp4 import quantize_nvfp4
+    from tests._nvfp4_sr_stream import KernelStreamNVFP4, fixed_kernel_seed
 
-    amax = x.float().abs().amax().repeat(2)
-    gs = nvfp4_global_scale(amax)
-    seed = torch.tensor([12345], dtype=torch.int64, device="cuda")
-    br = 16 if block_2d else 1
-    args = (True, True, block_2d, False, True, br)
-    new = nvfp4_quantize_tiles(x, _rht_row(0, x.device), amax, seed, *args, cfg)
-    old = nvfp4_quantize_v1(x, gs, seed, *args)
-    for name, a, b in zip(("row", "row_scale", "col", "col_scale"), new, old):
-        _bytes_equal(a, b, f"nvfp4 sr {cfg.label()} 2d={block_2d} {name} vs v1")
-    for name, a in zip(("row", "col"), new[4:]):  # the kernel's global scales: nvfp4_global_scale's bits
-        assert torch.equal(a, gs[0]), f"nvfp4 sr {cfg.label()} {name} global scale {a} vs {gs[0]}"
+    seed = (3 << 32) + 12345
+    for rht in (False, True):
+        q = KernelStreamNVFP4(stochastic_rounding=True, rht=rht, block_2d=block_2d, kernel_seed=seed)
+        for rw, cw in dirs:
+            what = f"nvfp4 sr rht={rht} 2d={block_2d} {cfg.label()} {tuple(x.shape)} dirs={rw, cw}"
+            with fixed_kernel_seed(seed):
+                k = quantize_nvfp4(q, x, rowwise=rw, columnwise=cw, state=None, amax=None, config=cfg)
+            r = reference_quantize(q, x, rowwise=rw, columnwise=cw)
+            assert_storages_bitwise(k[0], r[0], f"{what} rowwise")
+            if rht and cw:
+                _rht_within_bound(k[1], r[1], x, q, what)
+            else:
+                assert_storages_bitwise(k[1], r[1], f"{what} columnwise")
+
+
+@pytest.mark.parametrize("shape", [(384, 640), (96, 160), (4096, 2048)], ids=str)
+def test_nvfp4_sr_stream_every_direction_set(shape):
+    """Stochastic rounding at the default tile configs, every direction set (partial tiles
+    along M and K at 96x160)."""
+    x = _x(shape)
+    for block_2d, cfg in ((False, NVFP4_DEFAULT), (True, NVFP4_2D_DEFAULT)):
+        _check_sr_stream(x, block_2d, cfg, dirs=DIRS)
 
 
 @pytest.mark.parametrize("shape", [(384, 640), (4096, 2048)], ids=str)
