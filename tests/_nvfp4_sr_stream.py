@@ -52,11 +52,11 @@ def randint4x(seed: int, ctr: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return philox4x32_10(ctr & M32, z, z, z, seed & M32, (seed >> 32) & M32)
 
 
-def kernel_sr_rand(seed: int, m: int, k: int, columnwise: bool) -> torch.Tensor:
+def kernel_sr_rand(seed: int, m: int, k: int, columnwise: bool, device=None) -> torch.Tensor:
     """fp32 ``rand`` of one direction: ``[M, K]`` rowwise, ``[K, M]`` (the transposed
     direction's element order) columnwise (module doc)."""
-    mi = torch.arange(m, dtype=torch.int64)[:, None]
-    ctr = (mi // 16) * k + torch.arange(k, dtype=torch.int64)[None, :]
+    mi = torch.arange(m, dtype=torch.int64, device=device)[:, None]
+    ctr = (mi // 16) * k + torch.arange(k, dtype=torch.int64, device=device)[None, :]
     if columnwise:
         ctr = ctr + -(-m // 16) * k
     words = torch.stack(randint4x(seed, ctr))  # [4, M, K]
@@ -67,7 +67,7 @@ def kernel_sr_rand(seed: int, m: int, k: int, columnwise: bool) -> torch.Tensor:
 
 def noise_rand(r8: torch.Tensor) -> torch.Tensor:
     """fp32 just below ``1 - (r8 + 1/2) / 256`` (exact: 9 bits) for random bytes ``r8``."""
-    return torch.nextafter((1.0 - (r8.double() + 0.5) / 256).float(), torch.tensor(0.0))
+    return torch.nextafter((1.0 - (r8.double() + 0.5) / 256).float(), torch.zeros((), device=r8.device))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +81,7 @@ class KernelStreamNVFP4(NVFP4Quantizer):
     def _rand(self, shape, device, state, *, like=None, draw: int = 0) -> torch.Tensor:
         assert self.stochastic_rounding
         m, k = shape if draw == 0 else shape[::-1]
-        return kernel_sr_rand(self.kernel_seed, m, k, columnwise=bool(draw)).to(device)
+        return kernel_sr_rand(self.kernel_seed, m, k, columnwise=bool(draw), device=device)
 
 
 @contextlib.contextmanager
