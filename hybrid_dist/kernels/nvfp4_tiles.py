@@ -185,7 +185,7 @@ def _row_set(x, enc_2d, gs, w, B: tl.constexpr, rows, pid_k, row_ptr, M, K, R: t
         bs = enc_2d
         codes = _codes(x, enc_2d, w, B, R, BK, True, SR)
     else:
-        bs, enc = _block_scale(_kmax(x, R, BK, True), gs, not SR)
+        bs, enc = _block_scale(_kmax(x, R, BK, True), gs)
         codes = _codes(x, enc, w, B, R, BK, True, SR)
     if STORE:
         pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
@@ -257,7 +257,7 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
             _kmax(x6, R, BK, True), _kmax(x7, R, BK, True), _kmax(x8, R, BK, True),
             _kmax(x9, R, BK, True), _kmax(x10, R, BK, True), _kmax(x11, R, BK, True),
             _kmax(x12, R, BK, True), _kmax(x13, R, BK, True), _kmax(x14, R, BK, True),
-            _kmax(x15, R, BK, True)), gs, not SR)
+            _kmax(x15, R, BK, True)), gs)
         if ROW:
             sb = pid_m * R + tl.arange(0, R)[:, None]
             sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
@@ -290,7 +290,7 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x6, R, BK, TWO_D), _kmax(x7, R, BK, TWO_D), _kmax(x8, R, BK, TWO_D),
         _kmax(x9, R, BK, TWO_D), _kmax(x10, R, BK, TWO_D), _kmax(x11, R, BK, TWO_D),
         _kmax(x12, R, BK, TWO_D), _kmax(x13, R, BK, TWO_D), _kmax(x14, R, BK, TWO_D),
-        _kmax(x15, R, BK, TWO_D)), gs, not SR)
+        _kmax(x15, R, BK, TWO_D)), gs)
     w_lo = _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, w0, w1, R, BK, TWO_D, SR)
     w_hi = _codes8(x8, x9, x10, x11, x12, x13, x14, x15, enc, w2, w3, R, BK, TWO_D, SR)
     _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
