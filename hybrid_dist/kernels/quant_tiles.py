@@ -82,6 +82,8 @@ MXFP8_WORDS_DEFAULT = TileConfig(bm=128, bk=64, num_warps=4, maxnreg=96)
 # session, 16384x8192 bf16, x copy): 1x16 blocks 128x128/w8 (1D 0.485, RHT 0.439, RHT+SR 0.222;
 # 64x128/w4 0.447 / 0.395 / 0.193, 64x256/w8 0.478 / 0.434 / 0.219, 8 elements per thread
 # (64x256/w4, 168 registers) 0.421 / 0.396); 16x16 blocks 64x128/w4 (0.852; 128x128/w8 0.595).
+# The 8-bit SR kernel (fifteenth session, one H100 run, fused pass ms, SR / RHT+SR): 128x128/w8
+# 0.3035 / 0.3379, 128x128/w8/r128 0.3068 / 0.3416, 64x256/w8 0.3862 / 0.3445.
 NVFP4_DEFAULT = TileConfig(bm=128, bk=128, num_warps=8)  # 1x16 blocks (with or without RHT / SR)
 NVFP4_2D_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # 16x16 blocks (weights)
 # 1x16 blocks without RHT or SR from bf16 (``nvfp4_words``): thirteenth session, one H100 run,
