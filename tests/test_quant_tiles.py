@@ -44,3 +44,17 @@ def test_mxfp8_words_kernel_refuses_what_it_cannot_read(case):
                   "odd start": (x[:, 1:33], False, True), "rowwise only": (x, True, False)}[case]
     with pytest.raises(ValueError, match="words kernel"):
         mxfp8_quantize_tiles(xi, torch.float8_e4m3fn, rw, cw, words=True)
+
+
+def test_nvfp4_stochastic_rounding_refuses_wrapping_counters():
+    """NVFP4 SR draws from 2·⌈M/16⌉·K uint32 Philox counters: a tensor that would wrap them (and
+    repeat random bits) is refused before any launch."""
+    pytest.importorskip("triton")
+    from hybrid_dist.kernels.nvfp4 import nvfp4_quantize_tiles
+
+    big = torch.zeros(1, dtype=torch.bfloat16).expand(2**20, 2**15 + 16)  # 2·2**16·(2**15 + 16) > 2**32
+    t, amax, seed = torch.zeros(16), torch.ones(2), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="Philox counters"):
+        nvfp4_quantize_tiles(big, t, amax, seed, True, True, False, True, True, 1)
+    with pytest.raises(ValueError, match="Philox counters"):  # rowwise only: the same counter space
+        nvfp4_quantize_tiles(big, t, amax, seed, True, False, False, False, True, 1)
