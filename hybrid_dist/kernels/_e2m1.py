@@ -27,11 +27,12 @@ def e2m1_rne_ops(v):
 
 # PTX: the E2M1 magnitude code of $1 in ``h`` and its sign in ``q``, rounded on the FMA pipe
 # (``e2m1_rne_bits``). u = min(|v|, 6), e = max(u, 1); m = 1.5 * 2**22 * 2**E (E: e's exponent);
-# r = RNE of u to a multiple of 2**(E-1), times 2**-126; code = bits(r) >> 22.
-_RNE_CODE = ("abs.f32 u, $1; min.f32 u, u, 0f40C00000; max.f32 e, u, 0f3F800000; "
-             "mov.b32 h, e; and.b32 h, h, 2139095040; mov.b32 e, h; mul.rn.f32 m, e, 0f4AC00000; "
-             "add.rn.f32 r, u, m; sub.rn.f32 r, r, m; mul.rn.f32 r, r, 0f00800000; "
-             "mov.b32 h, r; shr.u32 h, h, 22; setp.lt.f32 q, $1, 0f00000000; ")
+# r = RNE of u to a multiple of 2**(E-1), times 2**-126; code = bits(r) >> 22. ``_MAGIC`` and
+# ``_CODE`` are shared with the stochastic encoder (``_SR_CODE``), which only rounds differently.
+_MAGIC = ("abs.f32 u, $1; min.f32 u, u, 0f40C00000; max.f32 e, u, 0f3F800000; "
+          "mov.b32 h, e; and.b32 h, h, 2139095040; mov.b32 e, h; mul.rn.f32 m, e, 0f4AC00000; ")
+_CODE = "mul.rn.f32 r, r, 0f00800000; mov.b32 h, r; shr.u32 h, h, 22; setp.lt.f32 q, $1, 0f00000000; "
+_RNE_CODE = _MAGIC + "add.rn.f32 r, u, m; sub.rn.f32 r, r, m; " + _CODE
 _RNE_BITS_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h; .reg .pred q; " + _RNE_CODE
                              + "@q or.b32 h, h, 8; mov.b32 $0, h; }")
 _RNE_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h; .reg .pred q; " + _RNE_CODE
@@ -73,19 +74,13 @@ def e2m1_rne_mad(v, acc, mult):
 # ``gap · n`` to ``u`` and truncates to E2M1's grid, both rounding toward zero, so the code is
 # ``hi`` exactly when ``u + gap · n >= hi``: up with probability ``(u - lo) / gap`` rounded to a
 # multiple of 1/256 (to nearest, halves up: the noise sits at cell midpoints).
-_SR_CODE = ("abs.f32 u, $1; min.f32 u, u, 0f40C00000; max.f32 e, u, 0f3F800000; "
-            "mov.b32 h, e; and.b32 h, h, 2139095040; mov.b32 e, h; mul.rn.f32 m, e, 0f4AC00000; "
-            "sub.rn.f32 t, $2, 0f42800000; fma.rz.f32 s, e, t, u; "
-            "add.rz.f32 r, s, m; sub.rn.f32 r, r, m; mul.rn.f32 r, r, 0f00800000; "
-            "mov.b32 h, r; shr.u32 h, h, 22; setp.lt.f32 q, $1, 0f00000000; ")
+_SR_CODE = (_MAGIC + "sub.rn.f32 t, $2, 0f42800000; fma.rz.f32 s, e, t, u; "
+            "add.rz.f32 r, s, m; sub.rn.f32 r, r, m; " + _CODE)
 _SR_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, t, s, r; .reg .b32 h; .reg .pred q; " + _SR_CODE
                            + "@q add.s32 h, h, 8; mad.lo.u32 $0, h, $4, $3; }")
-# prmt: bytes {0x80, w.byte[B], 0x80, 0x42} = fp32 64 + (w.byte[B] + 1/2) / 512 (selector 0x76B4)
-_NOISE = "{ .reg .b32 k; mov.b32 k, 1115684992; prmt.b32 $0, $1, k, %d; }"
-_NOISE_B0 = tl.constexpr(_NOISE % 0x7604)
-_NOISE_B1 = tl.constexpr(_NOISE % 0x7614)
-_NOISE_B2 = tl.constexpr(_NOISE % 0x7624)
-_NOISE_B3 = tl.constexpr(_NOISE % 0x7634)
+# prmt: bytes {0x80, w.byte[B], 0x80, 0x42} = fp32 64 + (w.byte[B] + 1/2) / 512; $2 is the
+# selector 0x7604 + 16·B (a constant: ptxas folds it into the instruction)
+_NOISE_ASM = tl.constexpr("{ .reg .b32 k; mov.b32 k, 1115684992; prmt.b32 $0, $1, k, $2; }")
 
 
 @triton.jit
@@ -94,14 +89,8 @@ def sr_noise(w, B: tl.constexpr):
     the stochastic-rounding noise ``e2m1_sr_mad`` takes (one PRMT)."""
     if INTERPRET:
         return ((((w >> (8 * B)) & 0xFF) << 8) | 0x42800080).to(tl.float32, bitcast=True)
-    if B == 0:
-        return tl.inline_asm_elementwise(_NOISE_B0, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
-    elif B == 1:
-        return tl.inline_asm_elementwise(_NOISE_B1, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
-    elif B == 2:
-        return tl.inline_asm_elementwise(_NOISE_B2, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise(_NOISE_B3, "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
+    sel = tl.full(w.shape, 0x7604 + 16 * B, tl.int32)
+    return tl.inline_asm_elementwise(_NOISE_ASM, "=r,r,r", [w, sel], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

@@ -27,8 +27,8 @@ element (43.3 in all; sm_90 SASS): 0.2540 → 0.2214 ms in one H200 run.
 
 Exactness: the same operations as the reference per element (bitwise, every direction),
 with the block-scale domain of ``_jit_common.nvfp4_block_scale``. Stochastic rounding stays
-with ``nvfp4_tiles`` (written this way it measured 1.34 against 0.68 ms: Philox needs the
-registers).
+with ``nvfp4_tiles`` (written this way, with the 32-bit uniforms SR then drew, it measured
+1.34 against 0.68 ms: Philox needs the registers; not retried with the 8-bit draws).
 """
 
 from __future__ import annotations
