@@ -48,11 +48,6 @@ from hybrid_dist.kernels.scale_staging import staged
 
 
 @triton.jit
-def _umax(a, b):
-    return umax16x2(a, b)
-
-
-@triton.jit
 def _byte(v, E5M2: tl.constexpr):
     """The fp8 byte of ``v`` (int32; interpreter path)."""
     if E5M2:
@@ -127,7 +122,7 @@ def _set(w, row, pid_k, cinv_lo, cinv_hi, row_ptr, row_s_ptr, M, K, E5M2: tl.con
     columnwise products ``(x[., 2c] · cinv_lo, x[., 2c+1] · cinv_hi)``."""
     lo, hi = unpack(w)
     if ROW:
-        am = tl.reduce(tl.reshape(w & 0x7FFF7FFF, (R, W // 16, 16)), 2, _umax)  # [R, W/16]
+        am = tl.reduce(tl.reshape(w & 0x7FFF7FFF, (R, W // 16, 16)), 2, umax16x2)  # [R, W/16]
         e, inv = _e8m0_bits(tl.maximum(am << 16, am & -65536), E5M2)
         a_e, a_o = tl.split(tl.reshape(_by_block(lo, inv, R, W), (R, W // 2, 2)))
         b_e, b_o = tl.split(tl.reshape(_by_block(hi, inv, R, W), (R, W // 2, 2)))
@@ -175,7 +170,7 @@ def mxfp8_words_kernel(
     m = 0x7FFF7FFF
     cm = umax16x2(umax16x2(umax16x2(w0 & m, w1 & m), umax16x2(w2 & m, w3 & m)),
                   umax16x2(umax16x2(w4 & m, w5 & m), umax16x2(w6 & m, w7 & m)))
-    cm = tl.reduce(tl.reshape(cm, (R // 4, 4, W)), 1, _umax)  # [G, W]
+    cm = tl.reduce(tl.reshape(cm, (R // 4, 4, W)), 1, umax16x2)  # [G, W]
     cm = tl.reshape(tl.broadcast_to(cm[:, None, :], (R // 4, 4, W)), (R, W))
     ce_lo, cinv_lo = _e8m0_bits(cm << 16, E5M2)
     ce_hi, cinv_hi = _e8m0_bits(cm & -65536, E5M2)
