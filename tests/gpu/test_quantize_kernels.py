@@ -156,8 +156,6 @@ def test_nvfp4_rne_bitwise(shape, block_2d):
 def test_nvfp4_1d_tile_kernel_where_the_words_kernel_does_not_apply():
     """1×16 blocks from bf16 take ``nvfp4_words``; a 2-byte aligned bf16 view (all directions)
     and an fp32 input (rowwise) take the tile kernel, bitwise the reference too."""
-    from hybrid_dist.kernels.quant_tiles import bf16_words
-
     q = hd.NVFP4Quantizer()
     x = _x((96 * 160 + 1, 1)).reshape(-1)[1:].view(96, 160)
     assert not bf16_words(x) and bf16_words(x.clone())
@@ -216,11 +214,6 @@ def test_nvfp4_stochastic_rounding_reproducible_and_unbiased():
     err_rtn = (rtn - x.float()).norm() / x.float().norm()
     assert bias_sr < 2e-3, f"SR mean bias {bias_sr}"
     assert err_sr < 0.5 * err_rtn, f"mean of {n} SR draws ({err_sr}) should beat one RTN ({err_rtn})"
-
-
-def _bytes_equal(a, b, what):
-    n = n_bit_diffs(a, b, what)
-    assert n == 0, f"{what}: {n} of {b.numel()} elements differ bitwise"
 
 
 def _unaligned(x):
