@@ -73,8 +73,8 @@ def noise_rand(r8: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelStreamNVFP4(NVFP4Quantizer):
     """The reference NVFP4 quantizer with stochastic rounding from the kernels' stream for the
-    int64 seed ``kernel_seed`` (the kernels take it as a tensor; the library draws it from the
-    state's generator per call)."""
+    int64 seed ``kernel_seed`` (the kernels take it as a tensor: the state's kernel key, one
+    per call, ``NVFP4State.kernel_key``)."""
 
     kernel_seed: int = 0
 
@@ -86,8 +86,8 @@ class KernelStreamNVFP4(NVFP4Quantizer):
 
 @contextlib.contextmanager
 def fixed_kernel_seed(seed: int):
-    """Within the block, the NVFP4 kernels' per-call seed is ``seed`` (not a draw from the
-    state's generator): their output is then comparable with ``KernelStreamNVFP4``'s."""
+    """Within the block, the NVFP4 kernels' per-call seed is ``seed`` (not the state's kernel
+    key): their output is then comparable with ``KernelStreamNVFP4``'s."""
     from hybrid_dist.kernels import nvfp4
 
     draw = nvfp4._seed_tensor

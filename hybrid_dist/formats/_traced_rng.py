@@ -31,16 +31,16 @@ def _draw(like: torch.Tensor, uid: int, draw: int, shape: list[int], kind: str) 
 
 
 def _draw_from(state, like: torch.Tensor, shape, kind: str) -> torch.Tensor:
-    gen = state.generator(like.device)
-    if kind == "rand":
-        return torch.rand(shape, device=like.device, generator=gen)
-    return torch.randint(0, 2**31 - 1, shape, dtype=torch.int64, device=like.device, generator=gen)
+    if kind == "key":  # the CUDA kernels' Philox key (advanced in place; see NVFP4State)
+        return state.take_kernel_key(like.device)
+    return torch.rand(shape, device=like.device, generator=state.generator(like.device))
 
 
 @torch.library.custom_op("hybrid_dist::state_rand", mutates_args=())
 def _state_rand_op(like: torch.Tensor, uid: int, draw: int, shape: list[int], kind: str) -> torch.Tensor:
-    """``torch.rand(shape)`` (fp32, ``kind="rand"``) or ``torch.randint(0, 2**31-1, shape)``
-    (int64, ``kind="randint"``) on ``like``'s device from state ``uid``'s generator."""
+    """``torch.rand(shape)`` (fp32, ``kind="rand"``) on ``like``'s device from state ``uid``'s
+    generator, or (``kind="key"``, ``shape`` ``[1]``) a copy of the state's kernel Philox key,
+    the live key advanced (int64; see ``NVFP4State``)."""
     return _draw(like, uid, draw, shape, kind)
 
 
@@ -50,8 +50,8 @@ def _(like, uid, draw, shape, kind):
 
 
 def state_rand(state, like: torch.Tensor, shape, *, draw: int, kind: str = "rand") -> torch.Tensor:
-    """Draw from ``state.generator(like.device)``: directly in eager, through the op while
-    compiling."""
+    """Draw from ``state`` (``kind`` as in ``_state_rand_op``): directly in eager, through the
+    op while compiling."""
     if torch.compiler.is_compiling():
         if state.uid is None:
             raise RuntimeError(

@@ -20,8 +20,9 @@ is sign(bit 3) + E2M1 magnitude (see ``_numerics``). Scale rules (as TE):
 Options: ``rht`` applies the 16×16 random Hadamard transform ``T`` (``_numerics.hadamard16``,
 sign vector from ``rht_seed``) along the contraction dim of the **columnwise** direction
 only (the wgrad operand of inputs and gradients); ``stochastic_rounding`` rounds elements
-stochastically with the generator of ``make_state()`` (seeded with ``seed``; the global
-generator if no state is passed). Shape rules: rowwise ``K % 16``, columnwise ``M % 16``
+stochastically with the randomness of ``make_state()`` (seeded with ``seed``: a generator
+here, a Philox key advanced on the device by the CUDA kernels; the global generator if no
+state is passed). Shape rules: rowwise ``K % 16``, columnwise ``M % 16``
 (both for 2D blocks).
 """
 
@@ -91,11 +92,22 @@ class NVFP4Storage(DirectionStorage):
 
 
 class NVFP4State:
-    """Stochastic-rounding RNG of one NVFP4 tensor slot: one generator per device."""
+    """Stochastic-rounding randomness of one NVFP4 tensor slot, per device:
+
+    * a ``torch.Generator`` (seeded with ``seed``) for the reference backend's draws;
+    * the CUDA kernels' **Philox key**, an int64 ``[1]`` device tensor: each kernel call reads
+      it as its seed and then advances it by one in place (``kernel_key``,
+      ``advance_kernel_key``). A key in device memory, not a generator draw, is what lets a
+      CUDA-graph replay draw fresh noise: the replay re-runs the in-place increment, while a
+      ``torch.Generator`` other than the default one cannot be used under capture at all.
+      The first key is ``splitmix64(seed)`` (63 bits), so states with the same seed walk the
+      same keys, as their generators draw the same numbers.
+    """
 
     def __init__(self, seed: int):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._keys: dict[torch.device, torch.Tensor] = {}
         # how a compiled graph finds this state (none for a state made while tracing)
         self.uid = None if torch.compiler.is_compiling() else _traced_rng.register(self)
 
@@ -103,6 +115,33 @@ class NVFP4State:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
+
+    def kernel_key(self, device: torch.device) -> torch.Tensor:
+        """The int64 ``[1]`` tensor on ``device`` holding the kernels' next Philox key (live)."""
+        key = self._keys.get(device)
+        if key is None:
+            key = self._keys[device] = torch.full((1,), first_kernel_key(self.seed), dtype=torch.int64,
+                                                  device=device)
+        return key
+
+    def advance_kernel_key(self, device: torch.device) -> None:
+        """After a kernel call read the key: the next call's key (one launch, no sync)."""
+        self.kernel_key(device).add_(1)
+
+    def take_kernel_key(self, device: torch.device) -> torch.Tensor:
+        """A copy of the current key, the live one advanced (for a traced call site)."""
+        key = self.kernel_key(device)
+        taken = key.clone()
+        key.add_(1)
+        return taken
+
+
+def first_kernel_key(seed: int) -> int:
+    """``splitmix64(seed)`` masked to 63 bits (non-negative int64, never wraps in use)."""
+    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,11 @@ Exactness against the reference (``formats.nvfp4``):
   bf16 data), a code may differ where a value sits within an fp32 ulp of a rounding
   boundary (tested with a mismatch bound);
 * stochastic rounding takes 8 random bits per element from Philox4x32-10 (``tl.randint4x``,
-  one call per 16 elements: ``kernels.nvfp4_tiles``) seeded by one int64 drawn from the
-  state's generator per call: reproducible for a seeded state, not the reference's
-  ``torch.rand`` stream. Rounding up has probability ``(|v| - lo) / (hi - lo)`` rounded to a
-  multiple of 1/256 (the resolution of Blackwell's ``cvt.rs.satfinite.e2m1x4``, 32 random
-  bits per 4 elements): unbiased to within ``(hi - lo) / 512`` per element. Bitwise the
+  one call per 16 elements: ``kernels.nvfp4_tiles``) keyed by the state's int64 kernel key,
+  which advances by one per call on the device (``NVFP4State``; CUDA-graph replays draw
+  fresh noise): reproducible for a seeded state, not the reference's ``torch.rand`` stream.
+  Rounding up has probability ``(|v| - lo) / (hi - lo)`` rounded to a multiple of 1/256 (the
+  resolution of Blackwell's ``cvt.rs.satfinite.e2m1x4``, 32 random bits per 4 elements): unbiased to within ``(hi - lo) / 512`` per element. Bitwise the
   reference fed the same decisions (``tests/_nvfp4_sr_stream.py`` models the stream in torch);
 * 2D blocks without RHT: columnwise is the exact transpose of rowwise (codes and scales).
 """
@@ -152,14 +152,20 @@ _NO_SEED: dict[torch.device, torch.Tensor] = {}
 
 
 def _seed_tensor(q: NVFP4Quantizer, state, device, like: torch.Tensor) -> torch.Tensor:
+    """int64 ``[1]``: the Philox key the kernel reads. With an ``NVFP4State``, eager: the
+    state's live key, which ``quantize_nvfp4`` advances after the launch (stream order: the
+    kernel reads it first; a CUDA-graph replay re-runs both); compiled: a copy taken through
+    the traced op. Without a state: a draw from the global generator (graph-safe too)."""
     if not q.stochastic_rounding:
         if torch.compiler.is_compiling():
             return torch.zeros(1, dtype=torch.int64, device=device)
         if device not in _NO_SEED:
             _NO_SEED[device] = torch.zeros(1, dtype=torch.int64, device=device)
         return _NO_SEED[device]
-    if isinstance(state, NVFP4State):  # the state's generator, traceable (see formats._traced_rng)
-        return _traced_rng.state_rand(state, like, (1,), draw=2, kind="randint")
+    if isinstance(state, NVFP4State):
+        if torch.compiler.is_compiling():
+            return _traced_rng.state_rand(state, like, (1,), draw=2, kind="key")
+        return state.kernel_key(device)
     return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 
 
@@ -188,6 +194,8 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, 
         row, row_s, col, col_s, gs_row, gs_col = nvfp4_quantize(*args)
     else:
         row, row_s, col, col_s, gs_row, gs_col = nvfp4_quantize_tiles(*args, config)
+    if q.stochastic_rounding and isinstance(state, NVFP4State) and not torch.compiler.is_compiling():
+        state.advance_kernel_key(dev)
     br = q.block_rows
     row_st = col_st = None
     if rowwise:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_dist.formats import NVFP4Quantizer, NVFP4State, NVFP4Storage
-from hybrid_dist.formats._numerics import apply_hadamard16, e2m1_decode, hadamard16, unpack_fp4
+from hybrid_dist.formats import NVFP4Quantizer, NVFP4State, NVFP4Storage, _traced_rng
+from hybrid_dist.formats.nvfp4 import first_kernel_key
+from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16, unpack_fp4
 from tests._helpers import assert_bitwise_equal, assert_storage_equal, sqnr_db
 
 E4M3 = torch.float8_e4m3fn
@@ -147,6 +148,38 @@ def test_stochastic_rounding_reproducible_with_seed():
     st = q.make_state()
     first, second = q.quantize(x, state=st), q.quantize(x, state=st)
     assert not torch.equal(first.rowwise.data, second.rowwise.data), "the state's generator advances"
+
+
+def test_kernel_key_starts_at_splitmix64_of_the_seed_and_advances_in_place():
+    """The CUDA kernels' Philox key (``NVFP4State.kernel_key``): ``splitmix64(seed)`` to 63
+    bits (splitmix64's first output from state 0 is 0xE220A8397B1DCDAF), one live tensor per
+    device, advanced in place (what a CUDA-graph replay re-runs); the traced draw returns a
+    copy of the key and advances the live one."""
+    assert first_kernel_key(0) == 0xE220A8397B1DCDAF & (2**63 - 1)
+    st = NVFP4Quantizer(stochastic_rounding=True, seed=7).make_state()
+    cpu = torch.device("cpu")
+    key = st.kernel_key(cpu)
+    assert key.dtype == torch.int64 and key.shape == (1,) and key.item() == first_kernel_key(7)
+    st.advance_kernel_key(cpu)
+    assert st.kernel_key(cpu) is key and key.item() == first_kernel_key(7) + 1
+    taken = _traced_rng.state_rand(st, torch.zeros(1), (1,), draw=2, kind="key")
+    assert taken.item() == first_kernel_key(7) + 1 and key.item() == first_kernel_key(7) + 2
+    taken += 100  # a copy, not the live key
+    assert key.item() == first_kernel_key(7) + 2
+    keys = {first_kernel_key(s) for s in range(1000)}
+    assert len(keys) == 1000 and min(keys) >= 0, "distinct, non-negative first keys"
+
+
+def test_kernel_key_draw_through_the_traced_op_advances_per_call():
+    """Under ``torch.compile`` the key is taken by the opaque ``hybrid_dist::state_rand`` op:
+    each call of the compiled function returns the next key."""
+    torch._dynamo.reset()
+    st = NVFP4Quantizer(stochastic_rounding=True, seed=3).make_state()
+    fn = torch.compile(lambda x: _traced_rng.state_rand(st, x, (1,), draw=2, kind="key") + 0,
+                       backend="aot_eager", fullgraph=True)
+    got = [fn(torch.zeros(1)).item() for _ in range(3)]
+    assert got == [first_kernel_key(3) + i for i in range(3)]
+    assert st.kernel_key(torch.device("cpu")).item() == first_kernel_key(3) + 3
 
 
 def test_no_state_without_stochastic_rounding():

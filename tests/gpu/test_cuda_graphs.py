@@ -4,7 +4,8 @@ layers reach their GPU time; ``benchmarks.linear --graphs``).
 
 Each replayed step must equal the eager step bitwise (same kernels, same order), over
 several steps with changing inputs, so state carried between steps (delayed-scaling amax
-histories and scales, advanced on the device) is replayed correctly too.
+histories and scales, stochastic-rounding Philox keys, all advanced on the device) is
+replayed correctly too.
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ import pytest
 import torch
 
 import hybrid_dist as hd
+from hybrid_dist.formats import NVFP4State
 from tests.gpu._gpu_helpers import n_bit_diffs
 
 pytestmark = pytest.mark.gpu
 M, K, N, STEPS = 512, 1024, 768, 4
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8", "fp8_block"])
+def _sr_keys(module) -> list[torch.Tensor]:
+    """The live CUDA Philox keys of the module's stochastic-rounding states."""
+    plan = next(iter(module._plans.values()))
+    return [s.kernel_key(torch.device("cuda")) for s in plan.states.values() if isinstance(s, NVFP4State)]
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4",
+                                  "mxfp8_fwd_nvfp4_bwd"])
 def test_graphed_linear_equals_eager_bitwise(name):
     recipe = hd.recipe_from_name(name)
     torch.manual_seed(0)
@@ -33,6 +42,11 @@ def test_graphed_linear_equals_eager_bitwise(name):
     # states: reset every device state (in place: the graphs hold these buffers) from eager
     graphed = torch.cuda.make_graphed_callables(graphed, (sample,), num_warmup_iters=3)
     graphed.load_state_dict(eager.state_dict())
+    keys = list(zip(_sr_keys(eager), _sr_keys(graphed)))
+    assert bool(keys) == ("nvfp4" in name), f"{name}: stochastic-rounding states {len(keys)}"
+    for ke, kg in keys:  # the SR keys too (warm-up calls advanced the graphed module's)
+        kg.copy_(ke)
+    start = [ke.item() for ke, _ in keys]
     g = torch.Generator(device="cuda").manual_seed(1)
     for step in range(STEPS):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16() * (step + 1)
@@ -46,3 +60,5 @@ def test_graphed_linear_equals_eager_bitwise(name):
         for what, a, b in zip(("y", "dx", "dW", "db"), *out):
             n = n_bit_diffs(b, a, f"{name} step {step} {what}")
             assert n == 0, f"{name} step {step}: {what} differs bitwise in {n} of {a.numel()} elements (graphed vs eager)"
+    for (ke, kg), k0 in zip(keys, start):  # one SR kernel call per step: fresh noise per replay
+        assert ke.item() == kg.item() == k0 + STEPS, f"{name}: SR keys {ke.item()}, {kg.item()}, expected {k0 + STEPS}"
