@@ -9,7 +9,6 @@ output SQNR puts a noise floor under this regression's MSE, which is what the ga
 
 import pytest
 
-import hybrid_dist as hd
 from hybrid_dist.demo import train
 from tests._tiers import by_recipe
 

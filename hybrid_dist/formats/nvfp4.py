@@ -112,12 +112,14 @@ class NVFP4State:
         self.uid = None if torch.compiler.is_compiling() else _traced_rng.register(self)
 
     def generator(self, device: torch.device) -> torch.Generator:
+        device = _indexed(device)
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
     def kernel_key(self, device: torch.device) -> torch.Tensor:
         """The int64 ``[1]`` tensor on ``device`` holding the kernels' next Philox key (live)."""
+        device = _indexed(device)
         key = self._keys.get(device)
         if key is None:
             key = self._keys[device] = torch.full((1,), first_kernel_key(self.seed), dtype=torch.int64,
@@ -134,6 +136,14 @@ class NVFP4State:
         taken = key.clone()
         key.add_(1)
         return taken
+
+
+def _indexed(device) -> torch.device:
+    """``device`` with its index (``"cuda"`` and ``"cuda:0"`` are one device, one state)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def first_kernel_key(seed: int) -> int:

@@ -35,7 +35,7 @@ from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
-from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel
+from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel, words_lane_quads
 from hybrid_dist.kernels.quant_tiles import NVFP4_WORDS_DEFAULT, TileConfig, bf16_words, nvfp4_default
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
@@ -91,7 +91,8 @@ def nvfp4_quantize_tiles(
     if words:
         xw = x.view(torch.int32)
         nvfp4_words_kernel[grid](xw, amax, outs[0], outs[1], col64, outs[3], *gs, m, k, max(xw.stride(0), 1),
-                                 ROW=rowwise, COL=columnwise, BM=config.bm, BK=config.bk, **opts)
+                                 ROW=rowwise, COL=columnwise, BM=config.bm, BK=config.bk,
+                                 QUAD=rowwise and columnwise and words_lane_quads(config), **opts)
     else:
         nvfp4_quantize_kernel[grid](
             x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k, max(x.stride(0), 1),

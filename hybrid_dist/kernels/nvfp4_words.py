@@ -25,6 +25,25 @@ cap (``NVFP4_WORDS_DEFAULT``; 16 warps per SM instead of 12). The E2M1 rounding 
 FMA pipe (``_e2m1.e2m1_rne_bits``) then cut the ALU instructions from 27.7 to 21.6 per
 element (43.3 in all; sm_90 SASS): 0.2540 → 0.2214 ms in one H200 run.
 
+[Note: lane quads] A rowwise 1×16 block is 8 words, which the default tile (64×128, 4 warps:
+each set's words ``[4, 64]``, two per thread, row ``i`` on warp ``i``) spreads over a quad of
+lanes. Computed per set, each block's scale (~16 instructions) ran on all four lanes. With
+``QUAD`` the four lanes of a quad share the work of four sets instead: lane ``c`` reduces and
+scales set ``j0 + c % 4`` (``_lane_quad``: a reduce-scatter and an all-gather of warp
+shuffles), 42.75 → 39.25 SASS instructions per element. Two H100 runs, 16384×8192, row+col
+fused pass, two repetitions each: capped at 128 registers 0.2242 / 0.2246 → 0.2139 / 0.2152 ms
+and 0.2239 / 0.2244 → 0.2133 / 0.2134; uncapped 0.2415 / 0.2416 → 0.2120 / 0.2122 and 0.2420 /
+0.2429 → 0.2091 / 0.2099 (the default now: ``quant_tiles.NVFP4_WORDS_DEFAULT``). Rowwise only
+it was slower (capped, 0.1538 → 0.1573), so it is used when both directions are made. The
+same sharing in ``nvfp4_tiles`` (RHT and SR kernels, 128×128/8 warps, 4 elements per thread:
+also a quad per block) cut RHT from 49.6 to 45.9 and RHT+SR from 65.9 to 62.3 instructions per
+element but ran slower in the second run: RHT 0.2782 → 0.2820, SR 0.3063 → 0.3918 (144
+registers: one program per SM), 0.3086 → 0.3118 capped at 128, RHT+SR 0.3404 → 0.4541; not
+kept. Taking the E2M1 signs from the input's bits (integer multiply-adds instead of a compare
+and a predicated add per code: 21.1 → 16.3 ALU instructions per element) was slower in the
+first run (0.2407 with ``QUAD``): ptxas pairs each ``mad.hi`` with a zeroed register, and the
+kernel spilled.
+
 Exactness: the same operations as the reference per element (bitwise, every direction),
 with the block-scale domain of ``_jit_common.nvfp4_block_scale``. Stochastic rounding stays
 with ``nvfp4_tiles`` (written this way, with the 32-bit uniforms SR then drew, it measured
@@ -39,8 +58,17 @@ import triton.language as tl
 from hybrid_dist.kernels._jit_common import global_decode_scale
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad
+from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, umax16x2, unpack
 from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
+
+
+def words_lane_quads(config) -> bool:
+    """Whether ``config`` lays each row set's words ``[BM/16, BK/2]`` out two per thread with
+    row ``i`` on warp ``i`` (``BK = 128``, ``BM = 16·num_warps``): the layout ``_rows_quad``'s
+    lane shuffles assume (note above). Other configs compute each row block's scale on every
+    lane of it."""
+    return config.bk == 128 and config.bm == 16 * config.num_warps
 
 
 @triton.jit
@@ -72,19 +100,64 @@ def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_p
 
 
 @triton.jit
+def _pair_amax(w, R: tl.constexpr, W: tl.constexpr):
+    """``max |x|`` over the 4 elements of words ``2c, 2c+1``: ``[R, W/2]`` (in-thread)."""
+    lo, hi = unpack(w)
+    return tl.max(tl.reshape(tl.maximum(tl.abs(lo), tl.abs(hi)), (R, W // 2, 2)), axis=2)
+
+
+@triton.jit
+def _row_bytes(w, enc2, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.constexpr):
+    """Rowwise bytes of one set's words ``w [R, W]``, encode multiplier ``enc2 [R, W/2]`` per
+    word pair, stored."""
+    lo, hi = unpack(w)
+    enc = tl.reshape(tl.broadcast_to(enc2[:, :, None], (R, W // 2, 2)), (R, W))
+    pw = pid_k * W + tl.arange(0, W)[None, :]
+    byte = e2m1_rne_mad(hi * enc, e2m1_rne_bits(lo * enc), tl.full((R, W), 16, tl.int32))
+    tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
+
+
+@triton.jit
+def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K,
+               R: tl.constexpr, W: tl.constexpr):
+    """Rowwise of sets ``j0 .. j0+3`` with each 1×16 block scale computed once: a row block is
+    the 8 words of a lane quad (``W = 64``: words ``2c, 2c+1`` on lane ``c``), so lane ``c``
+    reduces and scales set ``j0 + c % 4`` (``_lane_quad``) where each of the four lanes used
+    to compute all four; the encode multipliers are then gathered back over the quad. Each
+    lane stores its own scale byte: row ``16i + j0 + c % 4`` of the tile, block ``c / 4``."""
+    C: tl.constexpr = W // 2
+    c = tl.arange(0, C)[None, :]
+    amax = quad_amax(_pair_amax(w0, R, W), _pair_amax(w1, R, W), _pair_amax(w2, R, W), _pair_amax(w3, R, W),
+                     c, R, C)
+    bs, enc = _block_scale(amax, gs)
+    e0, e1, e2, e3 = quad_gather(enc, R, C)
+    _row_bytes(w0, e0, rs + j0, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w1, e1, rs + j0 + 1, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w2, e2, rs + j0 + 2, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w3, e3, rs + j0 + 3, pid_k, row_ptr, M, K, R, W)
+    rows = rs + j0 + c % 4
+    sk = pid_k * (W // 8) + c // 4
+    tl.store(row_s_ptr + rows * (K // 16) + sk, bs, mask=(rows < M) & (sk < K // 16))
+
+
+@triton.jit
 def _pset4(w0, w1, w2, w3, j0: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
            row_ptr, row_s_ptr, M, K, R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr,
-           COL: tl.constexpr):
-    """Sets ``j0 .. j0+3`` (see ``_pset``); their row scales stored together."""
+           COL: tl.constexpr, QUAD: tl.constexpr):
+    """Sets ``j0 .. j0+3`` (see ``_pset``); their row scales stored together (``QUAD``: by
+    ``_rows_quad``, before the columnwise codes)."""
+    if ROW and QUAD:
+        _rows_quad(w0, w1, w2, w3, j0, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K, R, W)
+    ROW_SET: tl.constexpr = ROW and not QUAD
     s0, acc_e, acc_o = _pset(w0, j0, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M, K,
-                             R, W, ROW, COL)
+                             R, W, ROW_SET, COL)
     s1, acc_e, acc_o = _pset(w1, j0 + 1, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW, COL)
+                             K, R, W, ROW_SET, COL)
     s2, acc_e, acc_o = _pset(w2, j0 + 2, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW, COL)
+                             K, R, W, ROW_SET, COL)
     s3, acc_e, acc_o = _pset(w3, j0 + 3, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW, COL)
-    if ROW:
+                             K, R, W, ROW_SET, COL)
+    if ROW_SET:
         _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, W * 2)
     return acc_e, acc_o
 
@@ -113,7 +186,7 @@ def _colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w
 @triton.jit
 def nvfp4_words_kernel(
     x_ptr, amax_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
-    stride_w, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    stride_w, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, QUAD: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + 1×16 scales and/or columnwise
     ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales, as
@@ -140,13 +213,13 @@ def nvfp4_words_kernel(
         bs_hi, enc_hi = _block_scale(cam_hi, gs)
     z = tl.zeros((R, W), tl.int32)
     e_lo, o_lo = _pset4(w0, w1, w2, w3, 0, z, z, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, COL)
+                        row_s_ptr, M, K, R, W, ROW, COL, QUAD)
     e_lo, o_lo = _pset4(w4, w5, w6, w7, 4, e_lo, o_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, COL)
+                        row_ptr, row_s_ptr, M, K, R, W, ROW, COL, QUAD)
     e_hi, o_hi = _pset4(w8, w9, w10, w11, 8, z, z, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, COL)
+                        row_s_ptr, M, K, R, W, ROW, COL, QUAD)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, COL)
+                        row_ptr, row_s_ptr, M, K, R, W, ROW, COL, QUAD)
     if COL:
         w_lo = tl.reshape(tl.join(e_lo, o_lo), (R, BK))
         w_hi = tl.reshape(tl.join(e_hi, o_hi), (R, BK))

@@ -88,8 +88,12 @@ NVFP4_DEFAULT = TileConfig(bm=128, bk=128, num_warps=8)  # 1x16 blocks (with or 
 NVFP4_2D_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # 16x16 blocks (weights)
 # 1x16 blocks without RHT or SR from bf16 (``nvfp4_words``): thirteenth session, one H100 run,
 # fused pass 16384x8192: 64x128/w4 capped at 128 registers 0.2535 ms (16 warps per SM), uncapped
-# (137 registers) 0.2838, 128x128/w8 0.2644, 64x256/w4/r168 0.3550, 32x128/w2 0.3018.
-NVFP4_WORDS_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=128)
+# (137 registers) 0.2838, 128x128/w8 0.2644, 64x256/w4/r168 0.3550, 32x128/w2 0.3018. Sixteenth
+# session, with the lane-quad row scales (``nvfp4_words``' note; fewer registers): one H100 run, two
+# repetitions, row+col 64x128/w4 uncapped 0.2091 / 0.2099 ms, capped 0.2133 / 0.2134 (the capped
+# kernel without quads 0.2239 / 0.2244); rowwise only (no quads) uncapped 0.1356, capped 0.1539;
+# columnwise only 0.1292 / 0.1296. So the cap is gone.
+NVFP4_WORDS_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
 
 
 def nvfp4_default(block_rows: int) -> TileConfig:
@@ -122,7 +126,8 @@ NVFP4_SWEEP = (
     TileConfig(bm=64, bk=128, num_warps=2),
     TileConfig(bm=64, bk=256, num_warps=4),
     TileConfig(bm=64, bk=64, num_warps=1),
-    NVFP4_WORDS_DEFAULT,
+    NVFP4_WORDS_DEFAULT,  # (= NVFP4_2D_DEFAULT; listed for the words kernel)
+    TileConfig(bm=64, bk=128, num_warps=4, maxnreg=128),  # the words default before the lane quads
 )
 
 __all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "MXFP8_WORDS_DEFAULT", "MXFP8_WORDS_SWEEP", "NVFP4_2D_DEFAULT",

@@ -24,7 +24,10 @@ M, K, N, STEPS = 512, 1024, 768, 4
 def _sr_keys(module) -> list[torch.Tensor]:
     """The live CUDA Philox keys of the module's stochastic-rounding states."""
     plan = next(iter(module._plans.values()))
-    return [s.kernel_key(torch.device("cuda")) for s in plan.states.values() if isinstance(s, NVFP4State)]
+    states = [s for s in plan.states.values() if isinstance(s, NVFP4State)]
+    for s in states:  # the kernels ask with the tensor's device, "cuda:0": one key either way
+        assert s.kernel_key(torch.device("cuda")) is s.kernel_key(torch.device("cuda", torch.cuda.current_device()))
+    return [s.kernel_key(torch.device("cuda")) for s in states]
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4",
