@@ -58,3 +58,17 @@ def test_nvfp4_stochastic_rounding_refuses_wrapping_counters():
         nvfp4_quantize_tiles(big, t, amax, seed, True, True, False, True, True, 1)
     with pytest.raises(ValueError, match="Philox counters"):  # rowwise only: the same counter space
         nvfp4_quantize_tiles(big, t, amax, seed, True, False, False, False, True, 1)
+
+
+def test_nvfp4_words_lane_quads_only_where_a_row_block_is_one_quad():
+    """The lane-quad row scales (``nvfp4_words``' note) assume each set's words ``[BM/16, 64]``
+    two per thread, row ``i`` on warp ``i``: ``BK = 128`` and ``BM = 16·num_warps`` (the
+    default among them); other configs keep the per-lane scales."""
+    pytest.importorskip("triton")
+    from hybrid_dist.kernels.nvfp4_words import words_lane_quads
+
+    assert words_lane_quads(NVFP4_WORDS_DEFAULT)
+    quads = {c.label() for c in NVFP4_SWEEP if words_lane_quads(c)}
+    assert quads == {"128x128/w8", "64x128/w4", "64x128/w4/r128"}, quads
+    assert not words_lane_quads(TileConfig(bm=64, bk=256, num_warps=8))
+    assert not words_lane_quads(TileConfig(bm=32, bk=128, num_warps=1))

@@ -39,7 +39,8 @@ _QUAD_GATHER_ASM = tl.constexpr(
 
 @triton.jit
 def _quad_pick(v, k: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """``[R, C]``: element ``(r, c)`` = ``v[r, (c & ~3) | k]`` (interpreter path)."""
+    """``[R, C]``: element ``(r, c)`` = ``v[r, (c & ~3) | k]`` (interpreter path; a masked sum:
+    exact for the non-negative encode multipliers it gathers, a ``-0.0`` would read ``+0.0``)."""
     v3 = tl.reshape(v, (R, C // 4, 4))
     pick = tl.sum(tl.where(tl.arange(0, 4)[None, None, :] == k, v3, 0.0), axis=2)
     return tl.reshape(tl.broadcast_to(pick[:, :, None], (R, C // 4, 4)), (R, C))
