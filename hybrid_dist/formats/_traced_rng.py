@@ -5,7 +5,8 @@ opaque ``torch.library`` op ``hybrid_dist::state_rand`` instead: at run time it 
 state up by its id and draws from the state's own generator exactly as eager does, so a
 compiled step consumes the same random stream as an eager one (bitwise the same numbers).
 ``draw`` (an index per call site) keeps two draws of one shape distinct for graph passes
-that merge identical calls.
+that merge identical calls. The op also hands out an ``NVFP4State``'s CUDA-kernel Philox key
+(``kind="key"``: a copy, the live key advanced), so compiled and eager steps walk the same keys.
 """
 
 from __future__ import annotations
