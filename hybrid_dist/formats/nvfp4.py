@@ -132,9 +132,8 @@ class NVFP4State:
 
     def take_kernel_key(self, device: torch.device) -> torch.Tensor:
         """A copy of the current key, the live one advanced (for a traced call site)."""
-        key = self.kernel_key(device)
-        taken = key.clone()
-        key.add_(1)
+        taken = self.kernel_key(device).clone()
+        self.advance_kernel_key(device)
         return taken
 
 

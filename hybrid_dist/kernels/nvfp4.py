@@ -21,8 +21,9 @@ Exactness against the reference (``formats.nvfp4``):
   which advances by one per call on the device (``NVFP4State``; CUDA-graph replays draw
   fresh noise): reproducible for a seeded state, not the reference's ``torch.rand`` stream.
   Rounding up has probability ``(|v| - lo) / (hi - lo)`` rounded to a multiple of 1/256 (the
-  resolution of Blackwell's ``cvt.rs.satfinite.e2m1x4``, 32 random bits per 4 elements): unbiased to within ``(hi - lo) / 512`` per element. Bitwise the
-  reference fed the same decisions (``tests/_nvfp4_sr_stream.py`` models the stream in torch);
+  resolution of Blackwell's ``cvt.rs.satfinite.e2m1x4``, 32 random bits per 4 elements):
+  unbiased to within ``(hi - lo) / 512`` per element. Bitwise the reference fed the same
+  decisions (``tests/_nvfp4_sr_stream.py`` models the stream in torch);
 * 2D blocks without RHT: columnwise is the exact transpose of rowwise (codes and scales).
 """
 

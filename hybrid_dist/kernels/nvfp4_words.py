@@ -72,9 +72,19 @@ def words_lane_quads(config) -> bool:
 
 
 @triton.jit
-def _scale16(v, enc, R: tl.constexpr, W: tl.constexpr):
-    """``v [R, W]`` times ``enc [R, W/8]`` (one per 8 words = 16 elements)."""
-    return tl.reshape(tl.reshape(v, (R, W // 8, 8)) * enc[:, :, None], (R, W))
+def _per_word(e, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
+    """``e [R, W/G]`` repeated over each ``G`` consecutive words: ``[R, W]`` (in-thread)."""
+    return tl.reshape(tl.broadcast_to(e[:, :, None], (R, W // G, G)), (R, W))
+
+
+@triton.jit
+def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.constexpr):
+    """Rowwise bytes of one set's words ``w [R, W]`` with encode multipliers ``enc [R, W]``
+    (one per word), stored."""
+    lo, hi = unpack(w)
+    pw = pid_k * W + tl.arange(0, W)[None, :]
+    byte = e2m1_rne_mad(hi * enc, e2m1_rne_bits(lo * enc), tl.full((R, W), 16, tl.int32))
+    tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
 
 
 @triton.jit
@@ -87,11 +97,7 @@ def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_p
     if ROW:
         ram = tl.max(tl.reshape(tl.maximum(tl.abs(lo), tl.abs(hi)), (R, W // 8, 8)), axis=2)
         bs, enc = _block_scale(ram, gs)
-        rows = rs + j
-        pw = pid_k * W + tl.arange(0, W)[None, :]
-        byte = e2m1_rne_mad(_scale16(hi, enc, R, W), e2m1_rne_bits(_scale16(lo, enc, R, W)),
-                            tl.full((R, W), 16, tl.int32))
-        tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
+        _row_bytes(w, _per_word(enc, R, W, 8), rs + j, pid_k, row_ptr, M, K, R, W)
     if COL:
         mult = tl.full((R, W), 1 << (4 * (j % 8)), tl.int32)
         acc_e = e2m1_rne_mad(lo * enc_lo, acc_e, mult)
@@ -104,17 +110,6 @@ def _pair_amax(w, R: tl.constexpr, W: tl.constexpr):
     """``max |x|`` over the 4 elements of words ``2c, 2c+1``: ``[R, W/2]`` (in-thread)."""
     lo, hi = unpack(w)
     return tl.max(tl.reshape(tl.maximum(tl.abs(lo), tl.abs(hi)), (R, W // 2, 2)), axis=2)
-
-
-@triton.jit
-def _row_bytes(w, enc2, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.constexpr):
-    """Rowwise bytes of one set's words ``w [R, W]``, encode multiplier ``enc2 [R, W/2]`` per
-    word pair, stored."""
-    lo, hi = unpack(w)
-    enc = tl.reshape(tl.broadcast_to(enc2[:, :, None], (R, W // 2, 2)), (R, W))
-    pw = pid_k * W + tl.arange(0, W)[None, :]
-    byte = e2m1_rne_mad(hi * enc, e2m1_rne_bits(lo * enc), tl.full((R, W), 16, tl.int32))
-    tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
 
 
 @triton.jit
@@ -131,10 +126,10 @@ def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, 
                      c, R, C)
     bs, enc = _block_scale(amax, gs)
     e0, e1, e2, e3 = quad_gather(enc, R, C)
-    _row_bytes(w0, e0, rs + j0, pid_k, row_ptr, M, K, R, W)
-    _row_bytes(w1, e1, rs + j0 + 1, pid_k, row_ptr, M, K, R, W)
-    _row_bytes(w2, e2, rs + j0 + 2, pid_k, row_ptr, M, K, R, W)
-    _row_bytes(w3, e3, rs + j0 + 3, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w0, _per_word(e0, R, W, 2), rs + j0, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w1, _per_word(e1, R, W, 2), rs + j0 + 1, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w2, _per_word(e2, R, W, 2), rs + j0 + 2, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w3, _per_word(e3, R, W, 2), rs + j0 + 3, pid_k, row_ptr, M, K, R, W)
     rows = rs + j0 + c % 4
     sk = pid_k * (W // 8) + c // 4
     tl.store(row_s_ptr + rows * (K // 16) + sk, bs, mask=(rows < M) & (sk < K // 16))
