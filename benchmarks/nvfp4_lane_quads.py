@@ -24,8 +24,8 @@ def _launcher(x, amax, cfg: TileConfig, quad: bool):
     grid = (cdiv(M, cfg.bm), cdiv(K, cfg.bk))
 
     def run():
-        nvfp4_words_kernel[grid](xw, amax, outs[0], outs[1], outs[2].view(torch.int64), outs[3], *gs, M, K,
-                                 xw.stride(0), ROW=True, COL=True, BM=cfg.bm, BK=cfg.bk, QUAD=quad,
+        nvfp4_words_kernel[grid](xw, amax, amax, outs[0], outs[1], outs[2].view(torch.int64), outs[3], *gs, M, K,
+                                 xw.stride(0), ROW=True, COL=True, RHT=False, BM=cfg.bm, BK=cfg.bk, QUAD=quad,
                                  **cfg.launch_options(x.device))
         return outs
     return run

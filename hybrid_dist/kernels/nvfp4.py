@@ -68,7 +68,7 @@ def nvfp4_amax_tiles(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch
 def nvfp4_quantize_tiles(
     x: torch.Tensor, rht_row: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
-    config: TileConfig | None = None,
+    config: TileConfig | None = None, words: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``(row_data, row_block_scale, col_data, col_block_scale, row_global_scale,
     col_global_scale)``; absent data empty. ``amax`` fp32: ``[max|x|]``, or ``[max|x|,
@@ -77,12 +77,17 @@ def nvfp4_quantize_tiles(
     nvfp4_global_scale``: no torch ops between the passes). ``seed`` int64 ``[1]``;
     ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks).
     ``config``: the tile config (default ``quant_tiles.NVFP4_WORDS_DEFAULT`` for the words
-    kernel, else ``quant_tiles.nvfp4_default(block_rows)``)."""
+    kernel, else ``quant_tiles.nvfp4_default(block_rows)``). ``words``: None picks
+    ``kernels.nvfp4_words`` for 1×16 blocks without SR from word-readable bf16; False runs the
+    tile kernel there instead (benchmarks and tests compare the two)."""
     m, k = x.shape
     if sr and 2 * cdiv(m, NV_BLOCK) * k > 2**32:
         raise ValueError(f"NVFP4 stochastic rounding of a {m}x{k} tensor: its Philox counters "
                          f"(2·⌈M/16⌉·K) would wrap at 2**32; quantize it in row chunks")
-    words = block_rows == 1 and not rht and not sr and bf16_words(x)
+    can_words = block_rows == 1 and not sr and bf16_words(x)
+    if words and not can_words:
+        raise ValueError("nvfp4_quantize_tiles(words=True) needs 1x16 blocks, no SR and word-readable bf16")
+    words = can_words if words is None else words
     config = config or (NVFP4_WORDS_DEFAULT if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
@@ -91,8 +96,8 @@ def nvfp4_quantize_tiles(
     opts = config.launch_options(x.device)
     if words:
         xw = x.view(torch.int32)
-        nvfp4_words_kernel[grid](xw, amax, outs[0], outs[1], col64, outs[3], *gs, m, k, max(xw.stride(0), 1),
-                                 ROW=rowwise, COL=columnwise, BM=config.bm, BK=config.bk,
+        nvfp4_words_kernel[grid](xw, rht_row, amax, outs[0], outs[1], col64, outs[3], *gs, m, k,
+                                 max(xw.stride(0), 1), ROW=rowwise, COL=columnwise, RHT=rht, BM=config.bm, BK=config.bk,
                                  QUAD=rowwise and columnwise and words_lane_quads(config), **opts)
     else:
         nvfp4_quantize_kernel[grid](

@@ -60,7 +60,7 @@ from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, umax16x2, unpack
-from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
+from hybrid_dist.kernels.nvfp4_tiles import _codes8, _kmax, _max16, _rht16, _store_col, _store_row_scales4
 
 
 def words_lane_quads(config) -> bool:
@@ -179,20 +179,55 @@ def _colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w
 
 
 @triton.jit
+def _half(w, HIGH: tl.constexpr):
+    """fp32 of the low (even k) or high (odd k) halves of words ``w``."""
+    if HIGH:
+        return (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        return (w << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rht_half(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, t_ptr, gs,
+              HIGH: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """Columnwise of one half (even or odd k) in the Hadamard domain: the 16 sets' values
+    ``y = T x`` (``nvfp4_tiles._rht16``, the same fp32 operations), their block scales
+    ``[R, W]`` and E2M1 codes packed as in ``nvfp4_tiles._cols16`` (sets 0-7 → ``c_lo``,
+    8-15 → ``c_hi``, set ``j`` in nibble ``j % 8``)."""
+    y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _rht16(
+        _half(w0, HIGH), _half(w1, HIGH), _half(w2, HIGH), _half(w3, HIGH), _half(w4, HIGH),
+        _half(w5, HIGH), _half(w6, HIGH), _half(w7, HIGH), _half(w8, HIGH), _half(w9, HIGH),
+        _half(w10, HIGH), _half(w11, HIGH), _half(w12, HIGH), _half(w13, HIGH), _half(w14, HIGH),
+        _half(w15, HIGH), t_ptr)
+    bs, enc = _block_scale(_max16(
+        _kmax(y0, R, W, False), _kmax(y1, R, W, False), _kmax(y2, R, W, False), _kmax(y3, R, W, False),
+        _kmax(y4, R, W, False), _kmax(y5, R, W, False), _kmax(y6, R, W, False), _kmax(y7, R, W, False),
+        _kmax(y8, R, W, False), _kmax(y9, R, W, False), _kmax(y10, R, W, False), _kmax(y11, R, W, False),
+        _kmax(y12, R, W, False), _kmax(y13, R, W, False), _kmax(y14, R, W, False),
+        _kmax(y15, R, W, False)), gs)
+    c_lo = _codes8(y0, y1, y2, y3, y4, y5, y6, y7, enc, bs, bs, R, W, False, False)
+    c_hi = _codes8(y8, y9, y10, y11, y12, y13, y14, y15, enc, bs, bs, R, W, False, False)
+    return bs, c_lo, c_hi
+
+
+@triton.jit
 def nvfp4_words_kernel(
-    x_ptr, amax_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
-    stride_w, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, QUAD: tl.constexpr,
+    x_ptr, t_ptr, amax_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
+    stride_w, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    QUAD: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + 1×16 scales and/or columnwise
     ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales, as
-    ``nvfp4_tiles.nvfp4_quantize_kernel`` without RHT and 2D blocks. ``x_ptr``: the bf16 input
-    as int32 words ``[M, K/2]`` (row stride ``stride_w`` words); ``amax_ptr``: fp32 ``max|x|``
-    (both directions' global decode scale, written by program (0, 0))."""
+    ``nvfp4_tiles.nvfp4_quantize_kernel`` without SR and 2D blocks (bitwise its output, RHT
+    included). ``x_ptr``: the bf16 input as int32 words ``[M, K/2]`` (row stride ``stride_w``
+    words); ``amax_ptr``: fp32 ``max|x|`` and, with ``RHT``, ``max|RHT(x)|`` (the global decode
+    scales, written by program (0, 0)); ``t_ptr``: fp32 ``T[0, :]`` (read with ``RHT``)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     gs = global_decode_scale(tl.load(amax_ptr))
+    gs_col = global_decode_scale(tl.load(amax_ptr + 1)) if RHT else gs
     if (pid_m == 0) & (pid_k == 0):
         tl.store(gs_row_ptr, gs)
-        tl.store(gs_col_ptr, gs)
+        tl.store(gs_col_ptr, gs_col)
     R: tl.constexpr = BM // 16
     W: tl.constexpr = BK // 2
     rs = pid_m * BM + tl.arange(0, R)[:, None] * 16
@@ -202,19 +237,25 @@ def nvfp4_words_kernel(
     enc_hi = gs
     bs_lo = gs
     bs_hi = gs
-    if COL:
+    SET_COL: tl.constexpr = COL and not RHT  # columnwise codes made set by set (no transform)
+    if SET_COL:
         cam_lo, cam_hi = unpack(_colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15))
         bs_lo, enc_lo = _block_scale(cam_lo, gs)
         bs_hi, enc_hi = _block_scale(cam_hi, gs)
     z = tl.zeros((R, W), tl.int32)
     e_lo, o_lo = _pset4(w0, w1, w2, w3, 0, z, z, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, COL, QUAD)
+                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
     e_lo, o_lo = _pset4(w4, w5, w6, w7, 4, e_lo, o_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, COL, QUAD)
+                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
     e_hi, o_hi = _pset4(w8, w9, w10, w11, 8, z, z, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, COL, QUAD)
+                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, COL, QUAD)
+                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
+    if COL and RHT:
+        bs_lo, e_lo, e_hi = _rht_half(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
+                                      t_ptr, gs_col, False, R, W)
+        bs_hi, o_lo, o_hi = _rht_half(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
+                                      t_ptr, gs_col, True, R, W)
     if COL:
         w_lo = tl.reshape(tl.join(e_lo, o_lo), (R, BK))
         w_hi = tl.reshape(tl.join(e_hi, o_hi), (R, BK))

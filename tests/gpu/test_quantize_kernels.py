@@ -193,6 +193,29 @@ def test_nvfp4_rht_within_bound(shape, block_2d):
     _check_rht_within_bound(hd.NVFP4Quantizer(rht=True, block_2d=block_2d), _x(shape), f"{shape} 2d={block_2d}")
 
 
+@pytest.mark.parametrize("cfg", NVFP4_SWEEP, ids=lambda c: c.label())
+def test_nvfp4_rht_words_kernel_bitwise_tile_kernel(cfg):
+    """1×16 blocks with RHT from bf16 take the words kernel: bitwise the tile kernel (the same
+    fp32 transform, block scales and codes), every direction set, at every tile config and
+    the tile kernel's default, with partial tiles along M and K (96x160) and +-inf."""
+    from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
+
+    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for shape in ((384, 640), (96, 160)):
+        for x in (_x(shape), _x(shape, seed=1)):
+            if shape == (96, 160):
+                x[37, 5], x[70, 90] = float("inf"), float("-inf")
+            t = _rht_row(3, x.device)
+            amax = nvfp4_amax_tiles(x, t, True)
+            for rw, cw in DIRS:
+                what = f"nvfp4 rht words {cfg.label()} {shape} dirs={rw, cw}"
+                w = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, config=cfg, words=True)
+                ti = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, words=False)
+                for name, a, b in zip(("row", "row scales", "col", "col scales", "row gs", "col gs"), w, ti):
+                    a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+                    assert torch.equal(a, b), f"{what}: {name} differ"
+
+
 def test_nvfp4_stochastic_rounding_reproducible_and_unbiased():
     q = hd.NVFP4Quantizer(stochastic_rounding=True, seed=7)
     x = _x((256, 512))

@@ -1,0 +1,45 @@
+"""NVFP4 1×16 with a Hadamard-domain columnwise direction (RHT): the fused pass of the tile
+kernel (``nvfp4_tiles``) against the words kernel (``nvfp4_words``), side by side in one run,
+at 16384×8192 bf16, row+col (the ``nvfp4`` recipe's inputs) and columnwise only (the
+``mxfp8_fwd_nvfp4_bwd`` recipe's). Every output is checked bitwise against the tile kernel's.
+Prints one table. Run: ``python -m benchmarks.nvfp4_words_rht``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.testing import do_bench
+
+from benchmarks._bench import print_table
+from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
+from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, TileConfig
+
+M, K = 16384, 8192
+WORDS_CONFIGS = (TileConfig(bm=64, bk=128, num_warps=4), TileConfig(bm=64, bk=128, num_warps=4, maxnreg=128),
+                 TileConfig(bm=128, bk=128, num_warps=8), TileConfig(bm=32, bk=128, num_warps=2))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    t = _rht_row(0, x.device)
+    amax = nvfp4_amax_tiles(x, t, True)
+    seed = torch.zeros(1, dtype=torch.int64, device=x.device)
+    rows = []
+    for rep in range(2):
+        for rw in (True, False):
+            def run(cfg, words, rw=rw):
+                return nvfp4_quantize_tiles(x, t, amax, seed, rw, True, False, True, False, 1, config=cfg, words=words)
+
+            base = [o.clone() for o in run(NVFP4_DEFAULT, False)]
+            for cfg, words in [(NVFP4_DEFAULT, False)] + [(c, True) for c in WORDS_CONFIGS]:
+                same = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                           for a, b in zip(run(cfg, words), base))
+                rows.append([rep, "row+col" if rw else "col", "words" if words else "tiles", cfg.label(),
+                             do_bench(lambda cfg=cfg, words=words: run(cfg, words), rep=150), same])
+    print_table(["repetition", "directions", "kernel", "tile", "ms", "bitwise = tiles"], rows,
+                f"nvfp4 RHT fused pass {M}x{K} bf16 on {torch.cuda.get_device_name()}")
+
+
+if __name__ == "__main__":
+    main()
