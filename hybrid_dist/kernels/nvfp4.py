@@ -1,7 +1,7 @@
 """NVFP4 fused quantize (host side): an amax pass (with the Hadamard-domain amax), then one
 pass that reads each ``[BM, BK]`` tile once and writes every requested direction. The
 kernels and their data layout in registers: ``kernels.nvfp4_tiles``; 1×16 blocks without
-RHT or stochastic rounding from bf16 take ``kernels.nvfp4_words`` (bf16 pairs as words).
+stochastic rounding from bf16 (RHT or not) take ``kernels.nvfp4_words`` (bf16 pairs as words).
 
 Layouts (``formats.nvfp4``): rowwise ``data [M, K/2]`` uint8 + ``block_scale [M/br, K/16]``
 E4M3; columnwise ``data [K, M/2]`` + ``block_scale [K/br, M/16]``; ``br`` = 16 for 2D blocks.

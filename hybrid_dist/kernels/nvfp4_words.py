@@ -1,5 +1,6 @@
-"""NVFP4 quantize with 1×16 blocks and no RHT, on bf16 pairs: the fused pass of
-``nvfp4_tiles`` for the common activation/gradient case, reading ``x`` as int32 words.
+"""NVFP4 quantize with 1×16 blocks and round-to-nearest, on bf16 pairs: the fused pass of
+``nvfp4_tiles`` for activations and weights in 1D blocks, reading ``x`` as int32 words; the
+columnwise direction optionally in the Hadamard domain (RHT, note "RHT" below).
 
 [Note: words] A program owns ``x[BM, BK]`` as 16 interleaved row sets (``nvfp4_tiles``'
 note), each loaded as words ``w_j [R = BM/16, W = BK/2]``: word ``c`` holds ``x[., 2c]`` in
@@ -44,10 +45,26 @@ and a predicated add per code: 21.1 → 16.3 ALU instructions per element) was s
 first run (0.2407 with ``QUAD``): ptxas pairs each ``mad.hi`` with a zeroed register, and the
 kernel spilled.
 
-Exactness: the same operations as the reference per element (bitwise, every direction),
-with the block-scale domain of ``_jit_common.nvfp4_block_scale``. Stochastic rounding stays
-with ``nvfp4_tiles`` (written this way, with the 32-bit uniforms SR then drew, it measured
-1.34 against 0.68 ms: Philox needs the registers; not retried with the 8-bit draws).
+[Note: RHT] With ``RHT`` the columnwise direction is made after the rowwise one, each half
+(even k, odd k) at once for the 16 sets (``_rht_half``): unpacked to fp32, transformed by the
+tile kernel's butterfly (``nvfp4_tiles._rht16``), block-scaled and encoded as there, so the
+output is bitwise the tile kernel's (GPU test at every tile config). Seventeenth session, one
+H200 run (``benchmarks.nvfp4_words_rht``, 16384×8192, two repetitions): row+col 0.270 / 0.270
+→ 0.243 / 0.243 ms, columnwise only 0.147 / 0.148 → 0.144 / 0.144 (sm_90 SASS: 49.6 → 44.6
+instructions per element). Tried in the same session and not kept, each bitwise the kernel it
+replaced (one H200 run each): stochastic rounding here too (the tile kernel's Philox counters,
+one ``randint4x`` per word and half): SR 0.303 → 0.295 ms at 128×128/w8 and 0.314 at 64×128/w4,
+RHT + SR 0.338 → 0.339 / 0.371, so SR stays with ``nvfp4_tiles``; the E2M1 code taken by
+``mul.hi.u32 bits, 1025`` (FMA pipe) instead of ``shr 22`` (ALU pipe; 20.0 → 18.8 ALU
+instructions per element): 0.197 → 0.213 ms, and the rowwise signs taken from the words by
+one ``mul.hi`` per word (18.3 ALU; it would also encode -0.0 as a negative zero): 0.222 ms. The ALU count alone does not predict these
+kernels' speed.
+
+Exactness: the same operations as the reference per element (bitwise, every direction;
+RHT within the tile kernel's bound, ``kernels.nvfp4``), with the block-scale domain of
+``_jit_common.nvfp4_block_scale``. Stochastic rounding stays with ``nvfp4_tiles``: written
+this way with the 32-bit uniforms SR then drew it measured 1.34 against 0.68 ms, and with the
+8-bit draws it is no faster (note "RHT").
 """
 
 from __future__ import annotations
