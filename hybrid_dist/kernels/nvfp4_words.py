@@ -57,8 +57,8 @@ one ``randint4x`` per word and half): SR 0.303 → 0.295 ms at 128×128/w8 and 0
 RHT + SR 0.338 → 0.339 / 0.371, so SR stays with ``nvfp4_tiles``; the E2M1 code taken by
 ``mul.hi.u32 bits, 1025`` (FMA pipe) instead of ``shr 22`` (ALU pipe; 20.0 → 18.8 ALU
 instructions per element): 0.197 → 0.213 ms, and the rowwise signs taken from the words by
-one ``mul.hi`` per word (18.3 ALU; it would also encode -0.0 as a negative zero): 0.222 ms. The ALU count alone does not predict these
-kernels' speed.
+one ``mul.hi`` per word (18.3 ALU; it would also encode -0.0 as a negative zero): 0.222 ms.
+The ALU count alone does not predict these kernels' speed.
 
 Exactness: the same operations as the reference per element (bitwise, every direction;
 RHT within the tile kernel's bound, ``kernels.nvfp4``), with the block-scale domain of
