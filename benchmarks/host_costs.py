@@ -1,0 +1,92 @@
+"""Host (CPU) microseconds per call of what an eager ``hd.Linear`` step is made of: tensor
+allocation, a Triton launch (through ``JITFunction.run`` and through the compiled kernel's
+launcher), ``torch._scaled_mm``, an ``autograd.Function``, one quantize, and whole
+``hd.Linear`` / ``nn.Linear`` steps. Tiny tensors, so the GPU never limits: the figures are
+the host cost of each call. Prints one table. Run: ``python -m benchmarks.host_costs``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import hybrid_dist as hd
+from benchmarks._bench import print_table
+from hybrid_dist.kernels import fp8_tensor
+
+
+def host_us(fn, n: int = 2000) -> float:
+    """Wall microseconds per call of ``n`` calls after a warm-up (GPU idle between them)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _linear_rows(x, dy):
+    rows = []
+    for name in ("bf16", "fp8_current", "fp8_delayed"):
+        if name == "bf16":
+            lin = torch.nn.Linear(128, 64, bias=False, device="cuda", dtype=torch.bfloat16)
+        else:
+            lin = hd.Linear(128, 64, bias=False, recipe=hd.recipe_from_name(name), device="cuda",
+                            dtype=torch.bfloat16)
+        rows.append([f"Linear {name} 64x128x64 fwd + autograd.grad",
+                     host_us(lambda lin=lin: torch.autograd.grad(lin(x), [x, lin.weight], dy), n=500)])
+    return rows
+
+
+def main() -> None:
+    dev = "cuda"
+    x = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
+    out = torch.zeros((), device=dev)
+    a = torch.randn(64, 128, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(64, 128, device=dev).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+
+    def launch():
+        return fp8_tensor._amax_kernel[(1, 1)](x, out, 64, 128, 128, 0, BM=64, BK=128, num_warps=4)
+
+    kernel = launch()
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (x, out, 64, 128, 128, 0, 64, 128)  # every parameter, constexprs included (Triton 3.6 launcher)
+    q = hd.Float8Quantizer()
+    xg = x.clone().requires_grad_(True)
+    rows = [
+        ["torch.empty(()) fp32", host_us(lambda: torch.empty((), dtype=torch.float32, device=dev))],
+        ["torch.zeros(()) fp32", host_us(lambda: torch.zeros((), dtype=torch.float32, device=dev))],
+        ["Triton launch kernel[grid](...) (amax kernel)", host_us(launch)],
+        ["the same kernel, compiled launcher called directly",
+         host_us(lambda: kernel.run(1, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                                    *args))],
+        ["torch._scaled_mm 64x128x64", host_us(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                                        out_dtype=torch.bfloat16))],
+        ["torch.mm bf16 64x128x64", host_us(lambda: torch.mm(x, x.t()))],
+        ["autograd.Function identity fwd + autograd.grad", host_us(lambda: torch.autograd.grad(_Identity.apply(xg),
+                                                                                            [xg], x))],
+        ["Float8Quantizer.quantize_storages row+col", host_us(lambda: q.quantize_storages(x, rowwise=True,
+                                                                                         columnwise=True))],
+        *_linear_rows(xg, torch.randn(64, 64, device=dev, dtype=torch.bfloat16)),
+    ]
+    print_table(["call", "host us"], rows, f"host cost per call on {torch.cuda.get_device_name()} "
+                f"(torch {torch.__version__})")
+
+
+if __name__ == "__main__":
+    main()
