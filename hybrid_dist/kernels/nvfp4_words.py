@@ -197,11 +197,13 @@ def _colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w
 
 @triton.jit
 def _half(w, HIGH: tl.constexpr):
-    """fp32 of the low (even k) or high (odd k) halves of words ``w``."""
+    """fp32 of the low (even k) or high (odd k) halves of words ``w`` (``unpack``'s other half
+    is dead code)."""
+    lo, hi = unpack(w)
     if HIGH:
-        return (w & -65536).to(tl.float32, bitcast=True)
+        return hi
     else:
-        return (w << 16).to(tl.float32, bitcast=True)
+        return lo
 
 
 @triton.jit
@@ -222,6 +224,7 @@ def _rht_half(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w
         _kmax(y8, R, W, False), _kmax(y9, R, W, False), _kmax(y10, R, W, False), _kmax(y11, R, W, False),
         _kmax(y12, R, W, False), _kmax(y13, R, W, False), _kmax(y14, R, W, False),
         _kmax(y15, R, W, False)), gs)
+    # round to nearest: _codes8's random-word arguments (SR noise) are not read
     c_lo = _codes8(y0, y1, y2, y3, y4, y5, y6, y7, enc, bs, bs, R, W, False, False)
     c_hi = _codes8(y8, y9, y10, y11, y12, y13, y14, y15, enc, bs, bs, R, W, False, False)
     return bs, c_lo, c_hi
