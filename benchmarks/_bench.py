@@ -20,6 +20,28 @@ def copy_gbps(numel: int = 16384 * 8192, dtype=torch.bfloat16) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def host_ms(fn, n: int = 20, warmup: int = 1) -> float:
+    """Host (CPU) milliseconds per call: wall time of ``n`` calls enqueued back to back after
+    ``warmup`` calls and a sync (few enough calls, or tiny enough work, that the launch queue
+    never fills: the GPU must not be the limit)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) * 1e3 / n
+    torch.cuda.synchronize()
+    return host
+
+
+def bytes_equal(a, b) -> bool:
+    """Every tensor of ``a`` bitwise equal to its partner in ``b`` (compared as bytes)."""
+    return all(torch.equal(p.reshape(-1).view(torch.uint8), q.reshape(-1).view(torch.uint8)) for p, q in zip(a, b))
+
+
 def print_table(header: list[str], rows: list[list], title: str) -> None:
     """One markdown table."""
     print(f"\n{title}\n")

@@ -7,26 +7,16 @@ the host cost of each call. Prints one table. Run: ``python -m benchmarks.host_c
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 import hybrid_dist as hd
-from benchmarks._bench import print_table
+from benchmarks._bench import host_ms, print_table
 from hybrid_dist.kernels import fp8_tensor
 
 
 def host_us(fn, n: int = 2000) -> float:
-    """Wall microseconds per call of ``n`` calls after a warm-up (GPU idle between them)."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+    """Host microseconds per call (``_bench.host_ms`` after 50 warm-up calls)."""
+    return host_ms(fn, n, warmup=50) * 1e3
 
 
 class _Identity(torch.autograd.Function):

@@ -17,13 +17,12 @@ written; identity directions move nothing.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch import nn
 
 import hybrid_dist as hd
-from benchmarks._bench import bench_ms, copy_gbps, print_table
+from benchmarks._bench import bench_ms, copy_gbps, host_ms, print_table
 from hybrid_dist import gemm
 from hybrid_dist.formats import Float8Quantizer, IdentityQuantizer, NVFP4Quantizer
 from hybrid_dist.linear import LinearPlan
@@ -41,19 +40,6 @@ def _step(module, x, dy):
 def _graphed(module, x):
     """``module`` with forward and backward captured as CUDA graphs (static shapes)."""
     return torch.cuda.make_graphed_callables(module, (x,), num_warmup_iters=3)
-
-
-def _host_ms(fn, n: int = 20) -> float:
-    """Host (CPU) milliseconds per call: wall time of ``n`` calls enqueued back to back
-    (few enough that the launch queue never fills), after a sync."""
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) * 1e3 / n
-    torch.cuda.synchronize()
-    return host
 
 
 def _reads(q) -> int:
@@ -116,7 +102,7 @@ def _args():
 
 def _variant_row(shape, label, fn, bf16_ms, roof=None):
     ms = bench_ms(fn)
-    host = _host_ms(fn)
+    host = host_ms(fn)
     row = [shape, label, ms, host, bf16_ms / ms]
     return row + ([roof, (bf16_ms / ms) / roof] if roof else ["", ""])
 
@@ -136,7 +122,7 @@ def main() -> None:
         bf16_step = _step(ref, x, dy)
         bf16_ms = bench_ms(bf16_step)
         ao = _torchao_ms(k, n, x, dy)
-        rows.append([shape, "bf16 nn.Linear", bf16_ms, _host_ms(bf16_step), 1.0, "", ""])
+        rows.append([shape, "bf16 nn.Linear", bf16_ms, host_ms(bf16_step), 1.0, "", ""])
         if args.graphs:
             rows.append(_variant_row(shape, "bf16 nn.Linear (CUDA graph)", _step(_graphed(ref, x), x, dy), bf16_ms))
         if ao is not None:

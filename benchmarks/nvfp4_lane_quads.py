@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
-from benchmarks._bench import print_table
+from benchmarks._bench import bytes_equal, print_table
 from hybrid_dist.kernels._jit_common import cdiv
 from hybrid_dist.kernels.nvfp4 import _nvfp4_shapes, _rht_row, nvfp4_amax_tiles
 from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel
@@ -42,7 +42,7 @@ def main() -> None:
             cfg = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=cap)
             for quad in (False, True):
                 run = _launcher(x, amax, cfg, quad)
-                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(run(), base))
+                same = bytes_equal(run(), base)
                 rows.append([rep, cfg.label(), quad, do_bench(run, rep=150), same])
     print_table(["repetition", "tile", "lane quads", "ms", "bitwise = no quads"], rows,
                 f"nvfp4_words fused pass {M}x{K} bf16 row+col on {torch.cuda.get_device_name()}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
-from benchmarks._bench import print_table
+from benchmarks._bench import bytes_equal, print_table
 from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
 from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, TileConfig
 
@@ -33,8 +33,7 @@ def main() -> None:
 
             base = [o.clone() for o in run(NVFP4_DEFAULT, False)]
             for cfg, words in [(NVFP4_DEFAULT, False)] + [(c, True) for c in WORDS_CONFIGS]:
-                same = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-                           for a, b in zip(run(cfg, words), base))
+                same = bytes_equal(run(cfg, words), base)
                 rows.append([rep, "row+col" if rw else "col", "words" if words else "tiles", cfg.label(),
                              do_bench(lambda cfg=cfg, words=words: run(cfg, words), rep=150), same])
     print_table(["repetition", "directions", "kernel", "tile", "ms", "bitwise = tiles"], rows,
