@@ -5,7 +5,7 @@ optimizer state (with ``--quantized-init``: the fp32 master weights in place of 
 quantized parameters, which are requantized from them on load; under expert parallelism
 each EP rank's experts under a key naming its EP slot), plus ``rank<r>.pt`` with what is
 local to each rank: the quantizer states of every ``hd.Linear`` (delayed-scaling amax
-histories, stochastic-rounding generators), so a resumed run reproduces the uninterrupted
+histories; stochastic rounding's generator and CUDA-kernel Philox key), so a resumed run reproduces the uninterrupted
 run bitwise. The data is stateless (a function of the step), so only the step number is
 needed to continue it.
 """
@@ -36,8 +36,9 @@ def _snapshot(state: Any, device: torch.device) -> Any:
         return [_snapshot(s, device) for s in state]
     if isinstance(state, hd.DelayedScalingState):
         return {"amax_history": state.amax_history.clone(), "scale": state.scale.clone()}
-    if isinstance(state, NVFP4State):
-        return {"generator": state.generator(device).get_state()}
+    if isinstance(state, NVFP4State):  # the reference's generator and the CUDA kernels' Philox key
+        return {"generator": state.generator(device).get_state(),
+                "kernel_key": state.kernel_key(device).to("cpu", copy=True)}
     if isinstance(state, HybridState):
         return {"rowwise": _snapshot(state.rowwise, device), "columnwise": _snapshot(state.columnwise, device)}
     raise NotImplementedError(f"checkpoint: cannot save quantizer state of type {type(state).__name__}")
@@ -53,6 +54,8 @@ def _restore(state: Any, snap: Any, device: torch.device) -> None:
         state.amax_history, state.scale = snap["amax_history"].clone(), snap["scale"].clone()
     elif isinstance(state, NVFP4State):
         state.generator(device).set_state(snap["generator"])
+        if "kernel_key" in snap:  # absent from checkpoints written before the key was saved
+            state.kernel_key(device).copy_(snap["kernel_key"])
     elif isinstance(state, HybridState):
         _restore(state.rowwise, snap["rowwise"], device)
         _restore(state.columnwise, snap["columnwise"], device)
