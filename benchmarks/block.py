@@ -18,7 +18,7 @@ import torch
 
 import hybrid_dist as hd
 from benchmarks._bench import bench_ms, host_calls, print_table, profile_step
-from hybrid_dist.launch.model import Block, apply_recipe, link_shared_inputs, rope_tables
+from hybrid_dist.launch.model import Block, apply_recipe, rope_tables
 from hybrid_dist.launch.presets import preset
 
 
@@ -77,7 +77,8 @@ def main() -> None:
     cfg = dataclasses.replace(preset(args.preset), n_layers=1, max_seq_len=max(args.tokens, 128))
     base_ms = None
     rows = []
-    for name, shared in [("torch", False), ("bf16", False)] + [(r, s) for r in args.recipes.split(",") for s in (False, True)]:
+    configs = [("torch", False), ("bf16", False)] + [(r, s) for r in args.recipes.split(",") for s in (False, True)]
+    for name, shared in configs:
         model = _build(cfg, name, shared)
         step = _step_fn(model, cfg, args.tokens)
         ms = bench_ms(step, warmup_ms=100, rep_ms=400)

@@ -96,7 +96,8 @@ def _profile_step(name: str, step) -> None:
     gpu = sum(e.self_device_time_total for e in ev) / 1e3
     print(f"\n## profile {name}: host enqueue {host:.1f} ms, GPU kernel time {gpu:.1f} ms (all streams)")
     print(ev.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
-    by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")]
+    copies = ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")
+    by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in copies]
     by_shape.sort(key=lambda e: -e.device_time_total)
     for e in by_shape[:12]:
         print(f"  {e.key} x{e.count} {e.device_time_total / 1e3:.2f} ms  shapes {e.input_shapes}")
@@ -148,7 +149,8 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
             acct = a
     ms = statistics.median(times)
     if profile:  # every rank runs the step (matching collectives); rank 0 profiles it
-        step = lambda: _step(model, opt, recipe, x)  # noqa: E731
+        # model/opt bound as defaults: ruff otherwise sees them as unbound through the later `del model, opt`
+        step = lambda model=model, opt=opt: _step(model, opt, recipe, x)  # noqa: E731
         _profile_step(recipe_name, step) if dist.get_rank() == 0 else (step(), step())
     hp = hp_forward_gather_bytes(model)
     fwd = acct.output_bytes.get("forward", 0) + acct.output_bytes.get("forward_both", 0) + hp
@@ -174,7 +176,8 @@ def main() -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile, args.seq, args.adam) for name in args.recipes.split(",")]
+    rows = [run(name, device, args.warmup, args.steps, args.profile, args.compile, args.seq, args.adam)
+            for name in args.recipes.split(",")]
     if rank == 0:
         base = {r[0]: r for r in rows}.get("bf16" + (" (compiled)" if args.compile else ""))
         out = []
@@ -185,7 +188,9 @@ def main() -> None:
         print_table(
             ["recipe", "step ms", "tokens/s/GPU", "peak GiB", "× bf16 speed", "fwd all-gather MiB",
              "fwd AG × bf16", "all-gather MiB/step"],
-            out, f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {args.seq}, {args.adam} AdamW",
+            out,
+            f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {args.seq}, "
+            f"{args.adam} AdamW",
         )
     dist.destroy_process_group()
 

@@ -38,7 +38,8 @@ def teacher_batches(steps: int, *, seed: int = 1, device: str = "cpu"):
         yield x.to(device), (torch.tanh(x @ a) @ b).to(device)
 
 
-def train(recipe_name: str, *, steps: int = 200, lr: float = 3e-3, log_every: int = 0, device: str = "cpu") -> list[float]:
+def train(recipe_name: str, *, steps: int = 200, lr: float = 3e-3, log_every: int = 0,
+          device: str = "cpu") -> list[float]:
     """Trains the student for ``steps`` steps; returns the loss of every step."""
     recipe = hd.recipe_from_name(recipe_name)
     model = build_student(recipe, device=device)

@@ -207,4 +207,5 @@ class Linear(RecipeModuleMixin, nn.Module):
     # delayed-scaling states in the state dict (see [Note: quantizer states in the state dict])
     def extra_repr(self) -> str:
         recipe = self.recipe.name if self.recipe else None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, recipe={recipe}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, recipe={recipe}")

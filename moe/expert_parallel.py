@@ -137,7 +137,8 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _exchange(g.contiguous(), ctx.route, not ctx.to_experts, ctx.stats, ctx.key + "_grad"), None, None, None, None
+        dx = _exchange(g.contiguous(), ctx.route, not ctx.to_experts, ctx.stats, ctx.key + "_grad")
+        return dx, None, None, None, None
 
 
 def _exchange(x, route: Route, to_experts: bool, stats, key: str):

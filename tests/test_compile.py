@@ -48,7 +48,8 @@ def _inputs(m: int, k: int, n: int, steps: int, device: str, dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("name, bias", [
-    pytest.param(n, b, id=f"{n}-{'bias' if b else 'nobias'}", marks=() if (n, b) == ("mxfp8_fwd_nvfp4_bwd", False) else slow)
+    pytest.param(n, b, id=f"{n}-{'bias' if b else 'nobias'}",
+                 marks=() if (n, b) == ("mxfp8_fwd_nvfp4_bwd", False) else slow)
     for n in COMPILE_RECIPES for b in (False, True)])
 def test_compiled_linear_equals_eager_bitwise_cpu(name, bias):
     torch._dynamo.reset()

@@ -58,7 +58,10 @@ def _grads(model, x, *, checkpoint=False, offload=False, autocast_recipe=None):
     x = x.clone().requires_grad_(True)
 
     def run():
-        ctx = hd.autocast(autocast_recipe) if autocast_recipe else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        if autocast_recipe:
+            ctx = hd.autocast(autocast_recipe)
+        else:
+            ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         with ctx:
             if checkpoint:
                 return torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)

@@ -92,7 +92,8 @@ def test_to_dtype_dequantizes_and_device_moves_keep_the_subclass(name):
     assert not (_ptrs(copied) & _ptrs(t))
     meta = t.to("meta")
     assert isinstance(meta, QuantizedTensor) and meta.device.type == "meta"
-    assert all(x.device.type == "meta" for d in DIRS if meta.storage_of(d) for x in meta.storage_of(d).tensors().values())
+    assert all(x.device.type == "meta"
+               for d in DIRS if meta.storage_of(d) for x in meta.storage_of(d).tensors().values())
 
 
 # --- views ----------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def test_no_direction_raises(q):
 
 
 BAD_OPTIONS = [
-    ("fp8_dtype", lambda: Float8Quantizer(dtype=torch.bfloat16), "float8_e4m3fn or torch.float8_e5m2, got torch.bfloat16"),
+    ("fp8_dtype", lambda: Float8Quantizer(dtype=torch.bfloat16),
+     "float8_e4m3fn or torch.float8_e5m2, got torch.bfloat16"),
     ("fp8_scaling", lambda: Float8Quantizer(scaling="static"), "scaling must be 'current' or 'delayed', got 'static'"),
     ("fp8_amax_compute", lambda: Float8Quantizer(amax_compute="mean"), "amax_compute must be 'max' or 'most_recent'"),
     ("fp8_history_len", lambda: Float8Quantizer(amax_history_len=0), "amax_history_len must be >= 1"),

@@ -62,6 +62,7 @@ def test_graphed_linear_equals_eager_bitwise(name):
             out.append((y.detach(), dx, dw, db))
         for what, a, b in zip(("y", "dx", "dW", "db"), *out):
             n = n_bit_diffs(b, a, f"{name} step {step} {what}")
-            assert n == 0, f"{name} step {step}: {what} differs bitwise in {n} of {a.numel()} elements (graphed vs eager)"
+            assert n == 0, (f"{name} step {step}: {what} differs bitwise in {n} of {a.numel()} elements "
+                            "(graphed vs eager)")
     for (ke, kg), k0 in zip(keys, start):  # one SR kernel call per step: fresh noise per replay
         assert ke.item() == kg.item() == k0 + STEPS, f"{name}: SR keys {ke.item()}, {kg.item()}, expected {k0 + STEPS}"

@@ -48,7 +48,8 @@ def _fp8(shape, dtype, gen):
 
 
 def _scales(gen):
-    return (torch.rand(E, device="cuda", generator=gen) + 0.5) * 2**-4, torch.rand(E, device="cuda", generator=gen) + 0.5
+    return ((torch.rand(E, device="cuda", generator=gen) + 0.5) * 2**-4,
+            torch.rand(E, device="cuda", generator=gen) + 0.5)
 
 
 def _check(out, ref, abs_sum, fast, what):

@@ -106,7 +106,8 @@ def test_batched_fp8_weights_bitwise_the_expert_loop(recipe):
     rows, cols = expert_weight_storages(g.weight, loop_plan, need_dgrad=True)
     for what, a, b in (("rowwise", got[0], stack_experts(rows)), ("columnwise", got[1], stack_experts(cols))):
         assert a.storage.same_meta(b.storage), what
-        assert torch.equal(a.storage.data.view(torch.uint8), b.storage.data.view(torch.uint8)), f"{recipe} {what}: bytes"
+        assert torch.equal(a.storage.data.view(torch.uint8), b.storage.data.view(torch.uint8)), \
+            f"{recipe} {what}: bytes"
         assert torch.equal(a.scale, b.scale), f"{recipe} {what}: scale_inv"
     for i, (a, b) in enumerate(zip(plan.states["weight"], loop_plan.states["weight"])):
         if hasattr(a, "amax_history"):

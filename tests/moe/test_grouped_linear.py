@@ -213,4 +213,5 @@ def test_grouped_linear_dcp_round_trip_with_stacked_delayed_states(tmp_path):
         assert h is h0 and s is s0, f"stack {i}: loading replaced the stacked views"
         assert torch.equal(h, h1) and torch.equal(s, s1), f"stack {i}: loaded histories/scales differ from the saved"
     x = torch.randn(64, 64)
-    assert torch.equal(other(x, tokens), layer(x, tokens)), "fp8_delayed GroupedLinear: next step after a DCP round trip"
+    assert torch.equal(other(x, tokens), layer(x, tokens)), \
+        "fp8_delayed GroupedLinear: next step after a DCP round trip"
