@@ -1,8 +1,9 @@
 """Host (CPU) microseconds per call of what an eager ``hd.Linear`` step is made of: tensor
-allocation, a Triton launch (through ``JITFunction.run`` and through the compiled kernel's
-launcher), ``torch._scaled_mm``, an ``autograd.Function``, one quantize, and whole
-``hd.Linear`` / ``nn.Linear`` steps. Tiny tensors, so the GPU never limits: the figures are
-the host cost of each call. Prints one table. Run: ``python -m benchmarks.host_costs``.
+allocation, a Triton launch (through ``JITFunction.run``, through ``kernels._launch`` and
+through the compiled kernel's launcher alone), ``torch._scaled_mm``, an
+``autograd.Function``, one quantize, and whole ``hd.Linear`` / ``nn.Linear`` steps. Tiny
+tensors, so the GPU never limits: the figures are the host cost of each call. Prints one
+table. Run: ``python -m benchmarks.host_costs``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 import hybrid_dist as hd
 from benchmarks._bench import host_ms, print_table
-from hybrid_dist.kernels import fp8_tensor
+from hybrid_dist.kernels import _launch, fp8_tensor
 
 
 def host_us(fn, n: int = 2000) -> float:
@@ -62,6 +63,9 @@ def main() -> None:
         ["torch.empty(()) fp32", host_us(lambda: torch.empty((), dtype=torch.float32, device=dev))],
         ["torch.zeros(()) fp32", host_us(lambda: torch.zeros((), dtype=torch.float32, device=dev))],
         ["Triton launch kernel[grid](...) (amax kernel)", host_us(launch)],
+        ["the same kernel through kernels._launch.launch",
+         host_us(lambda: _launch.launch(fp8_tensor._amax_kernel, (1, 1), x, out, 64, 128, 128, 0, BM=64, BK=128,
+                                        num_warps=4))],
         ["the same kernel, compiled launcher called directly",
          host_us(lambda: kernel.run(1, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                                     *args))],

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, e2m1_decode, exp2_int
+from hybrid_dist.kernels._launch import launch
 
 _BR, _BC = 64, 128
 
@@ -67,8 +68,8 @@ def mxfp8_dequantize_op(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     r, c = data.shape
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
     if data.numel():
-        _mxfp8_dequant_kernel[(cdiv(r, _BR), cdiv(c, _BC))](
-            data, scale, out, r, c, BR=_BR, BC=_BC, num_warps=4)
+        launch(_mxfp8_dequant_kernel, (cdiv(r, _BR), cdiv(c, _BC)),
+               data, scale, out, r, c, BR=_BR, BC=_BC, num_warps=4)
     return out
 
 
@@ -84,8 +85,8 @@ def nvfp4_dequantize_op(data: torch.Tensor, block_scale: torch.Tensor, block_row
     r, c = data.shape[0], data.shape[1] * 2
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
     if data.numel():
-        _nvfp4_dequant_kernel[(cdiv(r, _BR), cdiv(c, _BC))](
-            data, block_scale, out, r, c, BLOCK_ROWS=block_rows, BR=_BR, BC=_BC, num_warps=4)
+        launch(_nvfp4_dequant_kernel, (cdiv(r, _BR), cdiv(c, _BC)),
+               data, block_scale, out, r, c, BLOCK_ROWS=block_rows, BR=_BR, BC=_BC, num_warps=4)
     return out
 
 
@@ -102,9 +103,10 @@ def scale_cast_op(acc: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torc
     n = acc.numel()
     if n:
         block = 4096
-        _scale_cast_kernel[(cdiv(n, block),)](
-            acc, scale_a if scale_a is not None else acc, scale_b if scale_b is not None else acc,
-            out, n, HAS_A=scale_a is not None, HAS_B=scale_b is not None, BLOCK=block, num_warps=8)
+        launch(
+            _scale_cast_kernel, (cdiv(n, block),), acc, scale_a if scale_a is not None else acc,
+            scale_b if scale_b is not None else acc, out, n, HAS_A=scale_a is not None, HAS_B=scale_b is not None,
+            BLOCK=block, num_warps=8)
     return out
 
 

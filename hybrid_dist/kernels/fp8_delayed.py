@@ -22,6 +22,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import FP32_MAX, div_rn, pow2_floor
+from hybrid_dist.kernels._launch import launch
 
 
 @triton.jit
@@ -60,8 +61,8 @@ def advance_(history: torch.Tensor, scale: torch.Tensor, quantizer) -> None:
         raise ValueError(f"advance_: a stack needs a contiguous history [E, L] and scale [E]; got "
                          f"{tuple(history.shape)} strides {history.stride()}, scale {tuple(scale.shape)}")
     n = history.shape[-1]
-    _advance_kernel[(states,)](
-        history, scale, n, FMAX=FP8_MAX[quantizer.dtype], EPS=float(quantizer.amax_epsilon),
-        MARGIN_MUL=2.0 ** -quantizer.margin, USE_MAX=quantizer.amax_compute == "max",
+    launch(
+        _advance_kernel, (states,), history, scale, n, FMAX=FP8_MAX[quantizer.dtype],
+        EPS=float(quantizer.amax_epsilon), MARGIN_MUL=2.0 ** -quantizer.margin, USE_MAX=quantizer.amax_compute == "max",
         POW2=quantizer.power_of_2_scales, BLOCK=triton.next_power_of_2(max(n, 2)),
     )

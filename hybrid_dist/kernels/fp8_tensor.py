@@ -24,6 +24,8 @@ import triton.language as tl
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage, stacked_delayed_states
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
+from hybrid_dist.kernels._launch import launch
+from hybrid_dist.kernels._zeros import zeroed_f32
 from hybrid_dist.kernels.transpose import transposed
 
 _BM, _BK = 64, 128
@@ -79,10 +81,10 @@ def _cast_transpose_kernel(
 def _amax_2d(x: torch.Tensor) -> torch.Tensor:
     """fp32 scalar ``max|x|`` of a 2D tensor with unit stride along dim 1."""
     m, k = x.shape
-    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    out = zeroed_f32(x.device)
     if m and k:
         grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK)
-        _amax_kernel[grid](x, out, m, k, x.stride(0), 0, BM=_BM, BK=_BK, num_warps=4)
+        launch(_amax_kernel, grid, x, out, m, k, x.stride(0), 0, BM=_BM, BK=_BK, num_warps=4)
     return out
 
 
@@ -103,7 +105,8 @@ def _fp8_cast_transpose(
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1))
-    _cast_transpose_kernel[grid](
+    launch(
+        _cast_transpose_kernel, grid,
         x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype],
         EPS=eps, POW2=pow2, SCALE_FROM_AMAX=scale_from_amax, ROW=rowwise, COL=columnwise,
         AMAX_OUT=record_amax, BM=_BM, BK=_BK, num_warps=8,
@@ -149,13 +152,14 @@ def quantize_fp8_batched(q: Float8Quantizer, x: torch.Tensor, *, columnwise: boo
         hist, scale = stacked_delayed_states(states, x.device)
         amax_in, amax_out, stride_out = scale, hist, hist.stride(0)
     else:
-        amax_in = scale = torch.zeros(b, dtype=torch.float32, device=x.device)
+        amax_in = scale = zeroed_f32(x.device, b)
         amax_out, stride_out = _unused(x.device, False), 0
         if x.numel():
-            _amax_kernel[grid](x, amax_in, m, k, x.stride(1), x.stride(0), BM=_BM, BK=_BK, num_warps=4)
+            launch(_amax_kernel, grid, x, amax_in, m, k, x.stride(1), x.stride(0), BM=_BM, BK=_BK, num_warps=4)
     if x.numel():
-        _cast_transpose_kernel[grid](
-            x, amax_in, scale, scale_inv, row, col, amax_out, m, k, x.stride(1), x.stride(0), stride_out,
+        launch(
+            _cast_transpose_kernel, grid, x, amax_in, scale, scale_inv, row, col, amax_out, m, k, x.stride(1),
+            x.stride(0), stride_out,
             FMAX=FP8_MAX[q.dtype], EPS=float(q.amax_epsilon), POW2=q.power_of_2_scales, SCALE_FROM_AMAX=not delayed,
             ROW=True, COL=columnwise, AMAX_OUT=delayed, BM=_BM, BK=_BK, num_warps=8)
     elif delayed:

@@ -35,6 +35,7 @@ from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
 from hybrid_dist.kernels._jit_common import (cast_fp8, cdiv, e8m0_inv_bf16, e8m0_rceil, e8m0_rceil_bf16, eager_or_op,
                                              exp2_int)
+from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels.mxfp8_words import mxfp8_words_kernel
 from hybrid_dist.kernels.quant_tiles import MXFP8_DEFAULT, MXFP8_WORDS_DEFAULT, TileConfig, bf16_words
 from hybrid_dist.kernels.scale_staging import new_stage, stage_unit, unstage
@@ -176,8 +177,9 @@ def _launch_words(x, row, row_s, col, col_s, dtype, rowwise, config):
     stage_c = new_stage(k, m // 32, uc, dev)
     xw = x.view(torch.int32)
     row64 = row.view(torch.int64) if rowwise else torch.empty(0, dtype=torch.int64, device=dev)
-    mxfp8_words_kernel[(cdiv(k, bk), cdiv(m, bm))](
-        xw, row64, stage_r.view(torch.uint8), col.view(torch.int64), stage_c.view(torch.uint8), m, k,
+    launch(
+        mxfp8_words_kernel, (cdiv(k, bk), cdiv(m, bm)), xw, row64, stage_r.view(torch.uint8), col.view(torch.int64),
+        stage_c.view(torch.uint8), m, k,
         max(xw.stride(0), 1), E5M2=dtype == torch.float8_e5m2, ROW=rowwise, BM=bm, BK=bk,
         EVEN=m % bm == 0 and k % bk == 0, UR=ur, UC=uc, **config.launch_options(dev))
     unstage((row_s, stage_r), (col_s, stage_c))

@@ -35,6 +35,8 @@ from hybrid_dist.formats import _traced_rng
 from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
+from hybrid_dist.kernels._launch import launch
+from hybrid_dist.kernels._zeros import zeroed_f32
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
 from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel, words_lane_quads
 from hybrid_dist.kernels.quant_tiles import NVFP4_WORDS_DEFAULT, TileConfig, bf16_words, nvfp4_default
@@ -55,13 +57,13 @@ def nvfp4_amax_tiles(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch
     """fp32 ``[2]``: ``max|x|`` and (if ``rht``) the max of the column-Hadamard transform
     (else 0). ``rht_row``: fp32 ``T[0, :]`` ``[16]``."""
     m, k = x.shape
-    out = torch.zeros(2, dtype=torch.float32, device=x.device)
+    out = zeroed_f32(x.device, 2)
     if x.numel():
         bm, bk = _AMAX_TILE
         n_k = cdiv(k, bk)
         n_tiles = cdiv(m, bm) * n_k
-        nvfp4_amax_kernel[(_amax_programs(x.device, n_tiles),)](
-            x, rht_row, out, m, k, x.stride(0), n_k, n_tiles, RHT=rht, BM=bm, BK=bk, num_warps=4)
+        launch(nvfp4_amax_kernel, (_amax_programs(x.device, n_tiles),), x, rht_row, out, m, k, x.stride(0), n_k,
+               n_tiles, RHT=rht, BM=bm, BK=bk, num_warps=4)
     return out
 
 
@@ -91,17 +93,19 @@ def nvfp4_quantize_tiles(
     config = config or (NVFP4_WORDS_DEFAULT if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
-    col64 = outs[2].view(torch.int64) if columnwise and x.numel() else torch.empty(0, dtype=torch.int64, device=x.device)
+    col64 = (outs[2].view(torch.int64) if columnwise and x.numel()
+             else torch.empty(0, dtype=torch.int64, device=x.device))
     grid = (max(cdiv(m, config.bm), 1), max(cdiv(k, config.bk), 1))  # program (0, 0) writes gs even if x is empty
     opts = config.launch_options(x.device)
     if words:
         xw = x.view(torch.int32)
-        nvfp4_words_kernel[grid](xw, rht_row, amax, outs[0], outs[1], col64, outs[3], *gs, m, k,
-                                 max(xw.stride(0), 1), ROW=rowwise, COL=columnwise, RHT=rht, BM=config.bm, BK=config.bk,
-                                 QUAD=rowwise and columnwise and words_lane_quads(config), **opts)
+        launch(nvfp4_words_kernel, grid, xw, rht_row, amax, outs[0], outs[1], col64, outs[3], *gs, m, k,
+               max(xw.stride(0), 1), ROW=rowwise, COL=columnwise, RHT=rht, BM=config.bm, BK=config.bk,
+               QUAD=rowwise and columnwise and words_lane_quads(config), **opts)
     else:
-        nvfp4_quantize_kernel[grid](
-            x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k, max(x.stride(0), 1),
+        launch(
+            nvfp4_quantize_kernel, grid, x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k,
+            max(x.stride(0), 1),
             ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
             TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, **opts)
     return (*outs, *gs)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import cdiv
+from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels.transpose import transpose_tile, transposed
 
 _UNIT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -79,5 +80,5 @@ def unstage(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
 def _launch(pairs):
     (a_dst, a), (b_dst, b) = pairs[0], pairs[-1]
     n = sum(cdiv(s.shape[0], _TILE) * cdiv(s.shape[1], _TILE) for _, s in pairs)
-    _unstage_kernel[(n,)](a, a_dst, a.shape[0], a.shape[1], b, b_dst, b.shape[0], b.shape[1],
+    launch(_unstage_kernel, (n,), a, a_dst, a.shape[0], a.shape[1], b, b_dst, b.shape[0], b.shape[1],
                           TWO=len(pairs) == 2, TILE=_TILE, num_warps=4)

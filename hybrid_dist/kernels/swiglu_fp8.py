@@ -27,6 +27,8 @@ from triton.language.extra import libdevice
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8, cdiv, div_rn, eager_or_op, per_block_scale, round_bf16
+from hybrid_dist.kernels._launch import launch
+from hybrid_dist.kernels._zeros import zeroed_f32
 from hybrid_dist.kernels.transpose import transposed
 
 _BM, _BK = 64, 128
@@ -74,14 +76,14 @@ def _swiglu_fp8(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float
     ``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``."""
     m, k = a.shape
     dev = a.device
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    amax = zeroed_f32(dev)
     row = torch.empty((m, k), dtype=dtype, device=dev)
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     grid = (max(cdiv(m, _BM), 1), max(cdiv(k, _BK), 1))
     sa, sb = max(a.stride(0), 1), max(b.stride(0), 1)
     if m and k:
-        _amax_kernel[grid](a, b, amax, m, k, sa, sb, BM=_BM, BK=_BK, num_warps=4)
-    _cast_kernel[grid](a, b, amax, scale_inv, row, m, k, sa, sb, FMAX=FP8_MAX[dtype], EPS=eps, POW2=pow2,
+        launch(_amax_kernel, grid, a, b, amax, m, k, sa, sb, BM=_BM, BK=_BK, num_warps=4)
+    launch(_cast_kernel, grid, a, b, amax, scale_inv, row, m, k, sa, sb, FMAX=FP8_MAX[dtype], EPS=eps, POW2=pow2,
                        BM=_BM, BK=_BK, num_warps=8)
     col = transposed(row) if columnwise else row.new_empty((0, 0))
     return (row if rowwise else row.new_empty((0, 0))), col, scale_inv

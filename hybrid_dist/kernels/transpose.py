@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_dist.kernels._launch import launch
+
 _VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE = 64
 
@@ -54,8 +56,8 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if r and c:
         view = _VIEW[src.element_size()]
         s = src.view(view) if src.dtype != view else src
-        _transpose_kernel[(triton.cdiv(r, _TILE), triton.cdiv(c, _TILE))](
-            s, dst.view(view), r, c, src.stride(0), src.stride(1), TILE=_TILE)
+        launch(_transpose_kernel, (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE)),
+               s, dst.view(view), r, c, src.stride(0), src.stride(1), TILE=_TILE)
     return dst
 
 

@@ -1,0 +1,100 @@
+"""Eager Triton launches at the host cost of the compiled kernel's launcher.
+
+[Note: direct launches]
+``kernel[grid](*args, **consts)`` goes through Triton's ``JITFunction.run`` on every call:
+argument binding, the specialization of every argument, a string cache key built from the
+options, a check of the kernel's global values, launch metadata and the current device
+and stream looked up through the driver. On an H200's host that costs 15–22 µs per call
+where the compiled kernel's launcher alone costs 6–8 µs (``benchmarks.host_costs``), and
+inside a training step, with the host's caches cold, each launch cost ~70 µs of profiled
+time, six per ``hd.Linear`` step with current scaling.
+
+``launch(kernel, grid, *args, **consts)`` launches the same compiled kernel. It keys its
+cache on what Triton's specialization depends on, computed here from the values:
+
+* a tensor: its dtype and whether its address is a multiple of 16;
+* an int: whether it is 1, whether it is a multiple of 16, and whether it fits int32
+  (Triton passes larger ints as int64);
+* a bool, float or None: its type;
+* the constexpr and option keywords, by value; the current device.
+
+Calls with the same key get the same specialization from Triton, so they share its
+compiled kernel. The first call of each key goes through ``kernel[grid]`` (which compiles
+or finds the kernel and returns it); later calls call its launcher with every parameter in
+signature order (Triton 3.6 passes constexprs too; other versions are launched through
+``kernel[grid]`` always). Launch hooks (a profiler's ``launch_enter_hook``) and the
+interpreter also take ``kernel[grid]``, so nothing they watch is skipped. Not cached:
+Triton's check that the kernel's global values have not changed since it was compiled
+(this package's kernels read module constants only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton import knobs
+
+from hybrid_dist.kernels._jit_common import INTERPRET
+
+_I32 = 2**31
+_Tensor = torch.Tensor
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_runtime = knobs.runtime
+# the launcher signature is known (Triton 3.6) and a compiled kernel exists (not the interpreter)
+_DIRECT = (triton.__version__.startswith("3.6.") and not INTERPRET.value and _raw_stream is not None
+           and _current_device is not None)
+
+# (id(kernel), device, argument keys, constexpr keywords) -> (compiled kernel, constexpr values in order)
+_COMPILED: dict[tuple, tuple[Any, tuple]] = {}
+
+
+def arg_keys(args: tuple) -> tuple:
+    """What Triton's specialization of each runtime argument depends on (see the note):
+    ``(dtype, aligned)`` per tensor, ``(== 1, % 16 == 0, fits int32)`` per int, else the type.
+    One expression, no call per argument: it runs on every launch."""
+    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor)
+                  else (a == 1, a & 15 == 0, -_I32 <= a < _I32) if type(a) is int
+                  else type(a) for a in args])
+
+
+def _constexpr_tail(kernel, n_args: int, consts: dict) -> tuple | None:
+    """The values of the parameters after the ``n_args`` positional ones, in order (from
+    ``consts`` or the defaults); None if one is missing (Triton then raises)."""
+    tail = []
+    for p in kernel.params[n_args:]:
+        name = p.name
+        if name in consts:
+            tail.append(consts[name])
+        elif p.has_default:
+            tail.append(p.default)
+        else:
+            return None
+    return tuple(tail)
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
+    """``kernel[grid](*args, **consts)`` without ``JITFunction.run`` once the kernel for this
+    specialization is known (see the note). ``args``: the runtime parameters, positionally
+    and first; ``consts``: constexprs and launch options (``num_warps``, ``maxnreg``)."""
+    # a launch hook (a profiler) is set: Triton 3.6 keeps them in HookChains, empty by default
+    enter, leave = _runtime.launch_enter_hook, _runtime.launch_exit_hook
+    if not _DIRECT or getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+        kernel[grid](*args, **consts)
+        return
+    device = _current_device()
+    key = (id(kernel), device, arg_keys(args), tuple(consts.items()))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **consts)
+        tail = _constexpr_tail(kernel, len(args), consts)
+        if tail is not None and hasattr(compiled, "packed_metadata"):
+            _COMPILED[key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                 None, *args, *tail)
