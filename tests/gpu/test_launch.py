@@ -93,13 +93,15 @@ def test_launch_hooks_see_every_launch():
 def test_zeroed_slots_are_fresh_zeros():
     dev = torch.device("cuda")
     a, b = _zeros.zeroed_f32(dev), _zeros.zeroed_f32(dev, 2)
-    assert a.shape == () and b.shape == (2,)
+    assert a.shape == () and b.shape == (2,) and _zeros.zeroed_f32(dev, 5).shape == (5,)
+    assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, "slots must start 16-byte aligned"
     a.fill_(5.0)
     ptrs = {a.data_ptr(), b.data_ptr(), b[1].data_ptr()}
     for _ in range(_zeros._SLOTS + 1):  # past the end of a buffer: a new buffer
-        s = _zeros.zeroed_f32(dev)
-        assert s.data_ptr() not in ptrs
-    assert float(s) == 0.0 and float(b.abs().sum()) == 0.0
+        s = _zeros.zeroed_f32(dev, 2)
+        assert s.data_ptr() not in ptrs and s[1].data_ptr() not in ptrs, "a slot was handed out twice"
+        ptrs |= {s.data_ptr(), s[1].data_ptr()}
+    assert float(s.abs().sum()) == 0.0 and float(b.abs().sum()) == 0.0
 
 
 def test_current_scaling_in_a_cuda_graph_takes_a_fresh_amax_per_replay():
