@@ -16,6 +16,7 @@ from torch import nn
 from hybrid_dist._tensor_ops import stateless
 from hybrid_dist.autocast import current_recipe, model_init_recipe
 from hybrid_dist.formats.float8 import DelayedScalingState
+from hybrid_dist.formats.nvfp4 import NVFP4State
 from hybrid_dist.hybrid import HybridState
 from hybrid_dist.recipes import Recipe
 
@@ -70,6 +71,21 @@ def _load_state_tensors(state: Any, saved: dict, where: str) -> None:
         _load_state_tensors(children[key], sub, f"{where}.{k}")
 
 
+def _make_kernel_keys(state: Any, device: torch.device) -> None:
+    """Create the stochastic-rounding states' CUDA Philox keys on ``device`` now (they are
+    made on first use otherwise). A key first made while a CUDA-graph tree runs
+    (``torch.compile(mode="reduce-overhead")`` of a module that never ran eagerly) would be
+    an allocation of the graph's pool that no graph output tracks, which the trees refuse."""
+    if isinstance(state, NVFP4State):
+        state.kernel_key(device)
+    elif isinstance(state, HybridState):
+        _make_kernel_keys(state.rowwise, device)
+        _make_kernel_keys(state.columnwise, device)
+    elif isinstance(state, (list, tuple)):
+        for s in state:
+            _make_kernel_keys(s, device)
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward (e.g. an activation recompute); False while tracing."""
     if torch.compiler.is_compiling():
@@ -93,6 +109,10 @@ class RecipeModuleMixin:
         if plan is None or plan.recipe is not recipe:
             plan = self._build_plan(recipe)
             self._plans[id(recipe)] = plan
+            weight = self.__dict__.get("_parameters", {}).get("weight")
+            if weight is not None and weight.is_cuda and not torch.compiler.is_compiling():
+                for state in plan.states.values():
+                    _make_kernel_keys(state, weight.device)
             pending = self.__dict__.get("_hd_pending_states")
             if pending and recipe.name in pending:  # loaded before this plan existed
                 self._load_plan_states(plan, pending.pop(recipe.name))

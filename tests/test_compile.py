@@ -103,6 +103,36 @@ def test_compiled_linear_inductor_gpu(name):
                 assert s >= 30, f"{name} step {step} {what}: SQNR {s:.1f} dB (inductor vs eager)"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", COMPILE_RECIPES)
+def test_compiled_linear_reduce_overhead_gpu(name):
+    """``mode="reduce-overhead"``: inductor plus CUDA-graph trees, which track every
+    allocation made while a graph runs (the amax ops allocate their targets fresh there,
+    not from ``kernels._zeros``' slots). The same bounds as inductor alone, per step; graph
+    outputs are cloned before the next replay overwrites them."""
+    torch._dynamo.reset()
+    m, k, n = 256, 512, 256
+    eager, compiled = _pair(name, k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    fn = torch.compile(compiled, fullgraph=True, mode="reduce-overhead")
+    xs, dys = _inputs(m, k, n, 4, "cuda", torch.bfloat16)
+    ref = _steps(eager, eager, xs, dys)
+    got = []
+    for x, dy in zip(xs, dys):
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_(True)
+        y = fn(x)
+        y.backward(dy)
+        got.append([y.detach().clone(), x.grad.clone(), compiled.weight.grad.clone()])
+    for step, (r, c) in enumerate(zip(ref, got)):
+        for what, a, b in zip(["y", "dx", "dW"], r, c):
+            if name == "fp8_current":
+                assert_bitwise_equal(b, a, f"{name} step {step} {what} (reduce-overhead vs eager)")
+            else:
+                s = sqnr_db(a, b)
+                assert s >= 30, f"{name} step {step} {what}: SQNR {s:.1f} dB (reduce-overhead vs eager)"
+
+
 def test_autocast_recipe_compiles_without_graph_breaks_cpu():
     """A module without its own recipe reads ``hd.autocast``'s while traced (the ContextVar
     is not traceable; see autocast's note): one full graph, bitwise the eager step, and a

@@ -78,17 +78,25 @@ def _cast_transpose_kernel(
         tl.store(col_ptr + rk_t * M + rm_t, tl.trans(q), mask=(rk_t < K) & (rm_t < M))
 
 
-def _amax_2d(x: torch.Tensor) -> torch.Tensor:
-    """fp32 scalar ``max|x|`` of a 2D tensor with unit stride along dim 1."""
+def _amax_2d(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 scalar ``max|x|`` of a 2D tensor with unit stride along dim 1, reduced into
+    ``out`` (zeros; default a zeroed slot, ``kernels._zeros``)."""
     m, k = x.shape
-    out = zeroed_f32(x.device)
+    out = zeroed_f32(x.device) if out is None else out
     if m and k:
         grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK)
         launch(_amax_kernel, grid, x, out, m, k, x.stride(0), 0, BM=_BM, BK=_BK, num_warps=4)
     return out
 
 
-amax_op = torch.library.custom_op("hybrid_dist::amax", mutates_args=())(_amax_2d)
+def _amax_2d_fresh(x: torch.Tensor) -> torch.Tensor:
+    """``_amax_2d`` into a fresh ``torch.zeros``: the op's implementation. A compiled graph
+    calls the op, and CUDA-graph trees (``mode="reduce-overhead"``) track every allocation
+    made while a graph runs, so no zeroed-slot buffer may be created there."""
+    return _amax_2d(x, torch.zeros((), dtype=torch.float32, device=x.device))
+
+
+amax_op = torch.library.custom_op("hybrid_dist::amax", mutates_args=())(_amax_2d_fresh)
 amax_op.register_fake(lambda x: x.new_empty((), dtype=torch.float32))
 amax_2d = eager_or_op(amax_op, _amax_2d)
 

@@ -53,11 +53,12 @@ def _amax_programs(device: torch.device, n_tiles: int) -> int:
     return max(1, min(n_tiles, sms * _AMAX_PROGRAMS_PER_SM))
 
 
-def nvfp4_amax_tiles(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch.Tensor:
+def nvfp4_amax_tiles(x: torch.Tensor, rht_row: torch.Tensor, rht: bool, out: torch.Tensor | None = None):
     """fp32 ``[2]``: ``max|x|`` and (if ``rht``) the max of the column-Hadamard transform
-    (else 0). ``rht_row``: fp32 ``T[0, :]`` ``[16]``."""
+    (else 0), reduced into ``out`` (zeros; default a zeroed slot, ``kernels._zeros``; the op
+    passes fresh zeros, see ``fp8_tensor._amax_2d_fresh``). ``rht_row``: fp32 ``T[0, :]`` ``[16]``."""
     m, k = x.shape
-    out = zeroed_f32(x.device, 2)
+    out = zeroed_f32(x.device, 2) if out is None else out
     if x.numel():
         bm, bk = _AMAX_TILE
         n_k = cdiv(k, bk)
@@ -122,7 +123,7 @@ def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):
 @torch.library.custom_op("hybrid_dist::nvfp4_amax", mutates_args=())
 def nvfp4_amax_op(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch.Tensor:
     """fp32 ``[2]``: ``max|x|`` and (if ``rht``) the max of the column-Hadamard transform (else 0)."""
-    return nvfp4_amax_tiles(x, rht_row, rht)
+    return nvfp4_amax_tiles(x, rht_row, rht, torch.zeros(2, dtype=torch.float32, device=x.device))
 
 
 @nvfp4_amax_op.register_fake
@@ -218,7 +219,7 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, 
     return row_st, col_st
 
 
-nvfp4_amax = eager_or_op(nvfp4_amax_op, nvfp4_amax_op._init_fn)
+nvfp4_amax = eager_or_op(nvfp4_amax_op, nvfp4_amax_tiles)
 
 
 nvfp4_quantize = eager_or_op(nvfp4_quantize_op, nvfp4_quantize_op._init_fn)

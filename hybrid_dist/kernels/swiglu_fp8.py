@@ -71,12 +71,14 @@ def _cast_kernel(a_ptr, b_ptr, amax_ptr, scale_inv_ptr, row_ptr, M, K, sa, sb, F
 
 
 def _swiglu_fp8(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool, rowwise: bool,
-                columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                columnwise: bool, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``silu(a) * b`` of bf16 ``a, b [M, K]`` (unit stride along K), quantized:
-    ``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``."""
+    ``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. ``fresh``: the amax target
+    is a new ``torch.zeros`` (the op's implementation; see ``fp8_tensor._amax_2d_fresh``),
+    else a zeroed slot (``kernels._zeros``)."""
     m, k = a.shape
     dev = a.device
-    amax = zeroed_f32(dev)
+    amax = torch.zeros((), dtype=torch.float32, device=dev) if fresh else zeroed_f32(dev)
     row = torch.empty((m, k), dtype=dtype, device=dev)
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     grid = (max(cdiv(m, _BM), 1), max(cdiv(k, _BK), 1))
@@ -95,7 +97,12 @@ def _fake(a, b, dtype, eps, pow2, rowwise, columnwise):
             a.new_empty((k, m) if columnwise else (0, 0), dtype=dtype), a.new_empty((), dtype=torch.float32))
 
 
-swiglu_op = torch.library.custom_op("hybrid_dist::swiglu_fp8", mutates_args=())(_swiglu_fp8)
+def _swiglu_fp8_fresh(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool, rowwise: bool,
+                      columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _swiglu_fp8(a, b, dtype, eps, pow2, rowwise, columnwise, fresh=True)
+
+
+swiglu_op = torch.library.custom_op("hybrid_dist::swiglu_fp8", mutates_args=())(_swiglu_fp8_fresh)
 swiglu_op.register_fake(_fake)
 swiglu_fp8 = eager_or_op(swiglu_op, _swiglu_fp8)
 
