@@ -6,8 +6,8 @@ argument binding, the specialization of every argument, a string cache key built
 options, a check of the kernel's global values, launch metadata and the current device
 and stream looked up through the driver. On an H200's host that costs 15–22 µs per call
 where the compiled kernel's launcher alone costs 6–8 µs (``benchmarks.host_costs``), and
-inside a training step, with the host's caches cold, each launch cost ~70 µs of profiled
-time, six per ``hd.Linear`` step with current scaling.
+inside a training step, with the host's caches cold, each launch cost ~79 µs of profiled
+time (an H100 host), six per ``hd.Linear`` step with current scaling.
 
 ``launch(kernel, grid, *args, **consts)`` launches the same compiled kernel. It keys its
 cache on what Triton's specialization depends on, computed here from the values:
@@ -22,8 +22,9 @@ Calls with the same key get the same specialization from Triton, so they share i
 compiled kernel. The first call of each key goes through ``kernel[grid]`` (which compiles
 or finds the kernel and returns it); later calls call its launcher with every parameter in
 signature order (Triton 3.6 passes constexprs too; other versions are launched through
-``kernel[grid]`` always). Launch hooks (a profiler's ``launch_enter_hook``) and the
-interpreter also take ``kernel[grid]``, so nothing they watch is skipped. Not cached:
+``kernel[grid]`` always). Launch hooks (a profiler's ``launch_enter_hook``; Triton 3.6 keeps
+them in ``HookChain`` lists, empty by default) and the interpreter also take
+``kernel[grid]``, so nothing they watch is skipped. Not cached:
 Triton's check that the kernel's global values have not changed since it was compiled
 (this package's kernels read module constants only).
 """
