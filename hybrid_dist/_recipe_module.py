@@ -75,7 +75,9 @@ def _make_kernel_keys(state: Any, device: torch.device) -> None:
     """Create the stochastic-rounding states' CUDA Philox keys on ``device`` now (they are
     made on first use otherwise). A key first made while a CUDA-graph tree runs
     (``torch.compile(mode="reduce-overhead")`` of a module that never ran eagerly) would be
-    an allocation of the graph's pool that no graph output tracks, which the trees refuse."""
+    an allocation of the graph's pool that no graph output tracks, which the trees refuse.
+    Not covered: a plan first built while compiling (a recipe that only ``hd.autocast``
+    gives, at a first forward that is compiled); run one eager step first there."""
     if isinstance(state, NVFP4State):
         state.kernel_key(device)
     elif isinstance(state, HybridState):
@@ -109,14 +111,25 @@ class RecipeModuleMixin:
         if plan is None or plan.recipe is not recipe:
             plan = self._build_plan(recipe)
             self._plans[id(recipe)] = plan
-            weight = self.__dict__.get("_parameters", {}).get("weight")
-            if weight is not None and weight.is_cuda and not torch.compiler.is_compiling():
-                for state in plan.states.values():
-                    _make_kernel_keys(state, weight.device)
+            self._make_kernel_keys([plan])
             pending = self.__dict__.get("_hd_pending_states")
             if pending and recipe.name in pending:  # loaded before this plan existed
                 self._load_plan_states(plan, pending.pop(recipe.name))
         return plan
+
+    def _make_kernel_keys(self, plans) -> None:
+        """``_make_kernel_keys`` for ``plans`` on the weight's device, if it is a CUDA device
+        (eager only): when a plan is built and when the module moves (``_apply``)."""
+        weight = self.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None and weight.is_cuda and not torch.compiler.is_compiling():
+            for plan in plans:
+                for state in plan.states.values():
+                    _make_kernel_keys(state, weight.device)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)  # .to / .cuda / to_empty: keys for the new device
+        self._make_kernel_keys(self.__dict__.get("_plans", {}).values())
+        return out
 
     def quantizer_state_dict(self) -> dict[str, dict]:
         """``{recipe name: {tensor_type: nested tensors}}``: the live delayed-scaling

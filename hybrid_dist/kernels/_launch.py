@@ -39,31 +39,41 @@ from triton import knobs
 
 from hybrid_dist.kernels._jit_common import INTERPRET
 
-_I32 = 2**31
+_I32, _I64 = 2**31, 2**63
 _Tensor = torch.Tensor
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _runtime = knobs.runtime
-# the launcher signature is known (Triton 3.6) and a compiled kernel exists (not the interpreter)
+# the launcher signature is known (Triton 3.6), a compiled kernel exists (not the interpreter),
+# and the specialization is NVIDIA's (AMD's also keys tensors on their storage size)
 _DIRECT = (triton.__version__.startswith("3.6.") and not INTERPRET.value and _raw_stream is not None
-           and _current_device is not None)
+           and _current_device is not None and torch.version.hip is None)
 
-# (id(kernel), device, argument keys, constexpr keywords) -> (compiled kernel, constexpr values in order)
+# cache_key(...) -> (compiled kernel, constexpr values in parameter order)
 _COMPILED: dict[tuple, tuple[Any, tuple]] = {}
 
 
 def arg_keys(args: tuple) -> tuple:
     """What Triton's specialization of each runtime argument depends on (see the note):
-    ``(dtype, aligned)`` per tensor, ``(== 1, % 16 == 0, fits int32)`` per int, else the type.
-    One expression, no call per argument: it runs on every launch."""
+    ``(dtype, aligned)`` per tensor, ``(== 1, % 16 == 0, fits int32, fits int64)`` per int,
+    else the type. One expression, no call per argument: it runs on every launch."""
     return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor)
-                  else (a == 1, a & 15 == 0, -_I32 <= a < _I32) if type(a) is int
+                  else (a == 1, a & 15 == 0, -_I32 <= a < _I32, a < _I64) if type(a) is int
                   else type(a) for a in args])
+
+
+def cache_key(kernel, device: int, args: tuple, consts: dict) -> tuple:
+    """The ``_COMPILED`` key of a launch: the kernel, the current device, ``arg_keys`` and the
+    constexpr keywords by value and type (Triton keys them by their text: True, 1 and 1.0 differ)."""
+    return id(kernel), device, arg_keys(args), tuple(consts.items()), tuple(map(type, consts.values()))
 
 
 def _constexpr_tail(kernel, n_args: int, consts: dict) -> tuple | None:
     """The values of the parameters after the ``n_args`` positional ones, in order (from
-    ``consts`` or the defaults); None if one is missing (Triton then raises)."""
+    ``consts`` or the defaults); None if one is missing (Triton then raises) or if a
+    positional one is a constexpr (keyed like a runtime value, so never cached)."""
+    if any(p.is_constexpr for p in kernel.params[:n_args]):
+        return None
     tail = []
     for p in kernel.params[n_args:]:
         name = p.name
@@ -80,13 +90,15 @@ def launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
     """``kernel[grid](*args, **consts)`` without ``JITFunction.run`` once the kernel for this
     specialization is known (see the note). ``args``: the runtime parameters, positionally
     and first; ``consts``: constexprs and launch options (``num_warps``, ``maxnreg``)."""
-    # a launch hook (a profiler) is set: Triton 3.6 keeps them in HookChains, empty by default
+    # Triton's own path where it does more than launch: launch hooks (a profiler; Triton 3.6
+    # keeps them in HookChains, empty by default), debug mode, pre-run hooks
     enter, leave = _runtime.launch_enter_hook, _runtime.launch_exit_hook
-    if not _DIRECT or getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+    if (not _DIRECT or getattr(enter, "calls", enter) or getattr(leave, "calls", leave) or _runtime.debug
+            or kernel.debug or kernel.pre_run_hooks):
         kernel[grid](*args, **consts)
         return
     device = _current_device()
-    key = (id(kernel), device, arg_keys(args), tuple(consts.items()))
+    key = cache_key(kernel, device, args, consts)
     hit = _COMPILED.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **consts)

@@ -38,13 +38,16 @@ def triton_cdiv(a, b):
 
 
 def _inputs():
-    """Inputs whose specializations differ: aligned; a view 1 element in (address and row
-    stride not multiples of 16); a single row (M == 1); sizes that are multiples of 16."""
+    """Inputs whose specializations all differ, pairs of them in one part only: the two views
+    (same sizes, row stride 392) in the address's alignment, 192 and 17 rows in M % 16, 17
+    rows and one row in M == 1; and odd sizes."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    big = torch.randn(200, 385, device="cuda", generator=g).bfloat16()
+    big = torch.randn(200, 392, device="cuda", generator=g).bfloat16()
     return {
         "aligned 192x384": big[:192, :384].contiguous(),
-        "offset view 200x384": big[:, 1:],
+        "view 200x384 at column 0": big[:, :384],
+        "view 200x384 at column 1 (misaligned)": big[:, 1:385],
+        "17 rows 17x384": big[:17, :384].contiguous(),
         "one row 1x384": big[:1, :384].contiguous(),
         "odd 37x129": big[:37, :129].contiguous(),
     }
@@ -52,29 +55,34 @@ def _inputs():
 
 @pytest.mark.skipif(not _launch._DIRECT, reason="direct launches need Triton 3.6 (compiled kernels)")
 def test_direct_launch_bitwise_triton_launch_per_specialization():
-    kernel, keys = fp8_tensor._cast_transpose_kernel, set()
-    for name, x in _inputs().items():
+    kernel, keys, inputs = fp8_tensor._cast_transpose_kernel, set(), _inputs()
+    for name, x in inputs.items():
         amax = x.float().abs().amax().reshape(())
         grid, args, consts, ref_out = _cast_args(x, amax)
         kernel[grid](*args, **consts)  # Triton's own launch
         for call in ("first (through kernel[grid])", "second (direct)"):
             grid, args, consts, out = _cast_args(x, amax)
             _launch.launch(kernel, grid, *args, **consts)
-            key = (id(kernel), torch.cuda.current_device(), _launch.arg_keys(args), tuple(consts.items()))
+            key = _launch.cache_key(kernel, torch.cuda.current_device(), args, consts)
             assert key in _launch._COMPILED, f"{name}: no cache entry after the {call} call"
             for what, a, b in zip(("row", "col", "scale_inv"), out, ref_out):
                 n = n_bit_diffs(a, b, f"{name} {what}")
                 assert n == 0, f"{name}, {call} call: {what} differs from kernel[grid] in {n} of {a.numel()} elements"
         keys.add(key)
-    assert len(keys) == 4, f"the four inputs should specialize differently: {[k[2] for k in keys]}"
+    assert len(keys) == len(inputs), f"the inputs should specialize differently: {[k[2] for k in keys]}"
 
 
 def test_arg_keys_separate_what_triton_specializes():
     x = torch.zeros(64, 64, device="cuda", dtype=torch.bfloat16)
-    keys = _launch.arg_keys((x, x.view(-1)[1:], x.float(), x.view(-1)[8:], 1, 16, 17, 2**31, -16, True, 0.5, None))
+    keys = _launch.arg_keys((x, x.view(-1)[1:], x.float(), x.view(-1)[8:], 1, 16, 17, 2**31, -16, True, 0.5, None,
+                             2**63))
     assert keys[0] != keys[1] and keys[0] != keys[2] and keys[0] == keys[3]  # address % 16 (bytes), dtype
     assert len(set(keys[4:8])) == 4 and keys[8] == keys[5]  # == 1, % 16, int32 range; negative multiples
     assert len({keys[9], keys[10], keys[11], keys[4]}) == 4  # bool, float, None, int
+    assert keys[12] != keys[7]  # beyond int64: Triton passes it as uint64
+    consts = _launch.cache_key(fp8_tensor._amax_kernel, 0, (), {"BM": 1}), _launch.cache_key(
+        fp8_tensor._amax_kernel, 0, (), {"BM": True})
+    assert consts[0] != consts[1], "constexprs 1 and True must not share a compiled kernel"
 
 
 def test_launch_hooks_see_every_launch():
