@@ -111,13 +111,13 @@ class RecipeModuleMixin:
         if plan is None or plan.recipe is not recipe:
             plan = self._build_plan(recipe)
             self._plans[id(recipe)] = plan
-            self._make_kernel_keys([plan])
+            self._make_plan_kernel_keys([plan])
             pending = self.__dict__.get("_hd_pending_states")
             if pending and recipe.name in pending:  # loaded before this plan existed
                 self._load_plan_states(plan, pending.pop(recipe.name))
         return plan
 
-    def _make_kernel_keys(self, plans) -> None:
+    def _make_plan_kernel_keys(self, plans) -> None:
         """``_make_kernel_keys`` for ``plans`` on the weight's device, if it is a CUDA device
         (eager only): when a plan is built and when the module moves (``_apply``)."""
         weight = self.__dict__.get("_parameters", {}).get("weight")
@@ -128,7 +128,7 @@ class RecipeModuleMixin:
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)  # .to / .cuda / to_empty: keys for the new device
-        self._make_kernel_keys(self.__dict__.get("_plans", {}).values())
+        self._make_plan_kernel_keys(self.__dict__.get("_plans", {}).values())
         return out
 
     def quantizer_state_dict(self) -> dict[str, dict]:

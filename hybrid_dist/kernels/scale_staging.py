@@ -81,4 +81,4 @@ def _launch(pairs):
     (a_dst, a), (b_dst, b) = pairs[0], pairs[-1]
     n = sum(cdiv(s.shape[0], _TILE) * cdiv(s.shape[1], _TILE) for _, s in pairs)
     launch(_unstage_kernel, (n,), a, a_dst, a.shape[0], a.shape[1], b, b_dst, b.shape[0], b.shape[1],
-                          TWO=len(pairs) == 2, TILE=_TILE, num_warps=4)
+           TWO=len(pairs) == 2, TILE=_TILE, num_warps=4)

@@ -86,7 +86,7 @@ def _swiglu_fp8(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float
     if m and k:
         launch(_amax_kernel, grid, a, b, amax, m, k, sa, sb, BM=_BM, BK=_BK, num_warps=4)
     launch(_cast_kernel, grid, a, b, amax, scale_inv, row, m, k, sa, sb, FMAX=FP8_MAX[dtype], EPS=eps, POW2=pow2,
-                       BM=_BM, BK=_BK, num_warps=8)
+           BM=_BM, BK=_BK, num_warps=8)
     col = transposed(row) if columnwise else row.new_empty((0, 0))
     return (row if rowwise else row.new_empty((0, 0))), col, scale_inv
 
