@@ -32,6 +32,7 @@ import triton.language as tl
 
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8
+from hybrid_dist.kernels._launch import launch
 
 __all__ = ["expert_amax", "fp8_rows"]
 
@@ -87,8 +88,8 @@ def expert_amax(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) 
     amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
     if t and k:
         grid = (triton.cdiv(t, _BM), triton.cdiv(k, _BK))
-        _expert_amax_kernel[grid](x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_BM,
-                                  BK=_BK, num_warps=4)
+        launch(_expert_amax_kernel, grid, x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_BM,
+               BK=_BK, num_warps=4)
     return amax
 
 
@@ -105,7 +106,7 @@ def fp8_rows(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, off
         return None, None
     if c and k:
         grid = (triton.cdiv(c, _BM), triton.cdiv(k, _BK))
-        _fp8_packed_kernel[grid](x, scale.float().contiguous(), row_expert.contiguous(), offsets.contiguous(),
-                                 padded_offsets.contiguous(), row, col, c, k, e, max(x.stride(0), 1),
-                                 FMAX=FP8_MAX[dtype], ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=4)
+        launch(_fp8_packed_kernel, grid, x, scale.float().contiguous(), row_expert.contiguous(),
+               offsets.contiguous(), padded_offsets.contiguous(), row, col, c, k, e, max(x.stride(0), 1),
+               FMAX=FP8_MAX[dtype], ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=4)
     return (row if rowwise else None), (col if columnwise else None)

@@ -22,11 +22,12 @@ Calls with the same key get the same specialization from Triton, so they share i
 compiled kernel. The first call of each key goes through ``kernel[grid]`` (which compiles
 or finds the kernel and returns it); later calls call its launcher with every parameter in
 signature order (Triton 3.6 passes constexprs too; other versions are launched through
-``kernel[grid]`` always). Launch hooks (a profiler's ``launch_enter_hook``; Triton 3.6 keeps
-them in ``HookChain`` lists, empty by default) and the interpreter also take
-``kernel[grid]``, so nothing they watch is skipped. Not cached:
-Triton's check that the kernel's global values have not changed since it was compiled
-(this package's kernels read module constants only).
+``kernel[grid]`` always), and for a kernel without scratch memory (all of this package's)
+the launcher's C function itself (``_entry``), which skips a Python frame per launch.
+Launch hooks (a profiler's ``launch_enter_hook``; Triton 3.6 keeps them in ``HookChain``
+lists, empty by default) and the interpreter also take ``kernel[grid]``, so nothing they
+watch is skipped. Not cached: Triton's check that the kernel's global values have not
+changed since it was compiled (this package's kernels read module constants only).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ _runtime = knobs.runtime
 _DIRECT = (triton.__version__.startswith("3.6.") and not INTERPRET.value and _raw_stream is not None
            and _current_device is not None and torch.version.hip is None)
 
-# cache_key(...) -> (compiled kernel, constexpr values in parameter order)
-_COMPILED: dict[tuple, tuple[Any, tuple]] = {}
+# cache_key(...) -> (compiled kernel, launch callable, its leading arguments, constexpr values in
+# parameter order): see _entry
+_COMPILED: dict[tuple, tuple[Any, Any, tuple, tuple]] = {}
 
 
 def arg_keys(args: tuple) -> tuple:
@@ -86,6 +88,22 @@ def _constexpr_tail(kernel, n_args: int, consts: dict) -> tuple | None:
     return tuple(tail)
 
 
+def _entry(compiled, tail: tuple) -> tuple:
+    """The ``_COMPILED`` value of a kernel Triton just compiled or found (and ran): the callable
+    and leading arguments that launch it as ``call(gx, gy, gz, stream, *head, *args, *tail)``.
+    Triton 3.6's launcher object (``compiled.run``) allocates the kernel's global and profile
+    scratch, if it has any, then calls its C ``launch``; a kernel with neither is launched by
+    that C function directly, with the launcher's cooperative-grid and PDL flags and no
+    scratch (``None``), as the launcher itself would."""
+    launcher, meta = compiled.run, compiled.packed_metadata  # handles loaded: the kernel has run
+    if (getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0
+            and hasattr(launcher, "launch")):
+        head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, meta, None,
+                None, None)
+        return compiled, launcher.launch, head, tail
+    return compiled, launcher, (compiled.function, meta, None, None, None), tail
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
     """``kernel[grid](*args, **consts)`` without ``JITFunction.run`` once the kernel for this
     specialization is known (see the note). ``args``: the runtime parameters, positionally
@@ -104,10 +122,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
         compiled = kernel[grid](*args, **consts)
         tail = _constexpr_tail(kernel, len(args), consts)
         if tail is not None and hasattr(compiled, "packed_metadata"):
-            _COMPILED[key] = (compiled, tail)
+            _COMPILED[key] = _entry(compiled, tail)
         return
-    compiled, tail = hit
+    _, call, head, tail = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
-                 None, *args, *tail)
+    call(grid[0], g1, g2, _raw_stream(device), *head, *args, *tail)

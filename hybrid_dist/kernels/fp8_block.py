@@ -21,6 +21,7 @@ import triton.language as tl
 from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8_block import BLOCK, Float8BlockQuantizer, Float8BlockStorage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, div_rn, per_block_scale
+from hybrid_dist.kernels._launch import launch
 
 
 @triton.jit
@@ -94,9 +95,9 @@ def fp8_block_quantize_op(
         consts = dict(FMAX=FP8_MAX[dtype], EPS=amax_epsilon, POW2=power_of_2_scales, ROW=rowwise, COL=columnwise,
                       B=BLOCK)
         if square:
-            _square_kernel[grid](*args, SQUARE=True, **consts)
+            _square_kernel[grid](*args, SQUARE=True, **consts)  # autotuned: Triton's launch path
         else:
-            _fp8_block_kernel[grid](*args, SQUARE=False, **consts, **_ROWS_LAUNCH)
+            launch(_fp8_block_kernel, grid, *args, SQUARE=False, **consts, **_ROWS_LAUNCH)
     return row, row_s, col, col_s
 
 

@@ -215,10 +215,9 @@ def mxfp8_quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, col
         _launch_words(x, row, row_s, col, col_s, dtype, rowwise, config)
     else:
         grid = (cdiv(m, config.bm), cdiv(k, config.bk))
-        _mxfp8_kernel[grid](x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype],
-                            E5M2=dtype == torch.float8_e5m2, BF16=x.dtype == torch.bfloat16, ROW=rowwise,
-                            COL=columnwise, BK=config.bk, EVEN=m % 32 == 0 and k % config.bk == 0,
-                            num_warps=config.num_warps)
+        launch(_mxfp8_kernel, grid, x, row, row_s, col, col_s, m, k, x.stride(0), FMAX=FP8_MAX[dtype],
+               E5M2=dtype == torch.float8_e5m2, BF16=x.dtype == torch.bfloat16, ROW=rowwise, COL=columnwise,
+               BK=config.bk, EVEN=m % 32 == 0 and k % config.bk == 0, num_warps=config.num_warps)
     return row, row_s, col, col_s
 
 

@@ -2,7 +2,8 @@
 
 A direct launch must run the kernel Triton would have chosen: calls that Triton specializes
 differently (16-byte aligned or not, an int equal to 1, a multiple of 16 or not) must not
-share a cached kernel, and every output must be bitwise that of ``kernel[grid]``. A zeroed
+share a cached kernel, each cached kernel must be the very one ``kernel[grid]`` returns for
+that call, and every output must be bitwise that of ``kernel[grid]``. A zeroed
 slot must never be handed out twice, and a CUDA graph must not replay one.
 """
 
@@ -59,12 +60,13 @@ def test_direct_launch_bitwise_triton_launch_per_specialization():
     for name, x in inputs.items():
         amax = x.float().abs().amax().reshape(())
         grid, args, consts, ref_out = _cast_args(x, amax)
-        kernel[grid](*args, **consts)  # Triton's own launch
+        chosen = kernel[grid](*args, **consts)  # Triton's own launch, and the kernel its cache chose
         for call in ("first (through kernel[grid])", "second (direct)"):
             grid, args, consts, out = _cast_args(x, amax)
             _launch.launch(kernel, grid, *args, **consts)
             key = _launch.cache_key(kernel, torch.cuda.current_device(), args, consts)
             assert key in _launch._COMPILED, f"{name}: no cache entry after the {call} call"
+            assert _launch._COMPILED[key][0] is chosen, f"{name}: the cached kernel is not the one Triton chose"
             for what, a, b in zip(("row", "col", "scale_inv"), out, ref_out):
                 n = n_bit_diffs(a, b, f"{name} {what}")
                 assert n == 0, f"{name}, {call} call: {what} differs from kernel[grid] in {n} of {a.numel()} elements"
