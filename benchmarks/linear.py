@@ -7,6 +7,12 @@ forward and backward replayed as one CUDA graph each, so no host time per kernel
 ``host ms`` is the CPU time per step (enqueue only): a step is host-bound where it
 approaches ``fwd+bwd ms``.
 
+Timing: ``--rounds`` rounds (default 3) per shape, each timing every variant once in turn;
+the table shows the median ms and, for ``x bf16`` / ``x torchao``, the median over rounds of
+the ratio within a round. Repetitions of one large step varied by up to 20% within one H100
+run (``fp8_current`` at 16384×4096×14336: 4.87 / 5.84 / 5.07 ms), more than the differences
+compared here, so a variant is compared with its neighbours in time.
+
 roofline = bf16 step time / (the recipe's three GEMMs timed alone on pre-quantized
 operands + the fewest bytes its quantization must move / the copy bandwidth measured in
 the same run). Fewest bytes per tensor (x, W, dy): the high-precision input read once
@@ -17,6 +23,7 @@ written; identity directions move nothing.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch import nn
@@ -28,6 +35,7 @@ from hybrid_dist.formats import Float8Quantizer, IdentityQuantizer, NVFP4Quantiz
 from hybrid_dist.linear import LinearPlan
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096), (8192, 2048, 2048)]
+TORCHAO = "torchao fp8 tensorwise (compiled)"
 RECIPES = ["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
            "fp8_fwd_bf16_bwd", "bf16_fwd_mxfp8_bwd"]
 
@@ -76,14 +84,14 @@ def _roofline_parts(recipe, x, w, dy, copy):
     return bench_ms(three), nbytes / copy / 1e6
 
 
-def _torchao_ms(k, n, x, dy):
+def _torchao_step(k, n, x, dy):
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError:
         return None
     m = nn.Sequential(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
     convert_to_float8_training(m)
-    return bench_ms(_step(torch.compile(m), x, dy))
+    return _step(torch.compile(m), x, dy)
 
 
 def _args():
@@ -97,14 +105,68 @@ def _args():
                    help="torch.compile mode for --compile, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--graphs", action="store_true",
                    help="also time each module (bf16 included) under torch.cuda.make_graphed_callables")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds; each round times every variant of a shape once, in turn")
     return p.parse_args()
 
 
-def _variant_row(shape, label, fn, bf16_ms, roof=None):
-    ms = bench_ms(fn)
-    host = host_ms(fn)
-    row = [shape, label, ms, host, bf16_ms / ms]
-    return row + ([roof, (bf16_ms / ms) / roof] if roof else ["", ""])
+def _variants(args, recipes, k, n, x, dy, copy):
+    """``[(label, step fn or error text, floor ms or None)]`` of one shape (floor: the three
+    GEMMs timed alone + the fewest quantize bytes at the copy bandwidth, see the module doc):
+    bf16 first, then torchao (if importable), then each recipe."""
+    ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    out = [("bf16 nn.Linear", _step(ref, x, dy), None)]
+    if args.graphs:
+        out.append(("bf16 nn.Linear (CUDA graph)", _step(_graphed(ref, x), x, dy), None))
+    ao = _torchao_step(k, n, x, dy)
+    if ao is not None:
+        out.append((TORCHAO, ao, None))
+    for name in recipes:
+        try:
+            recipe = hd.recipe_from_name(name)
+            lin = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+            floor = sum(_roofline_parts(recipe, x, lin.weight, dy, copy))
+            out.append((name, _step(lin, x, dy), floor))
+            if args.compile:
+                torch._dynamo.reset()
+                label = f"{name} (compiled{', ' + args.compile_mode if args.compile_mode else ''})"
+                out.append((label, _step(torch.compile(lin, fullgraph=True, mode=args.compile_mode), x, dy), floor))
+            if args.graphs:
+                lin_g = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+                out.append((f"{name} (CUDA graph)", _step(_graphed(lin_g, x), x, dy), floor))
+        except Exception as e:  # keep the table: report the failure in its row
+            out.append((name, f"failed: {type(e).__name__}: {e}"[:160], None))
+    return out
+
+
+def _rounds(variants, rounds: int) -> dict[str, list[float]]:
+    """ms per round per variant. Each round times every variant once, in turn, so that a
+    ratio taken within a round compares neighbours in time (the GPU's clocks drift over a
+    run by more than the differences measured here)."""
+    ms = {label: [] for label, fn, _ in variants if callable(fn)}
+    for _ in range(rounds):
+        for label, fn, _ in variants:
+            if callable(fn):
+                ms[label].append(bench_ms(fn))
+    return ms
+
+
+def _shape_rows(shape, variants, ms) -> list[list]:
+    """Table rows: median ms, host ms, and the medians over rounds of the per-round ratios
+    to bf16 and to torchao; roofline x = bf16 / floor, of roofline = floor / ms."""
+    bf16, ao = ms["bf16 nn.Linear"], ms.get(TORCHAO)
+    rows = []
+    for label, fn, floor in variants:
+        if not callable(fn):
+            rows.append([shape, label, fn, "", "", "", "", ""])
+            continue
+        t = ms[label]
+        x_bf16 = statistics.median(b / v for b, v in zip(bf16, t))
+        x_ao = "" if ao is None else statistics.median(a / v for a, v in zip(ao, t))
+        roof = ["", ""] if floor is None else [statistics.median(bf16) / floor, statistics.median(floor / v for v in t)]
+        host = host_ms(fn) if label != TORCHAO else ""
+        rows.append([shape, label, statistics.median(t), host, x_bf16, x_ao, *roof])
+    return rows
 
 
 def main() -> None:
@@ -117,40 +179,13 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16().requires_grad_(True)
         dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
-        ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        shape = f"{m},{k},{n}"
-        bf16_step = _step(ref, x, dy)
-        bf16_ms = bench_ms(bf16_step)
-        ao = _torchao_ms(k, n, x, dy)
-        rows.append([shape, "bf16 nn.Linear", bf16_ms, host_ms(bf16_step), 1.0, "", ""])
-        if args.graphs:
-            rows.append(_variant_row(shape, "bf16 nn.Linear (CUDA graph)", _step(_graphed(ref, x), x, dy), bf16_ms))
-        if ao is not None:
-            rows.append([shape, "torchao fp8 tensorwise (compiled)", ao, "", bf16_ms / ao, "", ""])
-        for name in recipes:
-            recipe = hd.recipe_from_name(name)
-            try:
-                lin = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
-                gemm_ms, quant_ms = _roofline_parts(recipe, x, lin.weight, dy, copy)
-                roof = bf16_ms / (gemm_ms + quant_ms)
-                rows.append(_variant_row(shape, name, _step(lin, x, dy), bf16_ms, roof))
-                if args.compile:
-                    torch._dynamo.reset()
-                    fn = _step(torch.compile(lin, fullgraph=True, mode=args.compile_mode), x, dy)
-                    label = f"{name} (compiled{', ' + args.compile_mode if args.compile_mode else ''})"
-                    rows.append(_variant_row(shape, label, fn, bf16_ms, roof))
-                if args.graphs:
-                    lin_g = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
-                    rows.append(_variant_row(shape, f"{name} (CUDA graph)", _step(_graphed(lin_g, x), x, dy),
-                                             bf16_ms, roof))
-            except Exception as e:  # keep the table: report the failure in its row
-                rows.append([shape, name, f"failed: {type(e).__name__}: {e}"[:160], "", "", "", ""])
-                continue
-            del lin
-        del x, dy, ref
+        variants = _variants(args, recipes, k, n, x, dy, copy)
+        rows += _shape_rows(f"{m},{k},{n}", variants, _rounds(variants, args.rounds))
+        del x, dy, variants
         torch.cuda.empty_cache()
-    print_table(["M,K,N", "variant", "fwd+bwd ms", "host ms", "x bf16", "roofline x", "of roofline"], rows,
-                f"Linear fwd+bwd on {torch.cuda.get_device_name()} (copy {copy:.0f} GB/s)")
+    print_table(["M,K,N", "variant", "fwd+bwd ms", "host ms", "x bf16", "x torchao", "roofline x", "of roofline"],
+                rows, f"Linear fwd+bwd on {torch.cuda.get_device_name()} (copy {copy:.0f} GB/s; medians of "
+                f"{args.rounds} interleaved rounds, ratios per round)")
 
 
 if __name__ == "__main__":
