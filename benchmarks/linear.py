@@ -7,9 +7,10 @@ forward and backward replayed as one CUDA graph each, so no host time per kernel
 ``host ms`` is the CPU time per step (enqueue only): a step is host-bound where it
 approaches ``fwd+bwd ms``.
 
-Timing: ``--rounds`` rounds (default 3) per shape, each timing every variant once in turn;
-the table shows the median ms and, for ``x bf16`` / ``x torchao``, the median over rounds of
-the ratio within a round. Repetitions of one large step varied by up to 20% within one H100
+Timing: ``--rounds`` rounds (default 3) per shape, each timing every variant once in turn,
+and each recipe's three GEMMs next to its steps; the table shows the median ms and, for the
+ratios (``x bf16``, ``x torchao`` with its [min, max], the roofline columns), the median over
+rounds of the ratio within a round. Repetitions of one large step varied by up to 20% within one H100
 run (``fp8_current`` at 16384×4096×14336: 4.87 / 5.84 / 5.07 ms), more than the differences
 compared here, so a variant is compared with its neighbours in time.
 
@@ -23,7 +24,9 @@ written; identity directions move nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -60,6 +63,8 @@ def _reads(q) -> int:
 
 
 def _roofline_parts(recipe, x, w, dy, copy):
+    """``(three, quantize ms)``: a callable running the recipe's three GEMMs on operands
+    quantized once, and the fewest bytes its quantization moves at ``copy`` GB/s."""
     plan = LinearPlan.build(recipe, module_type="linear", name="")
     for st in plan.states.values():
         if hasattr(st, "to"):
@@ -81,7 +86,7 @@ def _roofline_parts(recipe, x, w, dy, copy):
         gemm.gemm_nt(dyq.rowwise, wq.columnwise, out_dtype=torch.bfloat16, config=r.dgrad)  # dgrad
         gemm.gemm_nt(dyq.columnwise, xq.columnwise, out_dtype=torch.bfloat16, config=r.wgrad)  # wgrad
 
-    return bench_ms(three), nbytes / copy / 1e6
+    return three, nbytes / copy / 1e6
 
 
 def _torchao_step(k, n, x, dy):
@@ -110,82 +115,136 @@ def _args():
     return p.parse_args()
 
 
-def _variants(args, recipes, k, n, x, dy, copy):
-    """``[(label, step fn or error text, floor ms or None)]`` of one shape (floor: the three
-    GEMMs timed alone + the fewest quantize bytes at the copy bandwidth, see the module doc):
-    bf16 first, then torchao (if importable), then each recipe."""
+@dataclasses.dataclass
+class Variant:
+    """One timed step of a shape. ``fn`` is None once it failed (``error`` says how);
+    ``floor``: the recipe's ``(three GEMMs callable, quantize ms)`` (``_roofline_parts``)."""
+
+    label: str
+    fn: Callable[[], object] | None
+    floor: tuple[Callable[[], object], float] | None = None
+    error: str = ""
+
+
+def _failed(label: str, e: Exception) -> Variant:
+    return Variant(label, None, error=f"failed: {type(e).__name__}: {e}"[:160])
+
+
+def _checked(label: str, fn, floor=None) -> Variant:
+    """``fn`` run once (compiling, capturing, allocating) so that a failure is its row's."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return Variant(label, fn, floor)
+    except Exception as e:  # keep the table: report the failure in its row
+        return _failed(label, e)
+
+
+def _variants(args, recipes, *, k, n, x, dy, copy) -> list[Variant]:
+    """The variants of one shape: bf16 first, then torchao (if importable), then each recipe
+    (eager, and compiled / graphed when asked). All stay alive while the shape is timed:
+    graphed and reduce-overhead variants each hold a private memory pool."""
     ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    out = [("bf16 nn.Linear", _step(ref, x, dy), None)]
+    out = [_checked("bf16 nn.Linear", _step(ref, x, dy))]
     if args.graphs:
-        out.append(("bf16 nn.Linear (CUDA graph)", _step(_graphed(ref, x), x, dy), None))
+        out.append(_checked("bf16 nn.Linear (CUDA graph)", _step(_graphed(ref, x), x, dy)))
     ao = _torchao_step(k, n, x, dy)
     if ao is not None:
-        out.append((TORCHAO, ao, None))
+        out.append(_checked(TORCHAO, ao))
     for name in recipes:
         try:
             recipe = hd.recipe_from_name(name)
             lin = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
-            floor = sum(_roofline_parts(recipe, x, lin.weight, dy, copy))
-            out.append((name, _step(lin, x, dy), floor))
-            if args.compile:
-                torch._dynamo.reset()
-                label = f"{name} (compiled{', ' + args.compile_mode if args.compile_mode else ''})"
-                out.append((label, _step(torch.compile(lin, fullgraph=True, mode=args.compile_mode), x, dy), floor))
-            if args.graphs:
-                lin_g = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
-                out.append((f"{name} (CUDA graph)", _step(_graphed(lin_g, x), x, dy), floor))
+            floor = _roofline_parts(recipe, x, lin.weight, dy, copy)
         except Exception as e:  # keep the table: report the failure in its row
-            out.append((name, f"failed: {type(e).__name__}: {e}"[:160], None))
+            out.append(_failed(name, e))
+            continue
+        out.append(_checked(name, _step(lin, x, dy), floor))
+        if args.compile:
+            label = f"{name} (compiled{', ' + args.compile_mode if args.compile_mode else ''})"
+            out.append(_checked(label, _step(torch.compile(lin, fullgraph=True, mode=args.compile_mode), x, dy),
+                                floor))
+        if args.graphs:
+            try:
+                lin_g = hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+                out.append(_checked(f"{name} (CUDA graph)", _step(_graphed(lin_g, x), x, dy), floor))
+            except Exception as e:
+                out.append(_failed(f"{name} (CUDA graph)", e))
     return out
 
 
-def _rounds(variants, rounds: int) -> dict[str, list[float]]:
-    """ms per round per variant. Each round times every variant once, in turn, so that a
-    ratio taken within a round compares neighbours in time (the GPU's clocks drift over a
-    run by more than the differences measured here)."""
-    ms = {label: [] for label, fn, _ in variants if callable(fn)}
+def _rounds(variants: list[Variant], rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``(ms, floor ms)`` per round per variant. Each round times every variant once, in turn,
+    and each recipe's GEMMs alone next to it, so that a ratio taken within a round compares
+    neighbours in time (the GPU's clocks drift over a run by more than the differences
+    measured here). A variant that fails while timed keeps its error and leaves the rounds."""
+    ms = {v.label: [] for v in variants}
+    floors = {v.label: [] for v in variants}
     for _ in range(rounds):
-        for label, fn, _ in variants:
-            if callable(fn):
-                ms[label].append(bench_ms(fn))
-    return ms
+        gemms = {}  # the GEMMs of a recipe's eager, compiled and graphed variants: timed once a round
+        for v in variants:
+            if v.fn is None:
+                continue
+            try:
+                ms[v.label].append(bench_ms(v.fn))
+                if v.floor is not None:
+                    three, quant_ms = v.floor
+                    if id(three) not in gemms:
+                        gemms[id(three)] = bench_ms(three)
+                    floors[v.label].append(gemms[id(three)] + quant_ms)
+            except Exception as e:  # keep the table: report the failure in its row
+                failed = _failed(v.label, e)
+                v.fn, v.error = None, failed.error
+    return ms, floors
 
 
-def _shape_rows(shape, variants, ms) -> list[list]:
-    """Table rows: median ms, host ms, and the medians over rounds of the per-round ratios
-    to bf16 and to torchao; roofline x = bf16 / floor, of roofline = floor / ms."""
-    bf16, ao = ms["bf16 nn.Linear"], ms.get(TORCHAO)
+def _spread(values: list[float]) -> str:
+    """``median [min, max]``, 3 decimals."""
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def _shape_rows(shape, variants: list[Variant], ms, floors) -> list[list]:
+    """Table rows: median ms, host ms, and over the rounds the per-round ratios to bf16 and
+    (median [min, max]) to torchao; roofline x = bf16 / floor and of roofline = floor / ms,
+    per round, medians."""
+    bf16, ao = ms["bf16 nn.Linear"], ms.get(TORCHAO) or None
     rows = []
-    for label, fn, floor in variants:
-        if not callable(fn):
-            rows.append([shape, label, fn, "", "", "", "", ""])
+    for v in variants:
+        t = ms[v.label]
+        if v.fn is None:
+            rows.append([shape, v.label, v.error, "", "", "", "", ""])
             continue
-        t = ms[label]
-        x_bf16 = statistics.median(b / v for b, v in zip(bf16, t))
-        x_ao = "" if ao is None else statistics.median(a / v for a, v in zip(ao, t))
-        roof = ["", ""] if floor is None else [statistics.median(bf16) / floor, statistics.median(floor / v for v in t)]
-        host = host_ms(fn) if label != TORCHAO else ""
-        rows.append([shape, label, statistics.median(t), host, x_bf16, x_ao, *roof])
+        x_bf16 = statistics.median(b / u for b, u in zip(bf16, t))
+        x_ao = "" if ao is None else _spread([a / u for a, u in zip(ao, t)])
+        f = floors[v.label]
+        roof = ["", ""] if not f else [statistics.median(b / c for b, c in zip(bf16, f)),
+                                       statistics.median(c / u for c, u in zip(f, t))]
+        host = host_ms(v.fn) if v.label != TORCHAO else ""
+        rows.append([shape, v.label, statistics.median(t), host, x_bf16, x_ao, *roof])
     return rows
 
 
 def main() -> None:
     args = _args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
-    recipes = [r for r in args.recipes.split(",") if r]
+    recipes = list(dict.fromkeys(r for r in args.recipes.split(",") if r))  # each once, in order
+    # every compiled variant of a shape stays alive, each with its own guards
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(recipes) + 8)
     copy = copy_gbps()
     rows = []
     for m, k, n in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16().requires_grad_(True)
         dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
-        variants = _variants(args, recipes, k, n, x, dy, copy)
-        rows += _shape_rows(f"{m},{k},{n}", variants, _rounds(variants, args.rounds))
+        variants = _variants(args, recipes, k=k, n=n, x=x, dy=dy, copy=copy)
+        rows += _shape_rows(f"{m},{k},{n}", variants, *_rounds(variants, args.rounds))
         del x, dy, variants
         torch.cuda.empty_cache()
-    print_table(["M,K,N", "variant", "fwd+bwd ms", "host ms", "x bf16", "x torchao", "roofline x", "of roofline"],
-                rows, f"Linear fwd+bwd on {torch.cuda.get_device_name()} (copy {copy:.0f} GB/s; medians of "
-                f"{args.rounds} interleaved rounds, ratios per round)")
+    print_table(["M,K,N", "variant", "fwd+bwd ms", "host ms", "x bf16", "x torchao [min, max]", "roofline x",
+                 "of roofline"], rows, f"Linear fwd+bwd on {torch.cuda.get_device_name()} (copy {copy:.0f} GB/s; "
+                f"medians of {args.rounds} interleaved rounds, ratios per round)")
 
 
 if __name__ == "__main__":

@@ -25,14 +25,15 @@ signature order (Triton 3.6 passes constexprs too; other versions are launched t
 ``kernel[grid]`` always), and for a kernel without scratch memory (all of this package's)
 the launcher's C function itself (``_entry``), which skips a Python frame per launch.
 Launch hooks (a profiler's ``launch_enter_hook``; Triton 3.6 keeps them in ``HookChain``
-lists, empty by default) and the interpreter also take ``kernel[grid]``, so nothing they
-watch is skipped. Not cached: Triton's check that the kernel's global values have not
+lists, empty by default), debug mode, pre-run hooks, an instrumentation mode (which Triton
+keys its cache on) and the interpreter also take ``kernel[grid]``, so nothing they watch or
+change is skipped. Not cached: Triton's check that the kernel's global values have not
 changed since it was compiled (this package's kernels read module constants only).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -50,9 +51,19 @@ _runtime = knobs.runtime
 _DIRECT = (triton.__version__.startswith("3.6.") and not INTERPRET.value and _raw_stream is not None
            and _current_device is not None and torch.version.hip is None)
 
-# cache_key(...) -> (compiled kernel, launch callable, its leading arguments, constexpr values in
-# parameter order): see _entry
-_COMPILED: dict[tuple, tuple[Any, Any, tuple, tuple]] = {}
+_compilation = knobs.compilation
+
+
+class Cached(NamedTuple):
+    """A cached launch (``_entry``): ``call(gx, gy, gz, stream, *head, *args, *tail)``."""
+
+    compiled: Any  # the CompiledKernel that kernel[grid] returned
+    call: Any  # its launcher's C launch function, or the launcher object (kernels with scratch)
+    head: tuple  # the arguments before the kernel's own
+    tail: tuple  # the constexpr values after the runtime arguments, in parameter order
+
+
+_COMPILED: dict[tuple, Cached] = {}  # cache_key(...) -> Cached
 
 
 def arg_keys(args: tuple) -> tuple:
@@ -88,20 +99,19 @@ def _constexpr_tail(kernel, n_args: int, consts: dict) -> tuple | None:
     return tuple(tail)
 
 
-def _entry(compiled, tail: tuple) -> tuple:
-    """The ``_COMPILED`` value of a kernel Triton just compiled or found (and ran): the callable
-    and leading arguments that launch it as ``call(gx, gy, gz, stream, *head, *args, *tail)``.
-    Triton 3.6's launcher object (``compiled.run``) allocates the kernel's global and profile
-    scratch, if it has any, then calls its C ``launch``; a kernel with neither is launched by
-    that C function directly, with the launcher's cooperative-grid and PDL flags and no
-    scratch (``None``), as the launcher itself would."""
+def _entry(compiled, tail: tuple) -> Cached:
+    """The ``_COMPILED`` value of a kernel Triton just compiled or found (and ran). Triton 3.6's
+    launcher object (``compiled.run``) allocates the kernel's global and profile scratch, if it
+    has any, then calls its C ``launch``; a kernel with neither is launched by that C function
+    directly, with the launcher's cooperative-grid and PDL flags and no scratch (``None``), as
+    the launcher itself would."""
     launcher, meta = compiled.run, compiled.packed_metadata  # handles loaded: the kernel has run
     if (getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0
             and hasattr(launcher, "launch")):
         head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, meta, None,
                 None, None)
-        return compiled, launcher.launch, head, tail
-    return compiled, launcher, (compiled.function, meta, None, None, None), tail
+        return Cached(compiled, launcher.launch, head, tail)
+    return Cached(compiled, launcher, (compiled.function, meta, None, None, None), tail)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
@@ -109,10 +119,11 @@ def launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
     specialization is known (see the note). ``args``: the runtime parameters, positionally
     and first; ``consts``: constexprs and launch options (``num_warps``, ``maxnreg``)."""
     # Triton's own path where it does more than launch: launch hooks (a profiler; Triton 3.6
-    # keeps them in HookChains, empty by default), debug mode, pre-run hooks
+    # keeps them in HookChains, empty by default), debug mode, pre-run hooks, an instrumentation
+    # mode (part of Triton's cache key, not of ours)
     enter, leave = _runtime.launch_enter_hook, _runtime.launch_exit_hook
     if (not _DIRECT or getattr(enter, "calls", enter) or getattr(leave, "calls", leave) or _runtime.debug
-            or kernel.debug or kernel.pre_run_hooks):
+            or kernel.debug or kernel.pre_run_hooks or _compilation.instrumentation_mode):
         kernel[grid](*args, **consts)
         return
     device = _current_device()
@@ -124,7 +135,6 @@ def launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
         if tail is not None and hasattr(compiled, "packed_metadata"):
             _COMPILED[key] = _entry(compiled, tail)
         return
-    _, call, head, tail = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    call(grid[0], g1, g2, _raw_stream(device), *head, *args, *tail)
+    hit.call(grid[0], g1, g2, _raw_stream(device), *hit.head, *args, *hit.tail)

@@ -66,7 +66,9 @@ def test_direct_launch_bitwise_triton_launch_per_specialization():
             _launch.launch(kernel, grid, *args, **consts)
             key = _launch.cache_key(kernel, torch.cuda.current_device(), args, consts)
             assert key in _launch._COMPILED, f"{name}: no cache entry after the {call} call"
-            assert _launch._COMPILED[key][0] is chosen, f"{name}: the cached kernel is not the one Triton chose"
+            cached = _launch._COMPILED[key]
+            assert cached.compiled is chosen, f"{name}: the cached kernel is not the one Triton chose"
+            assert cached.call is chosen.run.launch, f"{name}: not launched by the C function (scratch?)"
             for what, a, b in zip(("row", "col", "scale_inv"), out, ref_out):
                 n = n_bit_diffs(a, b, f"{name} {what}")
                 assert n == 0, f"{name}, {call} call: {what} differs from kernel[grid] in {n} of {a.numel()} elements"
