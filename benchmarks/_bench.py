@@ -20,6 +20,26 @@ def copy_gbps(numel: int = 16384 * 8192, dtype=torch.bfloat16) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def interleaved_ms(fns: dict, rounds: int) -> tuple[dict[object, list[float]], dict[object, str]]:
+    """``({key: [ms per round]}, {key: error text})`` for an ordered ``{key: callable}``: each of
+    ``rounds`` rounds times every callable once, in order (``bench_ms``), so that a ratio taken
+    within a round compares neighbours in time. The GPU's clocks drift over a run by more than
+    the differences these benchmarks compare (one H100 run of ``benchmarks.gemm``: bf16 cuBLAS
+    at 8192³ read 772 TFLOP/s at its start and 686 at its end). A callable that raises keeps
+    its error and leaves the rounds."""
+    ms = {key: [] for key in fns}
+    errors = {}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            if key in errors:
+                continue
+            try:
+                ms[key].append(bench_ms(fn))
+            except Exception as e:  # keep the table: the caller reports the failure in its row
+                errors[key] = f"failed: {type(e).__name__}: {e}"[:160]
+    return ms, errors
+
+
 def host_ms(fn, n: int = 20, warmup: int = 1) -> float:
     """Host (CPU) milliseconds per call: wall time of ``n`` calls enqueued back to back after
     ``warmup`` calls and a sync (few enough calls, or tiny enough work, that the launch queue

@@ -1,14 +1,19 @@
 """GEMMs: TFLOP/s per operand-format pair at 8192³ against bf16 cuBLAS in the same run
 (``hybrid_dist.gemm.gemm_nt`` on pre-quantized operands, including any dequantize).
-Prints one table. Run: ``python benchmarks/gemm.py``.
+Prints one table. Run: ``python -m benchmarks.gemm``. Timing: ``--rounds`` interleaved
+rounds (``_bench.interleaved_ms``); ``x bf16`` is the median of the per-round ratios to the
+bf16 cuBLAS GEMM timed in the same round, with its [min, max].
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
+
 import torch
 
 import hybrid_dist as hd
-from benchmarks._bench import bench_ms, print_table
+from benchmarks._bench import interleaved_ms, print_table
 from hybrid_dist.gemm import GemmConfig, gemm_nt
 
 S = 8192
@@ -32,27 +37,55 @@ PAIRS = [  # (A, B, fast_accum)
 ]
 
 
+def _args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds; each round times bf16 cuBLAS and every pair once, in turn")
+    return p.parse_args()
+
+
+def _label(a: str, b: str, fast: bool) -> tuple[str, str]:
+    return f"{a} x {b}", "fast" if fast else ""
+
+
+def _pair_fns(a_hp, b_hp) -> tuple[dict, dict[tuple[str, str], str]]:
+    """``({label: GEMM callable}, {label: failure})`` of every pair, on operands quantized once."""
+    fns, failed = {}, {}
+    for an, bn, fast in PAIRS:
+        label, cfg = _label(an, bn, fast), GemmConfig(use_fast_accum=fast)
+        try:
+            sa = Q[an].quantize_storages(a_hp, rowwise=True, columnwise=False)[0]
+            sb = Q[bn].quantize_storages(b_hp, rowwise=True, columnwise=False)[0]
+            fns[label] = lambda sa=sa, sb=sb, cfg=cfg: gemm_nt(sa, sb, out_dtype=torch.bfloat16, config=cfg)
+        except Exception as e:  # keep the table: report the failure in its row
+            failed[label] = f"failed: {type(e).__name__}: {e}"[:120]
+    return fns, failed
+
+
 def main() -> None:
+    args = _args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     g = torch.Generator(device="cuda").manual_seed(0)
     a_hp = torch.randn(S, S, device="cuda", generator=g).bfloat16()
     b_hp = torch.randn(S, S, device="cuda", generator=g).bfloat16()
     flop = 2 * S**3
-    bf16_ms = bench_ms(lambda: a_hp @ b_hp.t())
-    rows = [["bf16 cuBLAS (a @ b.t())", "", bf16_ms, flop / bf16_ms / 1e9, 1.0]]
-    for an, bn, fast in PAIRS:
-        cfg = GemmConfig(use_fast_accum=fast)
-        try:
-            sa = Q[an].quantize_storages(a_hp, rowwise=True, columnwise=False)[0]
-            sb = Q[bn].quantize_storages(b_hp, rowwise=True, columnwise=False)[0]
-            ms = bench_ms(lambda: gemm_nt(sa, sb, out_dtype=torch.bfloat16, config=cfg))
-        except Exception as e:  # keep the table: report the failure in its row
-            rows.append([f"{an} x {bn}", f"failed: {type(e).__name__}: {e}"[:120], "", "", ""])
+    bf16 = ("bf16 cuBLAS (a @ b.t())", "")
+    fns, failed = _pair_fns(a_hp, b_hp)
+    ms, errors = interleaved_ms({bf16: lambda: a_hp @ b_hp.t(), **fns}, args.rounds)
+    failed.update(errors)
+    rows = []
+    for label in [bf16, *[_label(a, b, fast) for a, b, fast in PAIRS]]:
+        if label in failed:
+            rows.append([*label, failed[label], "", "", ""])
             continue
-        rows.append([f"{an} x {bn}", "fast" if fast else "", ms, flop / ms / 1e9, bf16_ms / ms])
-    again = bench_ms(lambda: a_hp @ b_hp.t())  # clocks drift under sustained load: bracket the run
-    rows.append(["bf16 cuBLAS again (end of run)", "", again, flop / again / 1e9, bf16_ms / again])
-    print_table(["A x B", "accum", "ms", "TFLOP/s", "x bf16"], rows,
-                f"gemm_nt {S}^3, bf16 out, on {torch.cuda.get_device_name()}")
+        ratios = [b / u for b, u in zip(ms[bf16], ms[label])]
+        med = statistics.median(ms[label])
+        rows.append([*label, med, flop / med / 1e9, statistics.median(ratios),
+                     f"[{min(ratios):.3f}, {max(ratios):.3f}]"])
+    print_table(["A x B", "accum", "ms", "TFLOP/s", "x bf16", "x bf16 [min, max]"], rows,
+                f"gemm_nt {S}^3, bf16 out, on {torch.cuda.get_device_name()} (medians of {args.rounds} "
+                "interleaved rounds; x bf16 per round)")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import hybrid_dist as hd
-from benchmarks._bench import bench_ms, copy_gbps, host_ms, print_table
+from benchmarks._bench import copy_gbps, host_ms, interleaved_ms, print_table
 from hybrid_dist import gemm
 from hybrid_dist.formats import Float8Quantizer, IdentityQuantizer, NVFP4Quantizer
 from hybrid_dist.linear import LinearPlan
@@ -174,28 +174,24 @@ def _variants(args, recipes, *, k, n, x, dy, copy) -> list[Variant]:
 
 
 def _rounds(variants: list[Variant], rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """``(ms, floor ms)`` per round per variant. Each round times every variant once, in turn,
-    and each recipe's GEMMs alone next to it, so that a ratio taken within a round compares
-    neighbours in time (the GPU's clocks drift over a run by more than the differences
-    measured here). A variant that fails while timed keeps its error and leaves the rounds."""
-    ms = {v.label: [] for v in variants}
+    """``(ms, floor ms)`` per round per variant (``_bench.interleaved_ms``): each round times
+    every variant once, in turn, and each recipe's GEMMs once, next to its first variant. A
+    variant that fails while timed keeps its error and leaves the rounds."""
+    fns, gemms_of = {}, {}
+    for v in variants:
+        if v.fn is not None:
+            fns[v.label] = v.fn
+        if v.fn is not None and v.floor is not None:
+            gemms_of[v.label] = ("GEMMs", id(v.floor[0]))  # a recipe's variants share its GEMMs
+            fns.setdefault(gemms_of[v.label], v.floor[0])
+    ms, errors = interleaved_ms(fns, rounds)
     floors = {v.label: [] for v in variants}
-    for _ in range(rounds):
-        gemms = {}  # the GEMMs of a recipe's eager, compiled and graphed variants: timed once a round
-        for v in variants:
-            if v.fn is None:
-                continue
-            try:
-                ms[v.label].append(bench_ms(v.fn))
-                if v.floor is not None:
-                    three, quant_ms = v.floor
-                    if id(three) not in gemms:
-                        gemms[id(three)] = bench_ms(three)
-                    floors[v.label].append(gemms[id(three)] + quant_ms)
-            except Exception as e:  # keep the table: report the failure in its row
-                failed = _failed(v.label, e)
-                v.fn, v.error = None, failed.error
-    return ms, floors
+    for v in variants:
+        if v.label in errors:
+            v.fn, v.error = None, errors[v.label]
+        elif v.label in gemms_of and gemms_of[v.label] not in errors:
+            floors[v.label] = [g + v.floor[1] for g in ms[gemms_of[v.label]]]
+    return {v.label: ms.get(v.label, []) for v in variants}, floors
 
 
 def _spread(values: list[float]) -> str:

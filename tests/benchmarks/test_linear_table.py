@@ -4,7 +4,7 @@ fails while timed keeps its row."""
 
 from __future__ import annotations
 
-from benchmarks import linear
+from benchmarks import _bench, linear
 from benchmarks.linear import Variant
 
 
@@ -38,7 +38,7 @@ def test_rounds_time_each_variant_and_recipe_gemms_once_per_round(monkeypatch):
 
     variants = [Variant("a", step("a")), Variant("b", step("b"), gemms), Variant("b graphed", step("bg"), gemms),
                 Variant("c", broken), Variant("d", None, error="failed: at build")]
-    monkeypatch.setattr(linear, "bench_ms", lambda fn: fn() or 1.0)
+    monkeypatch.setattr(_bench, "bench_ms", lambda fn: fn() or 1.0)
     ms, floors = linear._rounds(variants, 2)
     assert order == ["a", "b", "gemms", "bg"] * 2  # one GEMM timing per recipe and round
     assert ms["b"] == [1.0, 1.0] and floors["b graphed"] == [1.25, 1.25] and ms["c"] == []
