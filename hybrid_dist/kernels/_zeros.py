@@ -15,11 +15,11 @@ whose kernels use it, so the caching allocator reuses its memory only after thos
 ``unbind``; a view made per call (``buffer[i]``, then ``[0]``) cost two ``aten::select`` of
 ~7 µs of profiled host time each (an H100 step under cProfile; ~1.5 µs for both unprofiled on
 a CPU). ``unbind``'s views refuse in-place ops that autograd would have to record (nothing but
-the kernels writes a slot). Slots are 16 bytes so each starts 16-byte
-aligned, as a fresh tensor does: Triton specializes aligned pointers, and inductor asserts
-that a custom op's outputs are aligned (the amax ops return slots). Under CUDA-graph capture
-every replay would reuse the captured slot, so there (and while tracing, and for more than
-four values) the targets are plain ``torch.zeros``, whose fill a graph records.
+the kernels writes a slot). Slots are 16 bytes so each starts 16-byte aligned, as a fresh
+tensor does: Triton specializes aligned pointers, and inductor asserts that a custom op's
+outputs are aligned (the amax ops return slots). Under CUDA-graph capture every replay
+would reuse the captured slot, so there (and while tracing, and for more than four values)
+the targets are plain ``torch.zeros``, whose fill a graph records.
 """
 
 from __future__ import annotations
