@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP, NVFP4_WORDS_DEFAULT, TileConfig
+from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP, NVFP4_WORDS_DEFAULT, NVFP4_WORDS_RHT_DEFAULT, TileConfig
 
 
 def test_register_cap_is_a_gpu_launch_option_and_part_of_the_label():
@@ -12,7 +12,7 @@ def test_register_cap_is_a_gpu_launch_option_and_part_of_the_label():
     assert cfg.launch_options(torch.device("cuda")) == {"num_warps": 4, "maxnreg": 128}
     assert cfg.launch_options(torch.device("cpu")) == {"num_warps": 4}  # the interpreter has no register cap
     assert TileConfig(bm=64, bk=128, num_warps=4).launch_options(torch.device("cuda")) == {"num_warps": 4}
-    assert NVFP4_WORDS_DEFAULT in NVFP4_SWEEP
+    assert NVFP4_WORDS_DEFAULT in NVFP4_SWEEP and NVFP4_WORDS_RHT_DEFAULT in NVFP4_SWEEP  # tested on the GPU
 
 
 @pytest.mark.parametrize("bad", [dict(bm=48, bk=128, num_warps=4), dict(bm=64, bk=16, num_warps=4)])

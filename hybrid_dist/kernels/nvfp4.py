@@ -39,7 +39,7 @@ from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels._zeros import zeroed_f32
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
 from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel, words_lane_quads
-from hybrid_dist.kernels.quant_tiles import NVFP4_WORDS_DEFAULT, TileConfig, bf16_words, nvfp4_default
+from hybrid_dist.kernels.quant_tiles import TileConfig, bf16_words, nvfp4_default, nvfp4_words_default
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
 _AMAX_PROGRAMS_PER_SM = 8
@@ -79,8 +79,8 @@ def nvfp4_quantize_tiles(
     fp32 scalar decode scales the kernel computes from them (``formats.nvfp4.
     nvfp4_global_scale``: no torch ops between the passes). ``seed`` int64 ``[1]``;
     ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks).
-    ``config``: the tile config (default ``quant_tiles.NVFP4_WORDS_DEFAULT`` for the words
-    kernel, else ``quant_tiles.nvfp4_default(block_rows)``). ``words``: None picks
+    ``config``: the tile config (default ``quant_tiles.nvfp4_words_default(rht)`` for the
+    words kernel, else ``quant_tiles.nvfp4_default(block_rows)``). ``words``: None picks
     ``kernels.nvfp4_words`` for 1×16 blocks without SR from word-readable bf16; False runs the
     tile kernel there instead (benchmarks and tests compare the two)."""
     m, k = x.shape
@@ -91,7 +91,7 @@ def nvfp4_quantize_tiles(
     if words and not can_words:
         raise ValueError("nvfp4_quantize_tiles(words=True) needs 1x16 blocks, no SR and word-readable bf16")
     words = can_words if words is None else words
-    config = config or (NVFP4_WORDS_DEFAULT if words else nvfp4_default(block_rows))
+    config = config or (nvfp4_words_default(rht) if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
     col64 = (outs[2].view(torch.int64) if columnwise and x.numel()

@@ -94,6 +94,18 @@ NVFP4_2D_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)  # 16x16 blocks (weigh
 # kernel without quads 0.2239 / 0.2244); rowwise only (no quads) uncapped 0.1356, capped 0.1539;
 # columnwise only 0.1292 / 0.1296. So the cap is gone.
 NVFP4_WORDS_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
+# With RHT (its columnwise direction transformed in registers) the words kernel takes 128
+# registers uncapped (16 warps per SM); capped at 80 it takes no spill and 24 warps fit.
+# Nineteenth session, one H100 run, fused pass 16384x8192 row+col, two repetitions: uncapped
+# 0.2499 / 0.2487 ms, /r88 0.2399 / 0.2379, /r80 0.2373 / 0.2372, /r72 0.2537 / 0.2539 (outputs
+# bitwise equal); without RHT every cap was slower (uncapped, 96 registers: 0.2130 / 0.2124;
+# /r88 0.2426, /r80 0.2493, /r72 0.2304).
+NVFP4_WORDS_RHT_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=80)
+
+
+def nvfp4_words_default(rht: bool) -> TileConfig:
+    """The ``nvfp4_words`` tile config, with or without the columnwise RHT."""
+    return NVFP4_WORDS_RHT_DEFAULT if rht else NVFP4_WORDS_DEFAULT
 
 
 def nvfp4_default(block_rows: int) -> TileConfig:
@@ -128,7 +140,9 @@ NVFP4_SWEEP = (
     TileConfig(bm=64, bk=64, num_warps=1),
     NVFP4_WORDS_DEFAULT,  # (= NVFP4_2D_DEFAULT; listed for the words kernel)
     TileConfig(bm=64, bk=128, num_warps=4, maxnreg=128),  # the words default before the lane quads
+    NVFP4_WORDS_RHT_DEFAULT,
 )
 
 __all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "MXFP8_WORDS_DEFAULT", "MXFP8_WORDS_SWEEP", "NVFP4_2D_DEFAULT",
-           "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_DEFAULT", "TileConfig", "bf16_words", "nvfp4_default"]
+           "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_DEFAULT", "NVFP4_WORDS_RHT_DEFAULT", "TileConfig", "bf16_words",
+           "nvfp4_default", "nvfp4_words_default"]
