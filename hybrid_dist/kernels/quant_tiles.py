@@ -99,7 +99,9 @@ NVFP4_WORDS_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
 # Nineteenth session, one H100 run, fused pass 16384x8192 row+col, two repetitions: uncapped
 # 0.2499 / 0.2487 ms, /r88 0.2399 / 0.2379, /r80 0.2373 / 0.2372, /r72 0.2537 / 0.2539 (outputs
 # bitwise equal); without RHT every cap was slower (uncapped, 96 registers: 0.2130 / 0.2124;
-# /r88 0.2426, /r80 0.2493, /r72 0.2304).
+# /r88 0.2426, /r80 0.2493, /r72 0.2304). Another run, RHT columnwise only: uncapped 0.1508,
+# /r96 0.1433, /r88 0.1432, /r80 0.1410 (medians of three). The SR tile kernel ran slower
+# capped (``benchmarks/README.md``).
 NVFP4_WORDS_RHT_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=80)
 
 
