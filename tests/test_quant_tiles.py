@@ -67,8 +67,8 @@ def test_nvfp4_words_lane_quads_only_where_a_row_block_is_one_quad():
     pytest.importorskip("triton")
     from hybrid_dist.kernels.nvfp4_words import words_lane_quads
 
-    assert words_lane_quads(NVFP4_WORDS_DEFAULT)
+    assert words_lane_quads(NVFP4_WORDS_DEFAULT) and words_lane_quads(NVFP4_WORDS_RHT_DEFAULT)
     quads = {c.label() for c in NVFP4_SWEEP if words_lane_quads(c)}
-    assert quads == {"128x128/w8", "64x128/w4", "64x128/w4/r128"}, quads
+    assert quads == {"128x128/w8", "64x128/w4", "64x128/w4/r128", "64x128/w4/r80"}, quads
     assert not words_lane_quads(TileConfig(bm=64, bk=256, num_warps=8))
     assert not words_lane_quads(TileConfig(bm=32, bk=128, num_warps=1))
