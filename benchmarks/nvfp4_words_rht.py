@@ -12,10 +12,12 @@ from triton.testing import do_bench
 
 from benchmarks._bench import bytes_equal, print_table
 from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
-from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, TileConfig
+from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, NVFP4_WORDS_RHT_DEFAULT, TileConfig
 
 M, K = 16384, 8192
-WORDS_CONFIGS = (TileConfig(bm=64, bk=128, num_warps=4), TileConfig(bm=64, bk=128, num_warps=4, maxnreg=128),
+# the default (capped at 80 registers) first, then the caps and tiles it was chosen among
+WORDS_CONFIGS = (NVFP4_WORDS_RHT_DEFAULT, TileConfig(bm=64, bk=128, num_warps=4),
+                 *(TileConfig(bm=64, bk=128, num_warps=4, maxnreg=r) for r in (128, 96, 88, 72)),
                  TileConfig(bm=128, bk=128, num_warps=8), TileConfig(bm=32, bk=128, num_warps=2))
 
 

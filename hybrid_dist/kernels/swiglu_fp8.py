@@ -71,14 +71,14 @@ def _cast_kernel(a_ptr, b_ptr, amax_ptr, scale_inv_ptr, row_ptr, M, K, sa, sb, F
 
 
 def _swiglu_fp8(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool, rowwise: bool,
-                columnwise: bool, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                columnwise: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``silu(a) * b`` of bf16 ``a, b [M, K]`` (unit stride along K), quantized:
-    ``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. ``fresh``: the amax target
-    is a new ``torch.zeros`` (the op's implementation; see ``fp8_tensor._amax_2d_fresh``),
-    else a zeroed slot (``kernels._zeros``)."""
+    ``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. ``amax``: the fp32 zero the
+    amax pass reduces into (default a zeroed slot, ``kernels._zeros``; the op passes fresh
+    zeros, as ``fp8_tensor._amax_2d_fresh`` does)."""
     m, k = a.shape
     dev = a.device
-    amax = torch.zeros((), dtype=torch.float32, device=dev) if fresh else zeroed_f32(dev)
+    amax = zeroed_f32(dev) if amax is None else amax
     row = torch.empty((m, k), dtype=dtype, device=dev)
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     grid = (max(cdiv(m, _BM), 1), max(cdiv(k, _BK), 1))
@@ -99,7 +99,8 @@ def _fake(a, b, dtype, eps, pow2, rowwise, columnwise):
 
 def _swiglu_fp8_fresh(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool, rowwise: bool,
                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _swiglu_fp8(a, b, dtype, eps, pow2, rowwise, columnwise, fresh=True)
+    fresh = torch.zeros((), dtype=torch.float32, device=a.device)
+    return _swiglu_fp8(a, b, dtype, eps, pow2, rowwise, columnwise, fresh)
 
 
 swiglu_op = torch.library.custom_op("hybrid_dist::swiglu_fp8", mutates_args=())(_swiglu_fp8_fresh)
