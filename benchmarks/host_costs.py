@@ -1,12 +1,15 @@
 """Host (CPU) microseconds per call of what an eager ``hd.Linear`` step is made of: tensor
 allocation, a Triton launch (through ``JITFunction.run``, through ``kernels._launch`` and
 through the compiled kernel's launcher alone), ``torch._scaled_mm``, an
-``autograd.Function``, one quantize, and whole ``hd.Linear`` / ``nn.Linear`` steps. Tiny
+``autograd.Function``, one quantize, and whole ``hd.Linear`` / ``nn.Linear`` steps (one of
+them with every launch and GEMM call a no-op: the floor of the step's Python). Tiny
 tensors, so the GPU never limits: the figures are the host cost of each call. Prints one
 table. Run: ``python -m benchmarks.host_costs``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -30,6 +33,20 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+@contextlib.contextmanager
+def _no_gpu_work():
+    """The FP8 quantize kernels' launches and ``torch._scaled_mm`` replaced by no-ops (the
+    GEMM returns ``torch.empty`` of its output): what is left of an ``hd.Linear`` step is its
+    Python, its allocations and autograd."""
+    real_launch, real_mm = fp8_tensor.launch, torch._scaled_mm
+    fp8_tensor.launch = lambda *args, **consts: None
+    torch._scaled_mm = lambda a, b, **kw: torch.empty(a.shape[0], b.shape[1], dtype=kw["out_dtype"], device=a.device)
+    try:
+        yield
+    finally:
+        fp8_tensor.launch, torch._scaled_mm = real_launch, real_mm
+
+
 def _linear_rows(x, dy):
     rows = []
     for name in ("bf16", "fp8_current", "fp8_delayed"):
@@ -40,6 +57,10 @@ def _linear_rows(x, dy):
                             dtype=torch.bfloat16)
         rows.append([f"Linear {name} 64x128x64 fwd + autograd.grad",
                      host_us(lambda lin=lin: torch.autograd.grad(lin(x), [x, lin.weight], dy), n=500)])
+        if name == "fp8_current":
+            with _no_gpu_work():
+                rows.append(["the same fp8_current step, its launches and torch._scaled_mm no-ops",
+                             host_us(lambda lin=lin: torch.autograd.grad(lin(x), [x, lin.weight], dy), n=500)])
     return rows
 
 

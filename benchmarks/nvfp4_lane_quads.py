@@ -6,9 +6,8 @@ Prints one table. Run: ``python -m benchmarks.nvfp4_lane_quads`` (one GPU, < 1 m
 from __future__ import annotations
 
 import torch
-from triton.testing import do_bench
 
-from benchmarks._bench import bytes_equal, print_table
+from benchmarks._bench import bench_ms, bytes_equal, print_table
 from hybrid_dist.kernels._jit_common import cdiv
 from hybrid_dist.kernels.nvfp4 import _nvfp4_shapes, _rht_row, nvfp4_amax_tiles
 from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel
@@ -43,7 +42,7 @@ def main() -> None:
             for quad in (False, True):
                 run = _launcher(x, amax, cfg, quad)
                 same = bytes_equal(run(), base)
-                rows.append([rep, cfg.label(), quad, do_bench(run, rep=150), same])
+                rows.append([rep, cfg.label(), quad, bench_ms(run, rep_ms=150), same])
     print_table(["repetition", "tile", "lane quads", "ms", "bitwise = no quads"], rows,
                 f"nvfp4_words fused pass {M}x{K} bf16 row+col on {torch.cuda.get_device_name()}")
 

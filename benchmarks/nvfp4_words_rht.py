@@ -2,15 +2,17 @@
 kernel (``nvfp4_tiles``) against the words kernel (``nvfp4_words``), side by side in one run,
 at 16384×8192 bf16, row+col (the ``nvfp4`` recipe's inputs) and columnwise only (the
 ``mxfp8_fwd_nvfp4_bwd`` recipe's). Every output is checked bitwise against the tile kernel's.
-Prints one table. Run: ``python -m benchmarks.nvfp4_words_rht``.
+Then the stochastic-rounding tile kernel (without and with RHT) at register caps. Prints two
+tables. Run: ``python -m benchmarks.nvfp4_words_rht``.
 """
 
 from __future__ import annotations
 
-import torch
-from triton.testing import do_bench
+import dataclasses
 
-from benchmarks._bench import bytes_equal, print_table
+import torch
+
+from benchmarks._bench import bench_ms, bytes_equal, print_table
 from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
 from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, NVFP4_WORDS_RHT_DEFAULT, TileConfig
 
@@ -19,6 +21,7 @@ M, K = 16384, 8192
 WORDS_CONFIGS = (NVFP4_WORDS_RHT_DEFAULT, TileConfig(bm=64, bk=128, num_warps=4),
                  *(TileConfig(bm=64, bk=128, num_warps=4, maxnreg=r) for r in (128, 96, 88, 72)),
                  TileConfig(bm=128, bk=128, num_warps=8), TileConfig(bm=32, bk=128, num_warps=2))
+SR_CONFIGS = (NVFP4_DEFAULT, *(dataclasses.replace(NVFP4_DEFAULT, maxnreg=r) for r in (128, 96, 80)))
 
 
 def main() -> None:
@@ -37,9 +40,27 @@ def main() -> None:
             for cfg, words in [(NVFP4_DEFAULT, False)] + [(c, True) for c in WORDS_CONFIGS]:
                 same = bytes_equal(run(cfg, words), base)
                 rows.append([rep, "row+col" if rw else "col", "words" if words else "tiles", cfg.label(),
-                             do_bench(lambda cfg=cfg, words=words: run(cfg, words), rep=150), same])
+                             bench_ms(lambda cfg=cfg, words=words: run(cfg, words), rep_ms=150), same])
     print_table(["repetition", "directions", "kernel", "tile", "ms", "bitwise = tiles"], rows,
                 f"nvfp4 RHT fused pass {M}x{K} bf16 on {torch.cuda.get_device_name()}")
+    print_table(["repetition", "transform", "tile", "ms", "bitwise = default"], _sr_rows(x, t, amax, seed),
+                f"nvfp4 stochastic-rounding tile kernel, row+col fused pass {M}x{K} bf16, at register caps")
+
+
+def _sr_rows(x, t, amax, seed):
+    """The SR tile kernel (gradients) at its default and the register caps that helped the RHT
+    words kernel: none did here (the caps' rows are why ``NVFP4_DEFAULT`` stays uncapped)."""
+    rows = []
+    for rep in range(2):
+        for rht in (False, True):
+            def run(cfg, rht=rht):
+                return nvfp4_quantize_tiles(x, t, amax, seed, True, True, False, rht, True, 1, config=cfg)
+
+            base = [o.clone() for o in run(NVFP4_DEFAULT)]
+            for cfg in SR_CONFIGS:
+                rows.append([rep, "RHT" if rht else "none", cfg.label(), bench_ms(lambda cfg=cfg: run(cfg), rep_ms=150),
+                             bytes_equal(run(cfg), base)])
+    return rows
 
 
 if __name__ == "__main__":
