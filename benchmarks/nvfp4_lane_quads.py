@@ -16,14 +16,14 @@ from hybrid_dist.kernels.quant_tiles import TileConfig
 M, K = 16384, 8192
 
 
-def _launcher(x, amax, cfg: TileConfig, quad: bool):
+def _launcher(x, t, amax, cfg: TileConfig, quad: bool):
     xw = x.view(torch.int32)
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(M, K, True, True, 1)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
     grid = (cdiv(M, cfg.bm), cdiv(K, cfg.bk))
 
     def run():
-        nvfp4_words_kernel[grid](xw, amax, amax, outs[0], outs[1], outs[2].view(torch.int64), outs[3], *gs, M, K,
+        nvfp4_words_kernel[grid](xw, t, amax, outs[0], outs[1], outs[2].view(torch.int64), outs[3], *gs, M, K,
                                  xw.stride(0), ROW=True, COL=True, RHT=False, BM=cfg.bm, BK=cfg.bk, QUAD=quad,
                                  **cfg.launch_options(x.device))
         return outs
@@ -33,14 +33,15 @@ def _launcher(x, amax, cfg: TileConfig, quad: bool):
 def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(M, K, device="cuda").bfloat16()
-    amax = nvfp4_amax_tiles(x, _rht_row(0, x.device), False)
-    base = [o.clone() for o in _launcher(x, amax, TileConfig(bm=64, bk=128, num_warps=4), False)()]
+    t = _rht_row(0, x.device)  # read by the kernel only with RHT
+    amax = nvfp4_amax_tiles(x, t, False)
+    base = [o.clone() for o in _launcher(x, t, amax, TileConfig(bm=64, bk=128, num_warps=4), False)()]
     rows = []
     for rep in range(2):
         for cap in (128, None):
             cfg = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=cap)
             for quad in (False, True):
-                run = _launcher(x, amax, cfg, quad)
+                run = _launcher(x, t, amax, cfg, quad)
                 same = bytes_equal(run(), base)
                 rows.append([rep, cfg.label(), quad, bench_ms(run, rep_ms=150), same])
     print_table(["repetition", "tile", "lane quads", "ms", "bitwise = no quads"], rows,

@@ -19,7 +19,12 @@ the kernels writes a slot). Slots are 16 bytes so each starts 16-byte aligned, a
 tensor does: Triton specializes aligned pointers, and inductor asserts that a custom op's
 outputs are aligned (the amax ops return slots). Under CUDA-graph capture every replay
 would reuse the captured slot, so there (and while tracing, and for more than four values)
-the targets are plain ``torch.zeros``, whose fill a graph records.
+the targets are plain ``torch.zeros`` (``fresh_f32``), whose fill a graph records.
+
+The ``torch.library`` ops' implementations (what a compiled graph calls) always take
+``fresh_f32``: CUDA-graph trees (``mode="reduce-overhead"``) track every allocation made while
+a graph runs, warm-up runs included, and a slot buffer allocated there would belong to the
+graph's pool without any graph output tracking it.
 """
 
 from __future__ import annotations
@@ -36,11 +41,17 @@ _capturing = torch._C._cuda_isCurrentStreamCapturing  # CPU builds: a stub that 
 _FREE: dict[tuple[int, int, int | None], Iterator[torch.Tensor]] = {}
 
 
+def fresh_f32(device: torch.device, n: int | None = None) -> torch.Tensor:
+    """A new ``torch.zeros`` fp32 target: a scalar ``[]`` if ``n`` is None, else ``[n]``
+    (the ops' implementations, capture and tracing; see the note)."""
+    return torch.zeros(() if n is None else n, dtype=torch.float32, device=device)
+
+
 def zeroed_f32(device: torch.device, n: int | None = None) -> torch.Tensor:
     """fp32 zeros on ``device``, never handed out before (see the note): a scalar ``[]`` if
     ``n`` is None, else ``[n]``. Off CUDA (the Triton interpreter's CPU tensors): ``torch.zeros``."""
     if device.type != "cuda" or (n or 1) > _SLOT or torch.compiler.is_compiling() or _capturing():
-        return torch.zeros(() if n is None else n, dtype=torch.float32, device=device)
+        return fresh_f32(device, n)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index), n)
     free = _FREE.get(key)

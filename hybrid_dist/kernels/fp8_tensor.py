@@ -25,7 +25,7 @@ from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage, stacked_delayed_states
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels._launch import launch
-from hybrid_dist.kernels._zeros import zeroed_f32
+from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.transpose import transposed
 
 _BM, _BK = 64, 128
@@ -90,10 +90,8 @@ def _amax_2d(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def _amax_2d_fresh(x: torch.Tensor) -> torch.Tensor:
-    """``_amax_2d`` into a fresh ``torch.zeros``: the op's implementation. A compiled graph
-    calls the op, and CUDA-graph trees (``mode="reduce-overhead"``) track every allocation
-    made while a graph runs, so no zeroed-slot buffer may be created there."""
-    return _amax_2d(x, torch.zeros((), dtype=torch.float32, device=x.device))
+    """``_amax_2d`` into ``fresh_f32``: the op's implementation (``kernels._zeros``' note)."""
+    return _amax_2d(x, fresh_f32(x.device))
 
 
 amax_op = torch.library.custom_op("hybrid_dist::amax", mutates_args=())(_amax_2d_fresh)

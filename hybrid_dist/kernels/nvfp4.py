@@ -36,7 +36,7 @@ from hybrid_dist.formats._numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels._launch import launch
-from hybrid_dist.kernels._zeros import zeroed_f32
+from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
 from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel, words_lane_quads
 from hybrid_dist.kernels.quant_tiles import TileConfig, bf16_words, nvfp4_default, nvfp4_words_default
@@ -55,8 +55,8 @@ def _amax_programs(device: torch.device, n_tiles: int) -> int:
 
 def nvfp4_amax_tiles(x: torch.Tensor, rht_row: torch.Tensor, rht: bool, out: torch.Tensor | None = None):
     """fp32 ``[2]``: ``max|x|`` and (if ``rht``) the max of the column-Hadamard transform
-    (else 0), reduced into ``out`` (zeros; default a zeroed slot, ``kernels._zeros``; the op
-    passes fresh zeros, see ``fp8_tensor._amax_2d_fresh``). ``rht_row``: fp32 ``T[0, :]`` ``[16]``."""
+    (else 0), reduced into ``out`` (zeros; default a zeroed slot; the op passes ``fresh_f32``:
+    see ``kernels._zeros``). ``rht_row``: fp32 ``T[0, :]`` ``[16]``."""
     m, k = x.shape
     out = zeroed_f32(x.device, 2) if out is None else out
     if x.numel():
@@ -123,7 +123,7 @@ def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):
 @torch.library.custom_op("hybrid_dist::nvfp4_amax", mutates_args=())
 def nvfp4_amax_op(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch.Tensor:
     """fp32 ``[2]``: ``max|x|`` and (if ``rht``) the max of the column-Hadamard transform (else 0)."""
-    return nvfp4_amax_tiles(x, rht_row, rht, torch.zeros(2, dtype=torch.float32, device=x.device))
+    return nvfp4_amax_tiles(x, rht_row, rht, fresh_f32(x.device, 2))
 
 
 @nvfp4_amax_op.register_fake

@@ -28,7 +28,7 @@ from hybrid_dist.formats._numerics import FP8_MAX
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8, cdiv, div_rn, eager_or_op, per_block_scale, round_bf16
 from hybrid_dist.kernels._launch import launch
-from hybrid_dist.kernels._zeros import zeroed_f32
+from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.transpose import transposed
 
 _BM, _BK = 64, 128
@@ -74,8 +74,8 @@ def _swiglu_fp8(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float
                 columnwise: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``silu(a) * b`` of bf16 ``a, b [M, K]`` (unit stride along K), quantized:
     ``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. ``amax``: the fp32 zero the
-    amax pass reduces into (default a zeroed slot, ``kernels._zeros``; the op passes fresh
-    zeros, as ``fp8_tensor._amax_2d_fresh`` does)."""
+    amax pass reduces into (default a zeroed slot; the op passes ``fresh_f32``: see
+    ``kernels._zeros``)."""
     m, k = a.shape
     dev = a.device
     amax = zeroed_f32(dev) if amax is None else amax
@@ -99,8 +99,7 @@ def _fake(a, b, dtype, eps, pow2, rowwise, columnwise):
 
 def _swiglu_fp8_fresh(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool, rowwise: bool,
                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fresh = torch.zeros((), dtype=torch.float32, device=a.device)
-    return _swiglu_fp8(a, b, dtype, eps, pow2, rowwise, columnwise, fresh)
+    return _swiglu_fp8(a, b, dtype, eps, pow2, rowwise, columnwise, fresh_f32(a.device))
 
 
 swiglu_op = torch.library.custom_op("hybrid_dist::swiglu_fp8", mutates_args=())(_swiglu_fp8_fresh)

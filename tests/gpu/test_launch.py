@@ -16,6 +16,7 @@ knobs = pytest.importorskip("triton").knobs  # the kernel modules import Triton 
 
 from hybrid_dist.formats import Float8Quantizer  # noqa: E402
 from hybrid_dist.kernels import _launch, _zeros, fp8_tensor  # noqa: E402
+from hybrid_dist.kernels._jit_common import cdiv  # noqa: E402
 from tests.gpu._gpu_helpers import kernel_quantize, n_bit_diffs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -27,15 +28,11 @@ def _cast_args(x, amax, rowwise=True, columnwise=True):
     row = torch.empty((m, k) if rowwise else (0, 0), dtype=e4m3, device=x.device)
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=e4m3, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    grid = (triton_cdiv(m, 64), triton_cdiv(k, 128))
+    grid = (max(cdiv(m, 64), 1), max(cdiv(k, 128), 1))
     args = (x, amax, amax, scale_inv, row, col, amax, m, k, max(x.stride(0), 1), 0, 0)
     consts = dict(FMAX=448.0, EPS=0.0, POW2=False, SCALE_FROM_AMAX=True, ROW=rowwise, COL=columnwise,
                   AMAX_OUT=False, BM=64, BK=128, num_warps=8)
     return grid, args, consts, (row, col, scale_inv)
-
-
-def triton_cdiv(a, b):
-    return max((a + b - 1) // b, 1)
 
 
 def _inputs():
