@@ -16,8 +16,8 @@ Compositions: activation recompute under ``reshard_after_forward=True`` (recompu
 modules gather both directions, ``_pass`` [Note: activation recompute]); a 2D ``(dp, tp)``
 mesh where ``hybrid_dist.tensor_parallel`` styles first slice quantized weights on ``tp``
 and ``fully_shard`` then shards the tp-local ``QuantizedTensor`` over ``dp``. Delayed-
-scaling amax histories are part of the state dicts of ``hd.Linear`` and ``GroupedLinear``
-(``_extra_state``), so DCP checkpoints carry them.
+scaling amax histories and stochastic-rounding streams are part of the state dicts of
+``hd.Linear`` and ``GroupedLinear`` (``_extra_state``), so DCP checkpoints carry them.
 """
 
 from hybrid_dist.fsdp2._accounting import AllGatherAccounting, track_all_gather

@@ -62,7 +62,8 @@ def is_aligned(quantizer, shape, world: int) -> bool:
 
 def quantize_on_all_gather(model: nn.Module, *, recipe=None, shard_world_size: int) -> nn.Module:
     """Wrap ``hd.Linear`` weights as :class:`HighPrecisionParam` (in place; call before
-    ``fully_shard``): every high-precision weight, and quantized weights with unaligned shards. ``recipe``: the weights' recipe (default: each module's own);
+    ``fully_shard``): every high-precision weight, and quantized weights with unaligned
+    shards. ``recipe``: the weights' recipe (default: each module's own);
     ``shard_world_size``: ranks of the FSDP shard group, to check block alignment."""
     from hybrid_dist.linear import Linear
     from hybrid_dist.quantized_tensor import QuantizedTensor

@@ -21,26 +21,31 @@ from hybrid_dist.hybrid import HybridState
 from hybrid_dist.recipes import Recipe
 
 # [Note: quantizer states in the state dict]
-# Delayed-scaling amax histories and scales are module state: a module with a plan whose
-# quantizers keep a DelayedScalingState puts them in its state dict under
-# ``<prefix>_extra_state`` as ``{recipe name: {tensor_type: {"amax_history", "scale"}}}``
-# (hybrid states nest ``"rowwise"`` / ``"columnwise"``, per-expert lists ``"0"``, ``"1"``,
-# ...). The key is absent for modules without such state, so their state dicts are as
-# before; the name is the one torch.distributed.checkpoint's state_dict helpers accept.
-# The tensors are the live ones (plain, replicated): DCP saves one copy and loads it on
-# every rank, in place. A loaded recipe the module has no plan for yet is kept and applied
-# when the plan is built (the module's first forward under that recipe).
+# Quantizer states are module state: a module with a plan whose quantizers keep state puts
+# it in its state dict under ``<prefix>_extra_state`` as ``{recipe name: {tensor_type: ...}}``:
+# a DelayedScalingState as ``{"amax_history", "scale"}``, a stochastic-rounding NVFP4State as
+# ``{"kernel_key", "generator_<device type>"}`` (``NVFP4State.state_dict`` on the weight's
+# device), hybrid states nested as ``"rowwise"`` / ``"columnwise"``, per-expert lists as
+# ``"0"``, ``"1"``, ... The key is absent for modules without such state, so their state
+# dicts are as before; the name is the one torch.distributed.checkpoint's state_dict helpers
+# accept. The tensors are the live ones where they are device tensors (plain, replicated):
+# DCP saves one copy and loads it on every rank, in place (the delayed-scaling tensors and
+# the Philox key; a generator's state is a copy, set on load). A loaded recipe the module
+# has no plan for yet is kept and applied when the plan is built (the module's first
+# forward under that recipe).
 QUANTIZER_STATE_KEY = "_extra_state"
 
 
-def _state_tensors(state: Any) -> dict | None:
-    """The delayed-scaling tensors of a plan state as a nested dict (live), or None."""
+def _state_tensors(state: Any, device: torch.device) -> dict | None:
+    """The tensors of a plan state as a nested dict (see the note), or None without state."""
     if isinstance(state, DelayedScalingState):
         return {"amax_history": state.amax_history, "scale": state.scale}
+    if isinstance(state, NVFP4State):
+        return state.state_dict(device)
     if isinstance(state, HybridState):
-        parts = {d: _state_tensors(getattr(state, d)) for d in ("rowwise", "columnwise")}
+        parts = {d: _state_tensors(getattr(state, d), device) for d in ("rowwise", "columnwise")}
     elif isinstance(state, (list, tuple)):
-        parts = {str(i): _state_tensors(s) for i, s in enumerate(state)}
+        parts = {str(i): _state_tensors(s, device) for i, s in enumerate(state)}
     else:
         return None
     parts = {k: v for k, v in parts.items() if v is not None}
@@ -50,6 +55,9 @@ def _state_tensors(state: Any) -> dict | None:
 @torch.no_grad()
 def _load_state_tensors(state: Any, saved: dict, where: str) -> None:
     """Copy ``saved`` (a ``_state_tensors`` dict) into ``state`` in place."""
+    if isinstance(state, NVFP4State):
+        state.load_state_dict(saved)
+        return
     if isinstance(state, DelayedScalingState):
         for f in ("amax_history", "scale"):
             dst, src = getattr(state, f), saved[f]
@@ -66,7 +74,7 @@ def _load_state_tensors(state: Any, saved: dict, where: str) -> None:
         key = int(k) if isinstance(state, (list, tuple)) else k
         if children.get(key) is None:
             raise ValueError(
-                f"load_state_dict: the checkpoint has delayed-scaling state {where}.{k}, but this "
+                f"load_state_dict: the checkpoint has quantizer state {where}.{k}, but this "
                 f"module's quantizer keeps none there; build it with the checkpoint's recipe")
         _load_state_tensors(children[key], sub, f"{where}.{k}")
 
@@ -132,11 +140,14 @@ class RecipeModuleMixin:
         return out
 
     def quantizer_state_dict(self) -> dict[str, dict]:
-        """``{recipe name: {tensor_type: nested tensors}}``: the live delayed-scaling
-        states of every plan (see the note above); ``{}`` when there are none."""
+        """``{recipe name: {tensor_type: nested tensors}}``: the delayed-scaling and
+        stochastic-rounding states of every plan (see the note above); ``{}`` when there
+        are none."""
+        weight = self.__dict__.get("_parameters", {}).get("weight")
+        device = weight.device if weight is not None else torch.device("cpu")
         out: dict[str, dict] = {}
         for plan in self._plans.values():
-            states = {t: _state_tensors(s) for t, s in plan.states.items()}
+            states = {t: _state_tensors(s, device) for t, s in plan.states.items()}
             states = {t: v for t, v in states.items() if v is not None}
             if states:
                 out[plan.recipe.name] = states

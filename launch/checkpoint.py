@@ -37,8 +37,7 @@ def _snapshot(state: Any, device: torch.device) -> Any:
     if isinstance(state, hd.DelayedScalingState):
         return {"amax_history": state.amax_history.clone(), "scale": state.scale.clone()}
     if isinstance(state, NVFP4State):  # the reference's generator and the CUDA kernels' Philox key
-        return {"generator": state.generator(device).get_state(),
-                "kernel_key": state.kernel_key(device).to("cpu", copy=True)}
+        return {k: v.to("cpu", copy=True) for k, v in state.state_dict(device).items()}
     if isinstance(state, HybridState):
         return {"rowwise": _snapshot(state.rowwise, device), "columnwise": _snapshot(state.columnwise, device)}
     raise NotImplementedError(f"checkpoint: cannot save quantizer state of type {type(state).__name__}")
@@ -53,9 +52,9 @@ def _restore(state: Any, snap: Any, device: torch.device) -> None:
     elif isinstance(state, hd.DelayedScalingState):
         state.amax_history, state.scale = snap["amax_history"].clone(), snap["scale"].clone()
     elif isinstance(state, NVFP4State):
-        state.generator(device).set_state(snap["generator"])
-        if "kernel_key" in snap:  # absent from checkpoints written before the key was saved
-            state.kernel_key(device).copy_(snap["kernel_key"])
+        if "generator" in snap:  # written before NVFP4State.state_dict: the generator of `device`
+            snap = {k: v for k, v in snap.items() if k != "generator"} | {f"generator_{device.type}": snap["generator"]}
+        state.load_state_dict(snap)  # a checkpoint written before the key was saved has none
     elif isinstance(state, HybridState):
         _restore(state.rowwise, snap["rowwise"], device)
         _restore(state.columnwise, snap["columnwise"], device)

@@ -34,6 +34,7 @@ from hybrid_dist.tensor_parallel.styles import (
 )
 
 __all__ = [
-    "CollectiveHandle", "HybridColwiseParallel", "HybridRowwiseParallel", "PrepareHybridModuleInput", "WireEvent", "WireLog", "gather_along_first_dim", "quantize_with_group_amax",
-    "record_wire_bytes", "reduce_scatter_along_first_dim",
+    "CollectiveHandle", "HybridColwiseParallel", "HybridRowwiseParallel", "PrepareHybridModuleInput", "WireEvent",
+    "WireLog", "gather_along_first_dim", "quantize_with_group_amax", "record_wire_bytes",
+    "reduce_scatter_along_first_dim",
 ]

@@ -8,8 +8,8 @@ results come back in rank order.
 Gloo ranks are forked: they inherit the parent's imported torch and hybrid_dist instead of
 importing them again (a spawned rank spends 10-25 s of CPU importing on a 2-core CI
 machine, more than most tests' work). Spawn remains for NCCL (CUDA cannot be forked) and
-whenever the parent holds a process group or CUDA context of its own. An exception on any rank is re-raised in the parent with
-that rank's traceback, so a failing test names the rank and configuration.
+whenever the parent holds a process group or CUDA context of its own. An exception on any
+rank is re-raised in the parent with that rank's traceback, so a failing test names the rank and configuration.
 """
 
 from __future__ import annotations

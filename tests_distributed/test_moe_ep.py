@@ -110,7 +110,8 @@ def _worker(rank, world, configs):
             _same(runs[True][i], runs[False][i], f"{cfg}: {part} quantized vs high-precision dispatch")
         wire_q, wire_hp = runs[True][2].wire.bytes, runs[False][2].wire.bytes
         hp_row = H * 2
-        assert wire_hp["dispatch"] == _expected_dispatch_bytes(ref, xs, rank, world, hp_row), f"{cfg}: HP dispatch bytes"
+        want_hp = _expected_dispatch_bytes(ref, xs, rank, world, hp_row)
+        assert wire_hp["dispatch"] == want_hp, f"{cfg}: HP dispatch bytes"
         report[(recipe_name, training)] = (wire_q, wire_hp, _expected_dispatch_bytes(ref, xs, rank, world, 1))
     return report
 

@@ -157,9 +157,11 @@ def _run_mlp(recipe_name, tp_mesh, sp, check, steps=2):
         check(c, "colwise fc1 output", h_tp, h_ref.chunk(tp, -1)[r], "bitwise")
         check(c, "rowwise fc2 output", y_tp, y_ref.chunk(tp)[r] if sp else y_ref, "close")
         check(c, "grad x (colwise dgrad, summed over TP)", xl.grad, xr.grad.chunk(tp)[r] if sp else xr.grad, "close")
-        check(c, "grad fc1.weight (colwise wgrad)", model.fc1.weight.grad, ref.fc1.weight.grad.chunk(tp, 0)[r], "bitwise")
+        check(c, "grad fc1.weight (colwise wgrad)", model.fc1.weight.grad, ref.fc1.weight.grad.chunk(tp, 0)[r],
+              "bitwise")
         check(c, "grad fc1.bias", model.fc1.bias.grad, ref.fc1.bias.grad.chunk(tp, 0)[r], "bitwise")
-        check(c, "grad fc2.weight (rowwise wgrad)", model.fc2.weight.grad, ref.fc2.weight.grad.chunk(tp, 1)[r], "bitwise")
+        check(c, "grad fc2.weight (rowwise wgrad)", model.fc2.weight.grad, ref.fc2.weight.grad.chunk(tp, 1)[r],
+              "bitwise")
         check(c, "grad fc2.bias", model.fc2.bias.grad, ref.fc2.bias.grad, "close" if sp else "bitwise")
         for m in (ref, model):
             m.zero_grad(set_to_none=True)

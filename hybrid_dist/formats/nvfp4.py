@@ -102,19 +102,27 @@ class NVFP4State:
       ``torch.Generator`` other than the default one cannot be used under capture at all.
       The first key is ``splitmix64(seed)`` (63 bits), so states with the same seed walk the
       same keys, as their generators draw the same numbers.
+
+    ``state_dict(device)`` / ``load_state_dict`` save and resume both streams (a module's
+    state dict holds them: ``_recipe_module``'s note on quantizer states).
     """
 
     def __init__(self, seed: int):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._keys: dict[torch.device, torch.Tensor] = {}
+        # loaded by load_state_dict, for the keys and generators made after it
+        self._loaded_key: torch.Tensor | None = None
+        self._loaded_generators: dict[str, torch.Tensor] = {}  # device type -> generator state
         # how a compiled graph finds this state (none for a state made while tracing)
         self.uid = None if torch.compiler.is_compiling() else _traced_rng.register(self)
 
     def generator(self, device: torch.device) -> torch.Generator:
         device = _indexed(device)
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            gen = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            if device.type in self._loaded_generators:
+                gen.set_state(self._loaded_generators[device.type])
         return self._generators[device]
 
     def kernel_key(self, device: torch.device) -> torch.Tensor:
@@ -122,8 +130,11 @@ class NVFP4State:
         device = _indexed(device)
         key = self._keys.get(device)
         if key is None:
-            key = self._keys[device] = torch.full((1,), first_kernel_key(self.seed), dtype=torch.int64,
-                                                  device=device)
+            if self._loaded_key is not None:
+                key = self._keys[device] = self._loaded_key.to(device, copy=True)
+            else:
+                key = self._keys[device] = torch.full((1,), first_kernel_key(self.seed), dtype=torch.int64,
+                                                      device=device)
         return key
 
     def advance_kernel_key(self, device: torch.device) -> None:
@@ -135,6 +146,38 @@ class NVFP4State:
         taken = self.kernel_key(device).clone()
         self.advance_kernel_key(device)
         return taken
+
+    def state_dict(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Where both streams stand on ``device``, to resume them bitwise: ``"kernel_key"``
+        int64 ``[1]``, the kernels' next Philox key (the live tensor, so that a load copies
+        into it in place: CUDA graphs and compiled steps read that tensor), and
+        ``"generator_<device type>"`` uint8, the state of ``device``'s generator (a copy).
+        A ``meta`` device (a module not materialized yet) reports the CPU's."""
+        device = _indexed(device if torch.device(device).type != "meta" else "cpu")
+        return {"kernel_key": self.kernel_key(device),
+                f"generator_{device.type}": self.generator(device).get_state()}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Resume at ``sd`` (``state_dict`` of any device): the key is copied in place into
+        this state's key on every device, a generator state into its generators of that
+        device type; both also seed the keys and generators made later (a module loaded on
+        the CPU, then moved to a GPU)."""
+        gens = {k[len("generator_"):]: v for k, v in sd.items() if k.startswith("generator_")}
+        unknown = sorted(set(sd) - {"kernel_key"} - {f"generator_{t}" for t in gens})
+        if unknown:
+            raise ValueError(f"NVFP4State.load_state_dict: unknown entries {unknown} (expected 'kernel_key' "
+                             "and 'generator_<device type>')")
+        if "kernel_key" in sd:
+            key = sd["kernel_key"].detach().to("cpu", torch.int64, copy=True).reshape(1)
+            self._loaded_key = key
+            for live in self._keys.values():
+                live.copy_(key)
+        for device_type, gen_state in gens.items():
+            self._loaded_generators[device_type] = gen_state.detach().to("cpu", copy=True)
+            for device, gen in self._generators.items():
+                if device.type == device_type:
+                    gen.set_state(self._loaded_generators[device_type])
 
 
 def _indexed(device) -> torch.device:
