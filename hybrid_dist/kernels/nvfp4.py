@@ -182,12 +182,10 @@ def _seed_tensor(q: NVFP4Quantizer, state, device, like: torch.Tensor) -> torch.
 
 
 def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, config: TileConfig | None = None):
-    """Registry impl for :class:`NVFP4Quantizer` (see module doc for the exactness).
-    Columnwise from non-bf16 inputs defers to the reference (only bf16 tiles are tested
-    with the in-register transposes, see ``fp8_tensor``). ``config``: a tile config other
-    than the default (eager only: tests and benchmarks)."""
-    if columnwise and x2d.dtype != torch.bfloat16:
-        return NotImplemented
+    """Registry impl for :class:`NVFP4Quantizer` (see module doc for the exactness); any
+    float input dtype (the tile kernels build columnwise blocks from 16 row sets, with no
+    8-bit transpose). ``config``: a tile config other than the default (eager only: tests
+    and benchmarks)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     dev = x2d.device

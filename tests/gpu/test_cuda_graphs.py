@@ -30,17 +30,20 @@ def _sr_keys(module) -> list[torch.Tensor]:
     return [s.kernel_key(torch.device("cuda")) for s in states]
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4",
-                                  "mxfp8_fwd_nvfp4_bwd"])
-def test_graphed_linear_equals_eager_bitwise(name):
+@pytest.mark.parametrize("name,dtype", [(n, torch.bfloat16) for n in ("fp8_current", "fp8_delayed", "mxfp8",
+                                                                     "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd")]
+                         + [("nvfp4", torch.float32)], ids=str)
+def test_graphed_linear_equals_eager_bitwise(name, dtype):
+    """Also an fp32 module with stochastic rounding: its columnwise NVFP4 runs on the tile
+    kernel (device key), so it is captured like bf16's."""
     recipe = hd.recipe_from_name(name)
     torch.manual_seed(0)
-    eager = hd.Linear(K, N, bias=True, recipe=recipe, device="cuda", dtype=torch.bfloat16)
-    graphed = hd.Linear(K, N, bias=True, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+    eager = hd.Linear(K, N, bias=True, recipe=recipe, device="cuda", dtype=dtype)
+    graphed = hd.Linear(K, N, bias=True, recipe=recipe, device="cuda", dtype=dtype)
     graphed.load_state_dict(eager.state_dict())
-    sample = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    sample = torch.randn(M, K, device="cuda", dtype=dtype, requires_grad=True)
     for mod in (eager, graphed):  # both past their first step (any host-side first-step logic)
-        mod(sample).backward(torch.ones(M, N, device="cuda", dtype=torch.bfloat16))
+        mod(sample).backward(torch.ones(M, N, device="cuda", dtype=dtype))
     # the capture's warm-up backward uses uninitialised gradients and advances the delayed
     # states: reset every device state (in place: the graphs hold these buffers) from eager
     graphed = torch.cuda.make_graphed_callables(graphed, (sample,), num_warmup_iters=3)
@@ -52,8 +55,8 @@ def test_graphed_linear_equals_eager_bitwise(name):
     start = [ke.item() for ke, _ in keys]
     g = torch.Generator(device="cuda").manual_seed(1)
     for step in range(STEPS):
-        x = torch.randn(M, K, device="cuda", generator=g).bfloat16() * (step + 1)
-        dy = torch.randn(M, N, device="cuda", generator=g).bfloat16()
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype) * (step + 1)
+        dy = torch.randn(M, N, device="cuda", generator=g).to(dtype)
         out = []
         for mod in (eager, graphed):
             xi = x.clone().requires_grad_(True)

@@ -162,6 +162,7 @@ def test_nvfp4_1d_tile_kernel_where_the_words_kernel_does_not_apply():
     for rw, cw in DIRS:
         _check(q, x, rw, cw, f"nvfp4 1d unaligned bf16 dirs={rw, cw}")
     _check(q, _x((96, 160), dtype=torch.float32), True, False, "nvfp4 1d fp32 rowwise")
+    _check(q, _x((96, 160), dtype=torch.float32), True, True, "nvfp4 1d fp32 row+col")
 
 
 def _check_rht_within_bound(q, x, what, **kw):
@@ -316,6 +317,32 @@ def test_nvfp4_sr_stream_every_direction_set(shape):
     x = _x(shape)
     for block_2d, cfg in ((False, NVFP4_DEFAULT), (True, NVFP4_2D_DEFAULT)):
         _check_sr_stream(x, block_2d, cfg, dirs=DIRS)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16], ids=str)
+def test_non_bf16_inputs_take_the_kernels_in_every_direction(in_dtype):
+    """fp32 / fp16 inputs run on the kernels in every direction set (``kernel_quantize``
+    fails on a reference fallback), bitwise the reference: FP8 per-tensor and block through
+    the fp32 transpose (``fp8_tensor``'s note on fp32 transposes), NVFP4 through the tile
+    kernel (RHT within its bound, SR bitwise the reference fed the kernels' stream)."""
+    for shape in ((384, 640), (640, 1152), (96, 160)):
+        x = _x(shape, dtype=in_dtype)
+        qs = [hd.Float8Quantizer(), hd.Float8Quantizer(dtype=E5M2, power_of_2_scales=True), hd.NVFP4Quantizer(),
+              hd.NVFP4Quantizer(block_2d=True)]
+        if shape[0] % 128 == 0 and shape[1] % 128 == 0:
+            qs += [hd.Float8BlockQuantizer(block="1x128"), hd.Float8BlockQuantizer(block="128x128")]
+        for q in qs:
+            for rw, cw in DIRS:
+                _check(q, x, rw, cw, f"{q} {in_dtype} {shape} dirs={rw, cw}")
+        q = hd.Float8Quantizer(scaling="delayed")
+        sk, sr = _cuda_state(E4M3), _cuda_state(E4M3)
+        k = kernel_quantize(q, x, rowwise=True, columnwise=True, state=sk)
+        r = reference_quantize(q, x, rowwise=True, columnwise=True, state=sr)
+        assert_storages_bitwise(k[1], r[1], f"delayed {in_dtype} {shape} columnwise")
+        assert torch.equal(sk.amax_history, sr.amax_history), f"delayed {in_dtype} {shape}: amax history"
+        _check_rht_within_bound(hd.NVFP4Quantizer(rht=True), x, f"{in_dtype} {shape}")
+        for block_2d, cfg in ((False, NVFP4_DEFAULT), (True, NVFP4_2D_DEFAULT)):
+            _check_sr_stream(x, block_2d, cfg, dirs=DIRS)
 
 
 @pytest.mark.parametrize("shape", [(384, 640), (4096, 2048)], ids=str)
