@@ -1,11 +1,11 @@
-"""Quantize of fp32 (and fp16) inputs in both directions: the kernels (FP8 per-tensor and
-1×128 blocks transpose the scaled fp32 tile before the cast, ``kernels.fp8_tensor``'s note
-on fp32 transposes; NVFP4 columnwise on the tile kernel) against the paths they replaced,
-timed in interleaved rounds in one run, outputs compared as bytes. Prints one table.
+"""Quantize of fp32 (or fp16) inputs in both directions: the kernels against the paths they
+replaced, timed in interleaved rounds in one run, outputs compared as bytes. Prints one table.
 
-Replaced paths: FP8 per-tensor wrote rowwise only and torch transposed it; FP8 blocks and
-NVFP4 (and NVFP4 stochastic rounding: bitwise only in distribution, the reference draws from
-``torch.rand``) ran the reference backend. Run: ``python -m benchmarks.quantize_non_bf16``.
+Replaced paths: FP8 blocks and NVFP4 (and NVFP4 stochastic rounding: equal only in
+distribution, the reference draws from ``torch.rand``) ran the reference backend; FP8
+per-tensor wrote rowwise only and torch transposed it, which fp32 still does
+(``kernels.fp8_tensor``'s note on fp32 inputs), fp16 now in one fused launch.
+Run: ``python -m benchmarks.quantize_non_bf16 [--dtype float16]``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from hybrid_dist.kernels._launch import launch
 def _fp8_block_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, stride_m,
     FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, SQUARE: tl.constexpr,
-    ROW: tl.constexpr, COL: tl.constexpr, B: tl.constexpr, F32_TRANSPOSE: tl.constexpr = False,
+    ROW: tl.constexpr, COL: tl.constexpr, B: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm = pid_m * B + tl.arange(0, B)[:, None]
@@ -64,10 +64,7 @@ def _fp8_block_kernel(
                      mask=offs < M)
         if COL:  # 128x1 along M: one scale per tile column, stored transposed
             scale = per_block_scale(tl.max(xa, axis=0), FMAX, EPS, POW2)  # [B] per k
-            if F32_TRANSPOSE:  # inputs other than bf16: fp8_tensor's note on fp32 transposes
-                q_t = cast_fp8(tl.trans(x * scale[None, :]), FMAX, out_ty)
-            else:
-                q_t = tl.trans(cast_fp8(x * scale[None, :], FMAX, out_ty))
+            q_t = tl.trans(cast_fp8(x * scale[None, :], FMAX, out_ty))
             tl.store(col_ptr + ck * M + cm, q_t, mask=(ck < K) & (cm < M))
             offs = pid_k * B + tl.arange(0, B)
             tl.store(col_s_ptr + offs * tl.cdiv(M, B) + pid_m, div_rn(tl.zeros_like(scale) + 1.0, scale),
@@ -96,7 +93,7 @@ def fp8_block_quantize_op(
         grid = (cdiv(m, BLOCK), cdiv(k, BLOCK))
         args = (x, row, row_s, col, col_s, m, k, x.stride(0))
         consts = dict(FMAX=FP8_MAX[dtype], EPS=amax_epsilon, POW2=power_of_2_scales, ROW=rowwise, COL=columnwise,
-                      B=BLOCK, F32_TRANSPOSE=columnwise and x.dtype != torch.bfloat16)
+                      B=BLOCK)
         if square:
             _square_kernel[grid](*args, SQUARE=True, **consts)  # autotuned: Triton's launch path
         else:
@@ -122,8 +119,8 @@ def _(x, dtype, square, power_of_2_scales, amax_epsilon, rowwise, columnwise):
 
 
 def quantize_fp8_block(q: Float8BlockQuantizer, x2d, *, rowwise, columnwise, state, amax):
-    """Registry impl for :class:`Float8BlockQuantizer` (bitwise the reference; inputs other
-    than bf16 transposed before the cast: ``fp8_tensor``'s note on fp32 transposes)."""
+    """Registry impl for :class:`Float8BlockQuantizer` (bitwise the reference, from bf16, fp16
+    and fp32 inputs: unlike ``fp8_tensor``'s kernel, note on fp32 inputs)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     square = q.block == "128x128"

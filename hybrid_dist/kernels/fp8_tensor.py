@@ -14,12 +14,16 @@ Kernels (``torch.library`` ops in the ``hybrid_dist`` namespace):
   With an ``amax_out`` buffer it also max-reduces ``max|x|`` into it in the same pass
   (delayed scaling records straight into ``amax_history[0]``, a running max).
 
-[Note: fp32 transposes] The columnwise tile is the rowwise fp8 tile transposed in registers
-(``tl.trans``) for bf16 inputs. For fp32 inputs that gave wrong columnwise bytes on Triton 3.6
-/ H100, so for inputs other than bf16 (``F32_TRANSPOSE``) the kernel transposes the scaled fp32
-tile and casts it again: the cast is elementwise, so the bytes are the same, at twice the
-shared memory of the bf16 path's transpose. (Before, torch transposed the rowwise data: one
-more pass over it.)
+[Note: fp32 inputs] The columnwise tile is the rowwise fp8 tile transposed in registers
+(``tl.trans``). From bf16 and fp16 inputs both directions are bitwise the reference. From fp32
+inputs a launch that writes both directions gives wrong columnwise bytes on Triton 3.6 / H100
+(twenty-first session, probed at 384x640 to 8192x8192 and five tile configs): about a quarter
+(rows ``k = 1 mod 4`` of ``col``; half of them when ``col`` is stored before ``row``), also
+when the scaled fp32 tile is transposed before the cast (so not the 8-bit transpose) and with
+a barrier between the two stores (not a shared-memory race). Launches that write one
+direction are right, and so is ``fp8_block``'s kernel from fp32. So fp32 inputs with a
+columnwise direction are cast rowwise here and torch transposes the rowwise data (bitwise the
+same; the fused launch would take 0.237 against 0.266 ms at 8192x8192, H100).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Flo
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
+from hybrid_dist.kernels.transpose import transposed
 
 _BM, _BK = 64, 128
 
@@ -51,7 +56,6 @@ def _cast_transpose_kernel(
     x_ptr, amax_in_ptr, scale_ptr, scale_inv_ptr, row_ptr, col_ptr, amax_out_ptr, M, K, stride_m, stride_b,
     stride_amax_out, FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
     ROW: tl.constexpr, COL: tl.constexpr, AMAX_OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    F32_TRANSPOSE: tl.constexpr = False,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     pid_b = tl.program_id(2)  # matrix of a batch (its own amax, scale and scale_inv; 0 for one matrix)
@@ -82,11 +86,7 @@ def _cast_transpose_kernel(
     if COL:  # columnwise stored [K, M]: element (m, k) goes to col[k, m]
         rm_t = pid_m * BM + tl.arange(0, BM)[None, :]
         rk_t = pid_k * BK + tl.arange(0, BK)[:, None]
-        if F32_TRANSPOSE:  # the module's note on fp32 transposes
-            q_t = cast_fp8(tl.trans(x * scale), FMAX, col_ptr.dtype.element_ty)
-        else:
-            q_t = tl.trans(q)
-        tl.store(col_ptr + rk_t * M + rm_t, q_t, mask=(rk_t < K) & (rm_t < M))
+        tl.store(col_ptr + rk_t * M + rm_t, tl.trans(q), mask=(rk_t < K) & (rm_t < M))
 
 
 def _amax_2d(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,7 +126,7 @@ def _fp8_cast_transpose(
         _cast_transpose_kernel, grid,
         x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype],
         EPS=eps, POW2=pow2, SCALE_FROM_AMAX=scale_from_amax, ROW=rowwise, COL=columnwise,
-        AMAX_OUT=record_amax, BM=_BM, BK=_BK, num_warps=8, F32_TRANSPOSE=columnwise and x.dtype != torch.bfloat16,
+        AMAX_OUT=record_amax, BM=_BM, BK=_BK, num_warps=8,
     )
     return row, col, scale_inv
 
@@ -200,10 +200,14 @@ def _unused(device, compiling: bool) -> torch.Tensor:
 
 
 def quantize_fp8_tensor(q: Float8Quantizer, x2d, *, rowwise, columnwise, state, amax):
-    """Registry impl for :class:`Float8Quantizer` (bitwise the reference; inputs other than
-    bf16 transposed in fp32, the module's note on fp32 transposes)."""
+    """Registry impl for :class:`Float8Quantizer` (bitwise the reference; fp32 inputs with a
+    columnwise direction: rowwise, then a torch transpose, the module's note on fp32 inputs)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
+    if columnwise and x2d.dtype == torch.float32:
+        row_st, _ = quantize_fp8_tensor(q, x2d, rowwise=True, columnwise=False, state=state, amax=amax)
+        col_st = Float8Storage(data=transposed(row_st.data), scale_inv=row_st.scale_inv, transposed=True)
+        return (row_st if rowwise else None), col_st
     dev = x2d.device
     # eager: the raw host wrappers (no dispatcher); while compiling: the torch.library ops
     compiling = torch.compiler.is_compiling()

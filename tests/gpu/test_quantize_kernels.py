@@ -322,8 +322,8 @@ def test_nvfp4_sr_stream_every_direction_set(shape):
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16], ids=str)
 def test_non_bf16_inputs_take_the_kernels_in_every_direction(in_dtype):
     """fp32 / fp16 inputs run on the kernels in every direction set (``kernel_quantize``
-    fails on a reference fallback), bitwise the reference: FP8 per-tensor and block through
-    the fp32 transpose (``fp8_tensor``'s note on fp32 transposes), NVFP4 through the tile
+    fails on a reference fallback), bitwise the reference: FP8 per-tensor (fp32: rowwise and a
+    torch transpose, ``fp8_tensor``'s note on fp32 inputs) and blocks, NVFP4 through the tile
     kernel (RHT within its bound, SR bitwise the reference fed the kernels' stream)."""
     for shape in ((384, 640), (640, 1152), (96, 160)):
         x = _x(shape, dtype=in_dtype)
