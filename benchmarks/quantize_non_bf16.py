@@ -2,7 +2,8 @@
 replaced, timed in interleaved rounds in one run, outputs compared as bytes. Prints one table.
 
 Replaced paths: FP8 blocks and NVFP4 (and NVFP4 stochastic rounding: equal only in
-distribution, the reference draws from ``torch.rand``) ran the reference backend; FP8
+distribution, the reference draws from ``torch.rand``) ran the reference backend; MXFP8
+quantized ``x`` and a torch transpose of it rowwise; FP8
 per-tensor wrote rowwise only and torch transposed it, which fp32 still does
 (``kernels.fp8_tensor``'s note on fp32 inputs), fp16 now in one fused launch.
 Run: ``python -m benchmarks.quantize_non_bf16 [--dtype float16]``.
@@ -24,6 +25,7 @@ CASES = [  # (name, quantizer, former path: "transpose" or "reference")
     ("fp8 current e4m3", hd.Float8Quantizer(), "transpose"),
     ("fp8 block 1x128", hd.Float8BlockQuantizer(block="1x128"), "reference"),
     ("fp8 block 128x128", hd.Float8BlockQuantizer(block="128x128"), "reference"),
+    ("mxfp8 e4m3", hd.MXFP8Quantizer(), "rowwise of x and x.T"),
     ("nvfp4 1d", hd.NVFP4Quantizer(), "reference"),
     ("nvfp4 rht+sr (grads)", hd.NVFP4Quantizer(rht=True, stochastic_rounding=True), "reference"),
 ]
@@ -37,6 +39,11 @@ def _former(q, x, how):
     if how == "reference":
         return lambda: q._quantize_2d(x, rowwise=True, columnwise=True, state=None, amax=None)
     impl = quantize_impl_for(q, x)
+    if how == "rowwise of x and x.T":
+        def rowwise_twice():
+            col = impl(q, x.t().contiguous(), rowwise=True, columnwise=False, state=None, amax=None)[0]
+            return impl(q, x, rowwise=True, columnwise=False, state=None, amax=None)[0], col
+        return rowwise_twice
 
     def row_then_transpose():
         row, _ = impl(q, x, rowwise=True, columnwise=False, state=None, amax=None)
@@ -64,6 +71,8 @@ def main() -> None:
         if "sr" in name:  # the reference's own random stream
             same = None
         elif how == "reference":
+            same = bytes_equal(_flat(o), _flat(f))
+        elif how == "rowwise of x and x.T":
             same = bytes_equal(_flat(o), _flat(f))
         else:
             same = bytes_equal([o[0].data, o[1].data], [f[0].data, f[1]])

@@ -247,17 +247,9 @@ def _(x, dtype, rowwise, columnwise):
 
 
 def quantize_mxfp8(q: MXFP8Quantizer, x2d, *, rowwise, columnwise, state, amax, config: TileConfig | None = None):
-    """Registry impl for :class:`MXFP8Quantizer` (bitwise the reference). ``config``: a tile
-    config other than the default (eager only: tests and benchmarks).
-
-    The fused columnwise path is used for bf16 inputs; other inputs quantize ``x`` and
-    ``x.T`` (a torch transpose) rowwise (the columnwise path is tested, and measured, on bf16
-    only)."""
-    kw = dict(state=state, amax=amax, config=config)
-    if columnwise and x2d.dtype != torch.bfloat16:
-        row_st = quantize_mxfp8(q, x2d, rowwise=True, columnwise=False, **kw)[0] if rowwise else None
-        col = quantize_mxfp8(q, x2d.t().contiguous(), rowwise=True, columnwise=False, **kw)[0]
-        return row_st, MXFP8Storage(data=col.data, scale=col.scale, transposed=True)
+    """Registry impl for :class:`MXFP8Quantizer` (bitwise the reference; any float input: the
+    32-row-set kernel builds columnwise blocks without an 8-bit transpose). ``config``: a
+    tile config other than the default (eager only: tests and benchmarks)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     if config is None:

@@ -323,12 +323,13 @@ def test_nvfp4_sr_stream_every_direction_set(shape):
 def test_non_bf16_inputs_take_the_kernels_in_every_direction(in_dtype):
     """fp32 / fp16 inputs run on the kernels in every direction set (``kernel_quantize``
     fails on a reference fallback), bitwise the reference: FP8 per-tensor (fp32: rowwise and a
-    torch transpose, ``fp8_tensor``'s note on fp32 inputs) and blocks, NVFP4 through the tile
-    kernel (RHT within its bound, SR bitwise the reference fed the kernels' stream)."""
+    torch transpose, ``fp8_tensor``'s note on fp32 inputs) and blocks, MXFP8 through the
+    32-row-set kernel, NVFP4 through the tile kernel (RHT within its bound, SR bitwise the
+    reference fed the kernels' stream)."""
     for shape in ((384, 640), (640, 1152), (96, 160)):
         x = _x(shape, dtype=in_dtype)
         qs = [hd.Float8Quantizer(), hd.Float8Quantizer(dtype=E5M2, power_of_2_scales=True), hd.NVFP4Quantizer(),
-              hd.NVFP4Quantizer(block_2d=True)]
+              hd.NVFP4Quantizer(block_2d=True), hd.MXFP8Quantizer(), hd.MXFP8Quantizer(dtype=E5M2)]
         if shape[0] % 128 == 0 and shape[1] % 128 == 0:
             qs += [hd.Float8BlockQuantizer(block="1x128"), hd.Float8BlockQuantizer(block="128x128")]
         for q in qs:
