@@ -36,25 +36,32 @@ from hybrid_dist.recipes import Recipe
 QUANTIZER_STATE_KEY = "_extra_state"
 
 
-def _state_tensors(state: Any, device: torch.device) -> dict | None:
-    """The tensors of a plan state as a nested dict (see the note), or None without state."""
-    if isinstance(state, DelayedScalingState):
-        return {"amax_history": state.amax_history, "scale": state.scale}
-    if isinstance(state, NVFP4State):
-        return state.state_dict(device)
+def _map_leaves(state: Any, fn) -> Any:
+    """``fn(leaf)`` for every ``DelayedScalingState`` / ``NVFP4State`` of a plan state, nested
+    as the note describes (hybrid directions, per-expert lists), None results left out; None
+    if nothing is left."""
+    if isinstance(state, (DelayedScalingState, NVFP4State)):
+        return fn(state)
     if isinstance(state, HybridState):
-        parts = {d: _state_tensors(getattr(state, d), device) for d in ("rowwise", "columnwise")}
+        parts = {d: _map_leaves(getattr(state, d), fn) for d in ("rowwise", "columnwise")}
     elif isinstance(state, (list, tuple)):
-        parts = {str(i): _state_tensors(s, device) for i, s in enumerate(state)}
+        parts = {str(i): _map_leaves(s, fn) for i, s in enumerate(state)}
     else:
         return None
     parts = {k: v for k, v in parts.items() if v is not None}
     return parts or None
 
 
+def state_tensors(state: Any, device: torch.device) -> dict | None:
+    """The tensors of a plan state as a nested dict (see the note; live where they are device
+    tensors), or None without state. ``device``: the module's (``NVFP4State.state_dict``)."""
+    return _map_leaves(state, lambda s: s.state_dict(device) if isinstance(s, NVFP4State)
+                       else {"amax_history": s.amax_history, "scale": s.scale})
+
+
 @torch.no_grad()
-def _load_state_tensors(state: Any, saved: dict, where: str) -> None:
-    """Copy ``saved`` (a ``_state_tensors`` dict) into ``state`` in place."""
+def load_state_tensors(state: Any, saved: dict, where: str) -> None:
+    """Copy ``saved`` (a ``state_tensors`` dict) into ``state`` in place."""
     if isinstance(state, NVFP4State):
         state.load_state_dict(saved)
         return
@@ -76,7 +83,7 @@ def _load_state_tensors(state: Any, saved: dict, where: str) -> None:
             raise ValueError(
                 f"load_state_dict: the checkpoint has quantizer state {where}.{k}, but this "
                 f"module's quantizer keeps none there; build it with the checkpoint's recipe")
-        _load_state_tensors(children[key], sub, f"{where}.{k}")
+        load_state_tensors(children[key], sub, f"{where}.{k}")
 
 
 def _make_kernel_keys(state: Any, device: torch.device) -> None:
@@ -86,14 +93,7 @@ def _make_kernel_keys(state: Any, device: torch.device) -> None:
     an allocation of the graph's pool that no graph output tracks, which the trees refuse.
     Not covered: a plan first built while compiling (a recipe that only ``hd.autocast``
     gives, at a first forward that is compiled); run one eager step first there."""
-    if isinstance(state, NVFP4State):
-        state.kernel_key(device)
-    elif isinstance(state, HybridState):
-        _make_kernel_keys(state.rowwise, device)
-        _make_kernel_keys(state.columnwise, device)
-    elif isinstance(state, (list, tuple)):
-        for s in state:
-            _make_kernel_keys(s, device)
+    _map_leaves(state, lambda s: s.kernel_key(device) if isinstance(s, NVFP4State) else None)
 
 
 def in_backward() -> bool:
@@ -147,7 +147,7 @@ class RecipeModuleMixin:
         device = weight.device if weight is not None else torch.device("cpu")
         out: dict[str, dict] = {}
         for plan in self._plans.values():
-            states = {t: _state_tensors(s, device) for t, s in plan.states.items()}
+            states = {t: state_tensors(s, device) for t, s in plan.states.items()}
             states = {t: v for t, v in states.items() if v is not None}
             if states:
                 out[plan.recipe.name] = states
@@ -182,7 +182,7 @@ class RecipeModuleMixin:
             if t not in plan.states:
                 raise ValueError(f"load_state_dict: unknown tensor type {t!r} in the quantizer states of "
                                  f"recipe {plan.recipe.name!r} (expected one of {sorted(plan.states)})")
-            _load_state_tensors(plan.states[t], saved, f"{plan.recipe.name}.{t}")
+            load_state_tensors(plan.states[t], saved, f"{plan.recipe.name}.{t}")
 
     def active_recipe(self) -> Recipe | None:
         return self._active_recipe(in_backward())

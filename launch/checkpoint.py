@@ -21,43 +21,36 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_map
 
 import hybrid_dist as hd
-from hybrid_dist.formats.nvfp4 import NVFP4State
-from hybrid_dist.hybrid import HybridState
+from hybrid_dist._recipe_module import load_state_tensors, state_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def _snapshot(state: Any, device: torch.device) -> Any:
-    if state is None:
-        return None
-    if isinstance(state, list):  # GroupedLinear: one state per expert
-        return [_snapshot(s, device) for s in state]
-    if isinstance(state, hd.DelayedScalingState):
-        return {"amax_history": state.amax_history.clone(), "scale": state.scale.clone()}
-    if isinstance(state, NVFP4State):  # the reference's generator and the CUDA kernels' Philox key
-        return {k: v.to("cpu", copy=True) for k, v in state.state_dict(device).items()}
-    if isinstance(state, HybridState):
-        return {"rowwise": _snapshot(state.rowwise, device), "columnwise": _snapshot(state.columnwise, device)}
-    raise NotImplementedError(f"checkpoint: cannot save quantizer state of type {type(state).__name__}")
+    """A CPU copy of a plan state's tensors (``_recipe_module.state_tensors``: the module
+    state dict's form), or None without state."""
+    tensors = state_tensors(state, device)
+    return None if tensors is None else tree_map(lambda t: t.to("cpu", copy=True), tensors)
 
 
-def _restore(state: Any, snap: Any, device: torch.device) -> None:
-    if state is None:
-        return
-    if isinstance(state, list):
-        for s, snap_s in zip(state, snap, strict=True):
-            _restore(s, snap_s, device)
-    elif isinstance(state, hd.DelayedScalingState):
-        state.amax_history, state.scale = snap["amax_history"].clone(), snap["scale"].clone()
-    elif isinstance(state, NVFP4State):
-        if "generator" in snap:  # written before NVFP4State.state_dict: the generator of `device`
-            snap = {k: v for k, v in snap.items() if k != "generator"} | {f"generator_{device.type}": snap["generator"]}
-        state.load_state_dict(snap)  # a checkpoint written before the key was saved has none
-    elif isinstance(state, HybridState):
-        _restore(state.rowwise, snap["rowwise"], device)
-        _restore(state.columnwise, snap["columnwise"], device)
+def _current_form(snap: Any, device: torch.device) -> Any:
+    """``snap`` in ``state_tensors``' form. Checkpoints written before it held per-expert
+    lists, None for stateless parts and an SR state's generator as ``"generator"``."""
+    if isinstance(snap, list):
+        snap = {str(i): s for i, s in enumerate(snap)}
+    if not isinstance(snap, dict):
+        return snap
+    return {f"generator_{device.type}" if k == "generator" else k: _current_form(v, device)
+            for k, v in snap.items() if v is not None}
+
+
+def _restore(state: Any, snap: Any, device: torch.device, where: str) -> None:
+    snap = _current_form(snap, device)
+    if snap:
+        load_state_tensors(state, snap, where)
 
 
 def _states(model: nn.Module):
@@ -79,7 +72,7 @@ def quantizer_states(model: nn.Module, device: torch.device) -> dict[str, Any]:
 def load_quantizer_states(model: nn.Module, snaps: dict[str, Any], device: torch.device) -> None:
     for name, states in _states(model):
         for t, s in states.items():
-            _restore(s, snaps[f"{name}/{t}"], device)
+            _restore(s, snaps[f"{name}/{t}"], device, f"{name}/{t}")
 
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile

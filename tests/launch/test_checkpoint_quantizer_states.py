@@ -43,3 +43,21 @@ def test_snapshot_restores_sr_generator_and_kernel_key():
         assert s.kernel_key(dev) is live[i], f"state {i}: the key tensor was replaced, not restored in place"
         assert torch.equal(s.kernel_key(dev), keys[i]), f"state {i}: kernel key {s.kernel_key(dev)} != {keys[i]}"
         assert torch.equal(torch.rand(5, generator=s.generator(dev)), draws[i]), f"state {i}: generator not restored"
+
+
+def test_snapshot_written_before_the_state_dict_form_still_restores():
+    """Rank files written before ``NVFP4State.state_dict`` named the generator ``"generator"``
+    and kept None for stateless parts; they restore the same streams."""
+    dev = torch.device("cpu")
+    model = nn.Sequential(hd.Linear(64, 64, recipe=hd.recipe_from_name("nvfp4"), name="l0"))
+    (state,) = _sr_states(model)
+    state.advance_kernel_key(dev)
+    snap = quantizer_states(model, dev)
+    old = {k: None if v is None else {"generator": v["generator_cpu"], "kernel_key": v["kernel_key"]}
+           for k, v in snap.items()}
+    assert any(v is None for v in old.values()) and any(v is not None for v in old.values())
+    key, draws = state.kernel_key(dev).clone(), torch.rand(5, generator=state.generator(dev))
+    state.advance_kernel_key(dev)
+    load_quantizer_states(model, old, dev)
+    assert torch.equal(state.kernel_key(dev), key), "kernel key not restored from the old form"
+    assert torch.equal(torch.rand(5, generator=state.generator(dev)), draws), "generator not restored"
