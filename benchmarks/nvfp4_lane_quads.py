@@ -1,6 +1,7 @@
 """NVFP4 1D words kernel (``kernels/nvfp4_words.py``) with and without the lane-quad row scales,
-with and without a 128-register cap, side by side in one run: fused pass alone (amax given),
-16384×8192 bf16, row+col; every variant's outputs compared bitwise with the no-quad kernel's.
+uncapped and capped at 128 and 96 registers (the row+col default), side by side in one run:
+fused pass alone (amax given), 16384×8192 bf16, row+col; every variant's outputs compared
+bitwise with the no-quad kernel's.
 Prints one table. Run: ``python -m benchmarks.nvfp4_lane_quads`` (one GPU, < 1 min)."""
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main() -> None:
     base = [o.clone() for o in _launcher(x, t, amax, TileConfig(bm=64, bk=128, num_warps=4), False)()]
     rows = []
     for rep in range(2):
-        for cap in (128, None):
+        for cap in (128, 96, None):
             cfg = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=cap)
             for quad in (False, True):
                 run = _launcher(x, t, amax, cfg, quad)

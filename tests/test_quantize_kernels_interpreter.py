@@ -50,6 +50,7 @@ def nvfp4_input(shape, gen):
     e = torch.randint(-3, 6, (shape[0], 1), generator=gen) + torch.randint(-2, 1, shape, generator=gen)
     x = 6.0 * _sign(shape, gen) * _mant(shape, 3, gen) * torch.exp2(e.float())
     x[:16, :16] = 0.0
+    x[:16, :5], x[20, 40] = -0.0, -0.0  # negative zeros: code 0x8 (the input's sign bit)
     return x.bfloat16()
 
 

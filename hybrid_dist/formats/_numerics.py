@@ -103,7 +103,9 @@ def e2m1_encode(v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
 
     ``rand=None`` rounds to nearest even. Otherwise ``rand`` (uniform [0, 1), v's shape)
     rounds stochastically: up with probability ``(|v| - lo) / (hi - lo)``, which makes
-    the rounding unbiased.
+    the rounding unbiased. The sign bit is ``v``'s: ``-0.0`` and negatives that round to
+    zero encode as ``0x8`` (negative zero), as an IEEE conversion does (Blackwell's
+    ``cvt.*.e2m1x2.f32`` too); the kernels take it from the input's bits.
     """
     mag = v.abs().clamp(max=E2M1_MAX)
     if rand is None:
@@ -120,7 +122,7 @@ def e2m1_encode(v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
         lo_val, hi_val = _e2m1_values(lo), _e2m1_values(lo + 1)
         p_up = (mag - lo_val) / (hi_val - lo_val)
         code = lo + (rand < p_up).to(torch.uint8)
-    sign = (v < 0).to(torch.uint8) << 3
+    sign = torch.signbit(v).to(torch.uint8) << 3  # -0.0 too, as an IEEE conversion
     return code | sign
 
 

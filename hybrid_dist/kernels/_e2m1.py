@@ -22,7 +22,7 @@ def e2m1_rne_ops(v):
     hi = (b + (0x1FFFFF - (252 << 22)) + ((b >> 22) & 1)) >> 22
     lo = (u * 2.0 + 8388608.0).to(tl.int32, bitcast=True) & 3
     code = tl.where(u < 1.0, lo, hi)
-    return tl.where(v < 0, code | 8, code)
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, code | 8, code)
 
 
 # PTX: the E2M1 magnitude code of $1 in ``h`` and its sign in ``q``, rounded on the FMA pipe
@@ -31,11 +31,11 @@ def e2m1_rne_ops(v):
 # ``_CODE`` are shared with the stochastic encoder (``_SR_CODE``), which only rounds differently.
 _MAGIC = ("abs.f32 u, $1; min.f32 u, u, 0f40C00000; max.f32 e, u, 0f3F800000; "
           "mov.b32 h, e; and.b32 h, h, 2139095040; mov.b32 e, h; mul.rn.f32 m, e, 0f4AC00000; ")
-_CODE = "mul.rn.f32 r, r, 0f00800000; mov.b32 h, r; shr.u32 h, h, 22; setp.lt.f32 q, $1, 0f00000000; "
+_CODE = "mul.rn.f32 r, r, 0f00800000; mov.b32 h, r; shr.u32 h, h, 22; mov.b32 b, $1; setp.lt.s32 q, b, 0; "
 _RNE_CODE = _MAGIC + "add.rn.f32 r, u, m; sub.rn.f32 r, r, m; " + _CODE
-_RNE_BITS_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h; .reg .pred q; " + _RNE_CODE
+_RNE_BITS_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h, b; .reg .pred q; " + _RNE_CODE
                              + "@q or.b32 h, h, 8; mov.b32 $0, h; }")
-_RNE_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h; .reg .pred q; " + _RNE_CODE
+_RNE_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h, b; .reg .pred q; " + _RNE_CODE
                             + "@q add.s32 h, h, 8; mad.lo.u32 $0, h, $3, $2; }")
 
 
@@ -69,6 +69,44 @@ def e2m1_rne_mad(v, acc, mult):
     return tl.inline_asm_elementwise(_RNE_MAD_ASM, "=r,f,r,r", [v, acc, mult], dtype=tl.int32, is_pure=True, pack=1)
 
 
+# PTX: ``acc`` plus the E2M1 magnitude code of $1 in nibble ``N`` (``e2m1_mag_into``): the
+# code is ``bits(r · 2**-126) >> 22`` with nothing below bit 22, so nibble ``N`` is that word
+# shifted right by ``22 - 4N`` (left by ``4N - 22`` for N >= 6), and an add (``LEA.HI``) puts
+# it in: one ALU instruction where ``shr`` + ``mad`` took two. The signs are not here: the
+# words kernel takes them from the bf16 input's bits, several codes per instruction.
+_R126 = "mul.rn.f32 r, r, 0f00800000; mov.b32 h, r; "
+
+
+def _into_tail(acc: str, shift: str, left: bool) -> str:
+    """``$0 = acc + (h >> shift)`` (``<< shift`` if ``left``): the end of the PTX block."""
+    return f"{'shl' if left else 'shr'}.b32 h, h, {shift}; add.u32 $0, h, {acc}; }}"
+
+
+_MAG_BODY = "{ .reg .f32 u, e, m, r; .reg .b32 h; " + _MAGIC + "add.rn.f32 r, u, m; sub.rn.f32 r, r, m; " + _R126
+_MAG_SHR_ASM = tl.constexpr(_MAG_BODY + _into_tail("$2", "$3", False))
+_MAG_SHL_ASM = tl.constexpr(_MAG_BODY + _into_tail("$2", "$3", True))
+
+
+@triton.jit
+def _nibble_shift(v, N: tl.constexpr):
+    """The shift count that moves a code at bit 22 to nibble ``N``."""
+    return tl.full(v.shape, 22 - 4 * N if 4 * N <= 22 else 4 * N - 22, tl.int32)
+
+
+@triton.jit
+def e2m1_mag_into(v, acc, N: tl.constexpr):
+    """``acc + (|code(v)| << 4N)``: the E2M1 magnitude code of fp32 ``v`` (``e2m1_rne_bits``
+    without its sign bit) added into nibble ``N`` of int32 ``acc``, whose nibble ``N`` has at
+    most its sign bit set: the caller takes the signs from the input's bits."""
+    if INTERPRET:
+        return acc + ((e2m1_rne_ops(v) & 7) << (4 * N))
+    if 4 * N <= 22:
+        return tl.inline_asm_elementwise(_MAG_SHR_ASM, "=r,f,r,r", [v, acc, _nibble_shift(v, N)], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_MAG_SHL_ASM, "=r,f,r,r", [v, acc, _nibble_shift(v, N)], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
 # Stochastic rounding with 8 random bits per element (``e2m1_sr_mad``): the noise ``f = 64 + n/2``
 # with ``n = (r8 + 1/2) / 256`` is built by one byte permute (``sr_noise``); the encoder adds
 # ``gap · n`` to ``u`` and truncates to E2M1's grid, both rounding toward zero, so the code is
@@ -76,7 +114,7 @@ def e2m1_rne_mad(v, acc, mult):
 # multiple of 1/256 (to nearest, halves up: the noise sits at cell midpoints).
 _SR_CODE = (_MAGIC + "sub.rn.f32 t, $2, 0f42800000; fma.rz.f32 s, e, t, u; "
             "add.rz.f32 r, s, m; sub.rn.f32 r, r, m; " + _CODE)
-_SR_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, t, s, r; .reg .b32 h; .reg .pred q; " + _SR_CODE
+_SR_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, t, s, r; .reg .b32 h, b; .reg .pred q; " + _SR_CODE
                            + "@q add.s32 h, h, 8; mad.lo.u32 $0, h, $4, $3; }")
 # prmt: bytes {0x80, w.byte[B], 0x80, 0x42} = fp32 64 + (w.byte[B] + 1/2) / 512; $2 is the
 # selector 0x7604 + 16·B (a constant: ptxas folds it into the instruction)
@@ -104,7 +142,7 @@ def e2m1_sr_ops(v, f):
     e = (tl.maximum(u, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     n = (f - 64.0) * 2.0
     code = e2m1_rne_ops(lo) + (u - lo >= e * 0.5 * (1.0 - n)).to(tl.int32)
-    return tl.where(v < 0, code | 8, code)
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, code | 8, code)
 
 
 @triton.jit

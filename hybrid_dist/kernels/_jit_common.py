@@ -132,7 +132,7 @@ def e2m1_rne(v):
     code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
     code += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
     code += (mag > 5.0).to(tl.int32)
-    return code | ((v < 0).to(tl.int32) << 3)
+    return code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3)
 
 
 @triton.jit
@@ -153,7 +153,7 @@ def e2m1_stochastic(v, rand):
     hi_val = _e2m1_grid(lo + 1)
     p_up = div_rn(mag - lo_val, hi_val - lo_val)
     code = lo + (rand < p_up).to(tl.int32)
-    return code | ((v < 0).to(tl.int32) << 3)
+    return code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3)
 
 
 @triton.jit

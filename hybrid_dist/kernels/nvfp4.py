@@ -79,7 +79,7 @@ def nvfp4_quantize_tiles(
     fp32 scalar decode scales the kernel computes from them (``formats.nvfp4.
     nvfp4_global_scale``: no torch ops between the passes). ``seed`` int64 ``[1]``;
     ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks).
-    ``config``: the tile config (default ``quant_tiles.nvfp4_words_default(rht)`` for the
+    ``config``: the tile config (default ``quant_tiles.nvfp4_words_default`` for the
     words kernel, else ``quant_tiles.nvfp4_default(block_rows)``). ``words``: None picks
     ``kernels.nvfp4_words`` for 1×16 blocks without SR from word-readable bf16; False runs the
     tile kernel there instead (benchmarks and tests compare the two)."""
@@ -91,7 +91,7 @@ def nvfp4_quantize_tiles(
     if words and not can_words:
         raise ValueError("nvfp4_quantize_tiles(words=True) needs 1x16 blocks, no SR and word-readable bf16")
     words = can_words if words is None else words
-    config = config or (nvfp4_words_default(rht) if words else nvfp4_default(block_rows))
+    config = config or (nvfp4_words_default(rht, rowwise and columnwise) if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
     col64 = (outs[2].view(torch.int64) if columnwise and x.numel()

@@ -45,6 +45,28 @@ and a predicated add per code: 21.1 → 16.3 ALU instructions per element) was s
 first run (0.2407 with ``QUAD``): ptxas pairs each ``mad.hi`` with a zeroed register, and the
 kernel spilled.
 
+[Note: signs] (twenty-second session) The codes' sign bits come from the input's bits, not
+from a compare per code: a word's two bf16 signs (bits 15 and 31) are masked and shifted into
+bits 3 and 7 of its rowwise byte, and four sets at a time into the columnwise accumulators,
+which start from them (``_col_signs``). The magnitude codes are then added into their nibbles
+by a shift and an add (``_e2m1.e2m1_mag_into``, one ``LEA.HI``) where a compare, a predicated
+add, a shift and a multiply-add per code were. sm_90 SASS, row+col: 39.1 → 35.9 instructions
+per element, 20.0 → 18.1 of them ALU. A code's sign is the input's sign bit, so ``-0.0``
+encodes as the negative zero ``0x8``; ``_numerics.e2m1_encode`` and every kernel's encoder now
+say the same (``v < 0`` made it ``0x0`` before). An inf input in a block whose encode
+multiplier is 0 (its scaled value NaN) keeps its sign here, where the tile kernel's NaN has
+none (NaN aside, as before). One H100 session, fused pass 16384×8192, medians of interleaved
+rounds against the kernel before (``.scratch``-only A/B, outputs bitwise equal): 1D row+col
+0.2123 → 0.2070 ms and, in a second call, 0.2091 → 0.2020 at 96 registers (uncapped it was no
+faster: 0.2120, 0.2132; ``quant_tiles.NVFP4_WORDS_BOTH``); with RHT 0.2385 → 0.2348 and
+0.2384 → 0.2373 (at 80 registers, its former cap, it spilled: 0.2448, 0.2483). Nsight Compute
+(same session, 1D): issue active 73% before, 70% after at 30% occupancy (20 warps per SM),
+the top stalls ``long_scoreboard`` (loads), ``not_selected`` and ``wait``: no single pipe bounds
+the pass now. Tried in the same calls and not kept: a persistent grid that loads the next
+tile's words before making this one (2–4 programs per SM: 0.235–0.621 ms), and Triton's
+pipelined async copies into shared memory (``tl.range(num_stages=2..4)``, 2–4 programs per SM:
+0.238–0.336 ms); with fewer warps per SM either lost more than the hidden load latency gave.
+
 [Note: RHT] With ``RHT`` the columnwise direction is made after the rowwise one, each half
 (even k, odd k) at once for the 16 sets (``_rht_half``): unpacked to fp32, transformed by the
 tile kernel's butterfly (``nvfp4_tiles._rht16``), block-scaled and encoded as there, so the
@@ -74,10 +96,13 @@ import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import global_decode_scale
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
-from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad
+from hybrid_dist.kernels._e2m1 import e2m1_mag_into
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, umax16x2, unpack
 from hybrid_dist.kernels.nvfp4_tiles import _codes8, _kmax, _max16, _rht16, _store_col, _store_row_scales4
+
+
+SIGNS = tl.constexpr(-2147450880)  # 0x80008000: the sign bits of a word's two bf16
 
 
 def words_lane_quads(config) -> bool:
@@ -100,7 +125,9 @@ def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.conste
     (one per word), stored."""
     lo, hi = unpack(w)
     pw = pid_k * W + tl.arange(0, W)[None, :]
-    byte = e2m1_rne_mad(hi * enc, e2m1_rne_bits(lo * enc), tl.full((R, W), 16, tl.int32))
+    t = (w & SIGNS).to(tl.uint32, bitcast=True)
+    signs = ((t >> 12) | (t >> 24)).to(tl.int32, bitcast=True)  # bits 3 and 7 (and junk above 8)
+    byte = e2m1_mag_into(hi * enc, e2m1_mag_into(lo * enc, signs, 0), 1)
     tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
 
 
@@ -116,10 +143,30 @@ def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_p
         bs, enc = _block_scale(ram, gs)
         _row_bytes(w, _per_word(enc, R, W, 8), rs + j, pid_k, row_ptr, M, K, R, W)
     if COL:
-        mult = tl.full((R, W), 1 << (4 * (j % 8)), tl.int32)
-        acc_e = e2m1_rne_mad(lo * enc_lo, acc_e, mult)
-        acc_o = e2m1_rne_mad(hi * enc_hi, acc_o, mult)
+        acc_e = e2m1_mag_into(lo * enc_lo, acc_e, j % 8)
+        acc_o = e2m1_mag_into(hi * enc_hi, acc_o, j % 8)
     return bs, acc_e, acc_o
+
+
+@triton.jit
+def _signs4(w0, w1, w2, w3):
+    """The sign bits of sets ``j < 4`` (words ``w_j``): low half's at bit ``4j + 3``, high
+    half's at ``4j + 19``."""
+    a = (w0 & SIGNS).to(tl.uint32, bitcast=True) >> 12
+    b = (w1 & SIGNS).to(tl.uint32, bitcast=True) >> 8
+    c = (w2 & SIGNS).to(tl.uint32, bitcast=True) >> 4
+    return (a | b | c).to(tl.int32, bitcast=True) | (w3 & SIGNS)
+
+
+@triton.jit
+def _col_signs(w0, w1, w2, w3, w4, w5, w6, w7):
+    """Columnwise accumulators of sets 0-7 holding only their E2M1 sign bits: even k (low
+    halves) and odd k (high halves), set ``j`` in nibble ``j``."""
+    a = _signs4(w0, w1, w2, w3).to(tl.uint32, bitcast=True)
+    b = _signs4(w4, w5, w6, w7).to(tl.uint32, bitcast=True)
+    even = (a & 0xFFFF) | (b << 16)
+    odd = (a >> 16) | (b & 0xFFFF0000)
+    return even.to(tl.int32, bitcast=True), odd.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -263,11 +310,16 @@ def nvfp4_words_kernel(
         bs_lo, enc_lo = _block_scale(cam_lo, gs)
         bs_hi, enc_hi = _block_scale(cam_hi, gs)
     z = tl.zeros((R, W), tl.int32)
-    e_lo, o_lo = _pset4(w0, w1, w2, w3, 0, z, z, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
+    se_lo, so_lo = z, z
+    se_hi, so_hi = z, z
+    if SET_COL:  # the columnwise accumulators start from the signs (note "signs")
+        se_lo, so_lo = _col_signs(w0, w1, w2, w3, w4, w5, w6, w7)
+        se_hi, so_hi = _col_signs(w8, w9, w10, w11, w12, w13, w14, w15)
+    e_lo, o_lo = _pset4(w0, w1, w2, w3, 0, se_lo, so_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
                         row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
     e_lo, o_lo = _pset4(w4, w5, w6, w7, 4, e_lo, o_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
                         row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
-    e_hi, o_hi = _pset4(w8, w9, w10, w11, 8, z, z, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
+    e_hi, o_hi = _pset4(w8, w9, w10, w11, 8, se_hi, so_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
                         row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
                         row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)

@@ -103,10 +103,22 @@ NVFP4_WORDS_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4)
 # /r96 0.1433, /r88 0.1432, /r80 0.1410 (medians of three). The SR tile kernel ran slower
 # capped (``benchmarks/README.md``).
 NVFP4_WORDS_RHT_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=80)
+# Both directions, with or without RHT, since the twenty-second session's sign handling
+# (``nvfp4_words``' note "signs"; 114 / 127 registers uncapped, neither spills at 96): one H100
+# call, fused pass 16384x8192 row+col, medians of 5 and 3 interleaved rounds, against the
+# kernel before it (1D uncapped, RHT /r80): 1D uncapped 0.2120 / 0.2132 ms, /r96 0.2070 / 0.2020,
+# /r104 0.2132, /r128 0.2091 (before: 0.2123 / 0.2091); RHT /r80 0.2448 / 0.2483 (56 bytes
+# spilled), /r88 0.2355, /r96 0.2348 / 0.2373, uncapped 0.2388 (before: 0.2385 / 0.2384). A
+# cap also raises a one-direction kernel's registers to it (columnwise 1D: 56 -> 96), so one
+# direction keeps the configs above.
+NVFP4_WORDS_BOTH = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=96)
 
 
-def nvfp4_words_default(rht: bool) -> TileConfig:
-    """The ``nvfp4_words`` tile config, with or without the columnwise RHT."""
+def nvfp4_words_default(rht: bool, both: bool = False) -> TileConfig:
+    """The ``nvfp4_words`` tile config, with or without the columnwise RHT, for both
+    directions or one."""
+    if both:
+        return NVFP4_WORDS_BOTH
     return NVFP4_WORDS_RHT_DEFAULT if rht else NVFP4_WORDS_DEFAULT
 
 
@@ -143,8 +155,10 @@ NVFP4_SWEEP = (
     NVFP4_WORDS_DEFAULT,  # (= NVFP4_2D_DEFAULT; listed for the words kernel)
     TileConfig(bm=64, bk=128, num_warps=4, maxnreg=128),  # the words default before the lane quads
     NVFP4_WORDS_RHT_DEFAULT,
+    NVFP4_WORDS_BOTH,
 )
 
 __all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "MXFP8_WORDS_DEFAULT", "MXFP8_WORDS_SWEEP", "NVFP4_2D_DEFAULT",
-           "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_DEFAULT", "NVFP4_WORDS_RHT_DEFAULT", "TileConfig", "bf16_words",
+           "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_BOTH", "NVFP4_WORDS_DEFAULT", "NVFP4_WORDS_RHT_DEFAULT",
+           "TileConfig", "bf16_words",
            "nvfp4_default", "nvfp4_words_default"]

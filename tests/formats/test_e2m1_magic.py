@@ -31,7 +31,7 @@ def _magic_encode(v: torch.Tensor) -> torch.Tensor:
     m = (e.view(torch.int32) & 0x7F800000).view(torch.float32) * 6291456.0  # 1.5 * 2**22 * 2**E
     r = (u + m) - m
     code = (r * 2.0**-126).view(torch.int32) >> 22
-    return code | ((v < 0).to(torch.int32) << 3)
+    return code | (torch.signbit(v).to(torch.int32) << 3)
 
 
 def _near_thresholds(ulps: int = 2**12) -> torch.Tensor:
@@ -72,7 +72,7 @@ def _sr_encode(v: torch.Tensor, r8: torch.Tensor) -> torch.Tensor:
     s = _rz32(e.double() * t.double() + u.double())
     r = _rz32(s.double() + m.double()) - m
     code = (r * 2.0**-126).view(torch.int32) >> 22
-    return code | ((v < 0).to(torch.int32) << 3)
+    return code | (torch.signbit(v).to(torch.int32) << 3)
 
 
 def _sr_thresholds(ulps: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,6 +122,11 @@ def test_e2m1_sign_nibble_of_small_negatives():
     # A negative value that rounds to zero keeps its sign bit (-0), like the hardware cast.
     codes = N.e2m1_encode(torch.tensor([0.0, -0.1, 0.1]))
     assert codes.tolist() == [0x0, 0x8, 0x0]
+    # -0.0 too (its sign bit, as an IEEE conversion; the kernels read it from the input's bits),
+    # with either rounding
+    v = torch.tensor([-0.0, 0.0, -1e-30, -6.0])
+    assert N.e2m1_encode(v).tolist() == [0x8, 0x0, 0x8, 0xF]
+    assert N.e2m1_encode(v, torch.full((4,), 0.5)).tolist() == [0x8, 0x0, 0x8, 0xF]
 
 
 def test_pack_fp4_element_2j_in_low_nibble():
