@@ -37,3 +37,27 @@ def load8w(p, rows, ok_k, M, stride_w):
     w6 = tl.load(p + 6 * stride_w, mask=(rows + 6 < M) & ok_k, other=0)
     w7 = tl.load(p + 7 * stride_w, mask=(rows + 7 < M) & ok_k, other=0)
     return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def st64(ptr, v, mask):
+    """``tl.store`` of int64 ``v`` in the layout ``v`` has (an ``st.global.b64`` per element:
+    Triton would move data whose addresses are not contiguous along the thread's elements
+    through shared memory first)."""
+    if INTERPRET:
+        tl.store(ptr, v, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }", "=r,l,l,r",
+            [ptr, v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def st8(ptr, v, mask):
+    """``st64`` for the low byte of int32 ``v`` (uint8 ``ptr``)."""
+    if INTERPRET:
+        tl.store(ptr, v.to(tl.uint8), mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+            [ptr, v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8, e8m0_inv_bf16, e8m0_rceil_bf16
-from hybrid_dist.kernels._words import load8w, umax16x2, unpack
+from hybrid_dist.kernels._words import load8w, st8, st64, umax16x2, unpack
 from hybrid_dist.kernels.scale_staging import staged
 
 
@@ -76,30 +76,6 @@ def join64(lo, hi):
         return (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
     return tl.inline_asm_elementwise("mov.b64 $0, {$1, $2};", "=l,r,r", [lo, hi], dtype=tl.int64,
                                      is_pure=True, pack=1)
-
-
-@triton.jit
-def st64(ptr, v, mask):
-    """``tl.store`` of int64 ``v`` in the layout ``v`` has (an ``st.global.b64`` per element:
-    Triton would move data whose addresses are not contiguous along the thread's elements
-    through shared memory first)."""
-    if INTERPRET:
-        tl.store(ptr, v, mask=mask)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }", "=r,l,l,r",
-            [ptr, v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def st8(ptr, v, mask):
-    """``st64`` for the low byte of int32 ``v`` (uint8 ``ptr``)."""
-    if INTERPRET:
-        tl.store(ptr, v.to(tl.uint8), mask=mask)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
-            [ptr, v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
