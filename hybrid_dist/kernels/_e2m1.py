@@ -31,8 +31,10 @@ def e2m1_rne_ops(v):
 # ``_CODE`` are shared with the stochastic encoder (``_SR_CODE``), which only rounds differently.
 _MAGIC = ("abs.f32 u, $1; min.f32 u, u, 0f40C00000; max.f32 e, u, 0f3F800000; "
           "mov.b32 h, e; and.b32 h, h, 2139095040; mov.b32 e, h; mul.rn.f32 m, e, 0f4AC00000; ")
-_CODE = "mul.rn.f32 r, r, 0f00800000; mov.b32 h, r; shr.u32 h, h, 22; mov.b32 b, $1; setp.lt.s32 q, b, 0; "
-_RNE_CODE = _MAGIC + "add.rn.f32 r, u, m; sub.rn.f32 r, r, m; " + _CODE
+_R126 = "mul.rn.f32 r, r, 0f00800000; mov.b32 h, r; "  # h = bits(r · 2**-126): the code at bit 22
+_CODE = _R126 + "shr.u32 h, h, 22; mov.b32 b, $1; setp.lt.s32 q, b, 0; "
+_RNE_ROUND = _MAGIC + "add.rn.f32 r, u, m; sub.rn.f32 r, r, m; "
+_RNE_CODE = _RNE_ROUND + _CODE
 _RNE_BITS_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h, b; .reg .pred q; " + _RNE_CODE
                              + "@q or.b32 h, h, 8; mov.b32 $0, h; }")
 _RNE_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, r; .reg .b32 h, b; .reg .pred q; " + _RNE_CODE
@@ -74,17 +76,9 @@ def e2m1_rne_mad(v, acc, mult):
 # shifted right by ``22 - 4N`` (left by ``4N - 22`` for N >= 6), and an add (``LEA.HI``) puts
 # it in: one ALU instruction where ``shr`` + ``mad`` took two. The signs are not here: the
 # words kernel takes them from the bf16 input's bits, several codes per instruction.
-_R126 = "mul.rn.f32 r, r, 0f00800000; mov.b32 h, r; "
-
-
-def _into_tail(acc: str, shift: str, left: bool) -> str:
-    """``$0 = acc + (h >> shift)`` (``<< shift`` if ``left``): the end of the PTX block."""
-    return f"{'shl' if left else 'shr'}.b32 h, h, {shift}; add.u32 $0, h, {acc}; }}"
-
-
-_MAG_BODY = "{ .reg .f32 u, e, m, r; .reg .b32 h; " + _MAGIC + "add.rn.f32 r, u, m; sub.rn.f32 r, r, m; " + _R126
-_MAG_SHR_ASM = tl.constexpr(_MAG_BODY + _into_tail("$2", "$3", False))
-_MAG_SHL_ASM = tl.constexpr(_MAG_BODY + _into_tail("$2", "$3", True))
+_MAG_BODY = "{ .reg .f32 u, e, m, r; .reg .b32 h; " + _RNE_ROUND + _R126
+_MAG_SHR_ASM = tl.constexpr(_MAG_BODY + "shr.b32 h, h, $3; add.u32 $0, h, $2; }")
+_MAG_SHL_ASM = tl.constexpr(_MAG_BODY + "shl.b32 h, h, $3; add.u32 $0, h, $2; }")
 
 
 @triton.jit
