@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP, NVFP4_WORDS_DEFAULT, NVFP4_WORDS_RHT_DEFAULT, TileConfig
+from hybrid_dist.kernels.quant_tiles import (NVFP4_SWEEP, NVFP4_WORDS_BOTH, NVFP4_WORDS_DEFAULT,
+                                             NVFP4_WORDS_RHT_DEFAULT, TileConfig, nvfp4_words_default)
 
 
 def test_register_cap_is_a_gpu_launch_option_and_part_of_the_label():
@@ -13,6 +14,16 @@ def test_register_cap_is_a_gpu_launch_option_and_part_of_the_label():
     assert cfg.launch_options(torch.device("cpu")) == {"num_warps": 4}  # the interpreter has no register cap
     assert TileConfig(bm=64, bk=128, num_warps=4).launch_options(torch.device("cuda")) == {"num_warps": 4}
     assert NVFP4_WORDS_DEFAULT in NVFP4_SWEEP and NVFP4_WORDS_RHT_DEFAULT in NVFP4_SWEEP  # tested on the GPU
+    assert NVFP4_WORDS_BOTH in NVFP4_SWEEP
+
+
+def test_nvfp4_words_default_caps_both_directions_at_96_registers():
+    """Row+col (with or without RHT) at 96 registers; one direction uncapped, or 80 with RHT
+    (a cap also raises a one-direction kernel's registers: ``quant_tiles``' comment)."""
+    assert nvfp4_words_default(False, both=True) == nvfp4_words_default(True, both=True) == NVFP4_WORDS_BOTH
+    assert NVFP4_WORDS_BOTH.maxnreg == 96
+    assert nvfp4_words_default(False) == NVFP4_WORDS_DEFAULT and NVFP4_WORDS_DEFAULT.maxnreg is None
+    assert nvfp4_words_default(True) == NVFP4_WORDS_RHT_DEFAULT and NVFP4_WORDS_RHT_DEFAULT.maxnreg == 80
 
 
 @pytest.mark.parametrize("bad", [dict(bm=48, bk=128, num_warps=4), dict(bm=64, bk=16, num_warps=4)])
@@ -68,7 +79,8 @@ def test_nvfp4_words_lane_quads_only_where_a_row_block_is_one_quad():
     from hybrid_dist.kernels.nvfp4_words import words_lane_quads
 
     assert words_lane_quads(NVFP4_WORDS_DEFAULT) and words_lane_quads(NVFP4_WORDS_RHT_DEFAULT)
+    assert words_lane_quads(NVFP4_WORDS_BOTH)
     quads = {c.label() for c in NVFP4_SWEEP if words_lane_quads(c)}
-    assert quads == {"128x128/w8", "64x128/w4", "64x128/w4/r128", "64x128/w4/r80"}, quads
+    assert quads == {"128x128/w8", "64x128/w4", "64x128/w4/r128", "64x128/w4/r80", "64x128/w4/r96"}, quads
     assert not words_lane_quads(TileConfig(bm=64, bk=256, num_warps=8))
     assert not words_lane_quads(TileConfig(bm=32, bk=128, num_warps=1))
