@@ -166,6 +166,34 @@ def _check_nvfp4_reference():
             _storages_equal(k[1], r[1], f"nvfp4 rht 2d={block_2d} {cfg.label()} col")
 
 
+def _check_nvfp4_rht_words_vs_tile():
+    """The words kernel's RHT (signs in the unpacking, unscaled butterflies, block amax from
+    the last stage's pairs, signs from the transformed bits: ``kernels._rht_words``) is
+    bitwise the tile kernel's ``T x`` on random bf16 with tiny values (products and sums
+    below ``2**-126``) and zeros (interpreter: IEEE fp32 without flushing; bf16 subnormal
+    inputs are left out: the interpreter's bf16 → fp32 cast flushes them, the GPU's does not),
+    two tile configs, row+col and columnwise only."""
+    from hybrid_dist.formats._numerics import hadamard16
+    from hybrid_dist.kernels.nvfp4 import nvfp4_amax_tiles, nvfp4_quantize_tiles
+    from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP, nvfp4_words_default
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 160, generator=gen) * torch.exp2(torch.randint(-20, 20, (96, 1), generator=gen).float())
+    x[:16, :8] *= 2.0**-120  # tiny normal bf16: the tile kernel's products x/4 and sums are subnormal
+    x[16:32, 8:16] = 2.0**-126 * torch.randint(-3, 4, (16, 8), generator=gen) * (1 + torch.rand(16, 8, generator=gen))
+    x[40, :4], x[50, 100] = -0.0, -0.0
+    x = x.bfloat16()
+    t = hadamard16(7)[0].contiguous()
+    seed = torch.zeros(1, dtype=torch.int64)
+    amax = nvfp4_amax_tiles(x, t, True, out=torch.zeros(2))
+    for cfg in (NVFP4_SWEEP[0], nvfp4_words_default(True, True)):
+        for rw, cw in ((True, True), (False, True)):
+            w = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, config=cfg, words=True)
+            ti = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, words=False)
+            for name, a, b in zip(("row", "row scales", "col", "col scales", "row gs", "col gs"), w, ti):
+                _bits_equal(a, b, f"nvfp4 rht words vs tile {cfg.label()} dirs={rw, cw} {name}")
+
+
 def _check_nvfp4_sr_stream():
     """Stochastic rounding: bitwise the reference fed the kernels' Philox stream
     (``tests/_nvfp4_sr_stream``), 1D and 2D blocks, with and without RHT, every direction set,
@@ -272,7 +300,7 @@ def _check_nvfp4_empty():
 
 
 CHECKS = ("nvfp4_empty", "fp8_batched", "fp8_batched_delayed", "mxfp8", "e8m0_bf16_helpers", "nvfp4_reference",
-          "nvfp4_sr_stream")
+          "nvfp4_sr_stream", "nvfp4_rht_words_vs_tile")
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -101,6 +101,38 @@ def e2m1_mag_into(v, acc, N: tl.constexpr):
                                      is_pure=True, pack=1)
 
 
+# PTX: the sign bits of eight fp32 ``$1..$8`` at bits ``4j + 3`` (``e2m1_sign_nibbles8``). ``prmt``
+# in sign-replicate mode (selector nibble ``8 | byte``) makes a byte 0x00 or 0xFF from a
+# value's top byte: sets 0, 2, 4, 6 land in bytes 0-3 of ``a``, sets 1, 3, 5, 7 in those of
+# ``c``; bit 3 of byte ``b`` is nibble ``2b``'s sign, bit 7 nibble ``2b + 1``'s.
+_SIGNS8_ASM = tl.constexpr(
+    "{ .reg .b32 a, b, c, d; "
+    "prmt.b32 a, $1, $3, 0xFB; prmt.b32 b, $5, $7, 0xFB00; prmt.b32 a, a, b, 0x7610; "
+    "prmt.b32 c, $2, $4, 0xFB; prmt.b32 d, $6, $8, 0xFB00; prmt.b32 c, c, d, 0x7610; "
+    "and.b32 a, a, 0x08080808; and.b32 c, c, 0x80808080; or.b32 $0, a, c; }")
+
+
+@triton.jit
+def _sign_at(v, N: tl.constexpr):
+    return ((v.to(tl.int32, bitcast=True) >> 31) & 1) << (4 * N + 3)
+
+
+@triton.jit
+def e2m1_sign_nibbles8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """int32 holding only the sign bits of fp32 ``v_j`` at bit ``4j + 3`` (nibble ``j``'s E2M1
+    sign): eight ALU instructions for eight codes (six byte permutes and two logic ops) where a
+    shift and a masked OR each took two. ``e2m1_mag_into`` then adds the magnitudes."""
+    if INTERPRET:
+        return (_sign_at(v0, 0) | _sign_at(v1, 1) | _sign_at(v2, 2) | _sign_at(v3, 3) | _sign_at(v4, 4)
+                | _sign_at(v5, 5) | _sign_at(v6, 6) | _sign_at(v7, 7))
+    return tl.inline_asm_elementwise(_SIGNS8_ASM, "=r,r,r,r,r,r,r,r,r",
+                                     [v0.to(tl.int32, bitcast=True), v1.to(tl.int32, bitcast=True),
+                                      v2.to(tl.int32, bitcast=True), v3.to(tl.int32, bitcast=True),
+                                      v4.to(tl.int32, bitcast=True), v5.to(tl.int32, bitcast=True),
+                                      v6.to(tl.int32, bitcast=True), v7.to(tl.int32, bitcast=True)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
 # Stochastic rounding with 8 random bits per element (``e2m1_sr_mad``): the noise ``f = 64 + n/2``
 # with ``n = (r8 + 1/2) / 256`` is built by one byte permute (``sr_noise``); the encoder adds
 # ``gap · n`` to ``u`` and truncates to E2M1's grid, both rounding toward zero, so the code is

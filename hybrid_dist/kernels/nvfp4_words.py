@@ -108,7 +108,8 @@ from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 from hybrid_dist.kernels._e2m1 import e2m1_mag_into
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, st8, umax16x2, unpack
-from hybrid_dist.kernels.nvfp4_tiles import _codes8, _kmax, _max16, _rht16, _store_col, _store_row_scales4
+from hybrid_dist.kernels._rht_words import rht_half_codes, rht_signs16
+from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
 
 
 SIGNS = tl.constexpr(-2147450880)  # 0x80008000: the sign bits of a word's two bf16
@@ -254,41 +255,6 @@ def _colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w
 
 
 @triton.jit
-def _half(w, HIGH: tl.constexpr):
-    """fp32 of the low (even k) or high (odd k) halves of words ``w`` (``unpack``'s other half
-    is dead code)."""
-    lo, hi = unpack(w)
-    if HIGH:
-        return hi
-    else:
-        return lo
-
-
-@triton.jit
-def _rht_half(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, t_ptr, gs,
-              HIGH: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
-    """Columnwise of one half (even or odd k) in the Hadamard domain: the 16 sets' values
-    ``y = T x`` (``nvfp4_tiles._rht16``, the same fp32 operations), their block scales
-    ``[R, W]`` and E2M1 codes packed as in ``nvfp4_tiles._cols16`` (sets 0-7 → ``c_lo``,
-    8-15 → ``c_hi``, set ``j`` in nibble ``j % 8``)."""
-    y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _rht16(
-        _half(w0, HIGH), _half(w1, HIGH), _half(w2, HIGH), _half(w3, HIGH), _half(w4, HIGH),
-        _half(w5, HIGH), _half(w6, HIGH), _half(w7, HIGH), _half(w8, HIGH), _half(w9, HIGH),
-        _half(w10, HIGH), _half(w11, HIGH), _half(w12, HIGH), _half(w13, HIGH), _half(w14, HIGH),
-        _half(w15, HIGH), t_ptr)
-    bs, enc = _block_scale(_max16(
-        _kmax(y0, R, W, False), _kmax(y1, R, W, False), _kmax(y2, R, W, False), _kmax(y3, R, W, False),
-        _kmax(y4, R, W, False), _kmax(y5, R, W, False), _kmax(y6, R, W, False), _kmax(y7, R, W, False),
-        _kmax(y8, R, W, False), _kmax(y9, R, W, False), _kmax(y10, R, W, False), _kmax(y11, R, W, False),
-        _kmax(y12, R, W, False), _kmax(y13, R, W, False), _kmax(y14, R, W, False),
-        _kmax(y15, R, W, False)), gs)
-    # round to nearest: _codes8's random-word arguments (SR noise) are not read
-    c_lo = _codes8(y0, y1, y2, y3, y4, y5, y6, y7, enc, bs, bs, R, W, False, False)
-    c_hi = _codes8(y8, y9, y10, y11, y12, y13, y14, y15, enc, bs, bs, R, W, False, False)
-    return bs, c_lo, c_hi
-
-
-@triton.jit
 def nvfp4_words_kernel(
     x_ptr, t_ptr, amax_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
     stride_w, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
@@ -334,11 +300,14 @@ def nvfp4_words_kernel(
                         row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
                         row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
-    if COL and RHT:
-        bs_lo, e_lo, e_hi = _rht_half(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
-                                      t_ptr, gs_col, False, R, W)
-        bs_hi, o_lo, o_hi = _rht_half(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
-                                      t_ptr, gs_col, True, R, W)
+    if COL and RHT:  # note "RHT"; the signs s_q of T = H16 diag(s) / 4 as bit 31
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = rht_signs16(t_ptr)
+        bs_lo, e_lo, e_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
+                                           s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+                                           gs_col, False)
+        bs_hi, o_lo, o_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
+                                           s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+                                           gs_col, True)
     if COL:
         w_lo = tl.reshape(tl.join(e_lo, o_lo), (R, BK))
         w_hi = tl.reshape(tl.join(e_hi, o_hi), (R, BK))

@@ -198,7 +198,9 @@ def test_nvfp4_rht_within_bound(shape, block_2d):
 def test_nvfp4_rht_words_kernel_bitwise_tile_kernel(cfg):
     """1×16 blocks with RHT from bf16 take the words kernel: bitwise the tile kernel (the same
     fp32 transform, block scales and codes), every direction set, at every tile config and
-    the tile kernel's default, with partial tiles along M and K (96x160) and +-inf."""
+    the tile kernel's default, with partial tiles along M and K (96x160), +-inf, bf16
+    subnormals and tiny normals (the tile kernel's products ``x/4`` subnormal: the words
+    kernel's unscaled butterflies, ``kernels._rht_words``, are exact there too)."""
     from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
 
     seed = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -206,6 +208,8 @@ def test_nvfp4_rht_words_kernel_bitwise_tile_kernel(cfg):
         for x in (_x(shape), _x(shape, seed=1)):
             if shape == (96, 160):
                 x[37, 5], x[70, 90] = float("inf"), float("-inf")
+                x[:16, :8] *= 2.0**-120
+                x[16:32, 8:16] = 2.0**-133 * torch.randint(-3, 4, (16, 8), device="cuda")
             t = _rht_row(3, x.device)
             amax = nvfp4_amax_tiles(x, t, True)
             for rw, cw in DIRS:
@@ -216,6 +220,8 @@ def test_nvfp4_rht_words_kernel_bitwise_tile_kernel(cfg):
                     a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
                     if name == "row" and rw:  # an inf's code (its scaled value NaN): the sign may differ
                         a, b = a & _row_sign_mask(x), b & _row_sign_mask(x)
+                    if name == "col" and cw:  # so in an inf's columnwise block (every value inf or NaN)
+                        a, b = a & _col_sign_mask(x), b & _col_sign_mask(x)
                     assert torch.equal(a, b), f"{what}: {name} differ"
 
 
@@ -225,6 +231,16 @@ def _row_sign_mask(x):
     kernel from the scaled value, a NaN there; ``nvfp4_words``' note "signs")."""
     bad = (~torch.isfinite(x)).to(torch.uint8)
     return (0xFF ^ ((bad[:, 0::2] << 3) | (bad[:, 1::2] << 7))).reshape(-1)
+
+
+def _col_sign_mask(x):
+    """Per columnwise NVFP4 data byte (``[K, M/2]``): ``0xFF`` less the two sign bits in each
+    16×1 block holding a non-finite element (the words kernel's RHT takes a code's sign from
+    the transformed value, the tile kernel from the scaled one, NaN there: ``kernels.
+    _rht_words``)."""
+    m, k = x.shape
+    bad = (~torch.isfinite(x)).reshape(m // 16, 16, k).any(dim=1).t()  # [K, M/16]
+    return (0xFF ^ (bad.to(torch.uint8) * 0x88)).repeat_interleave(8, dim=1).reshape(-1)
 
 
 def test_nvfp4_negative_zero_encodes_as_code_8():
