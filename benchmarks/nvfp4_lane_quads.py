@@ -26,6 +26,7 @@ def _launcher(x, t, amax, cfg: TileConfig, quad: bool):
     def run():
         nvfp4_words_kernel[grid](xw, t, amax, outs[0], outs[1], outs[2].view(torch.int64), outs[3], *gs, M, K,
                                  xw.stride(0), ROW=True, COL=True, RHT=False, BM=cfg.bm, BK=cfg.bk, QUAD=quad,
+                                 EVEN=M % cfg.bm == 0 and K % cfg.bk == 0,
                                  **cfg.launch_options(x.device))
         return outs
     return run

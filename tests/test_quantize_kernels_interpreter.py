@@ -146,15 +146,16 @@ def _check_nvfp4_reference():
     from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
 
     gen = torch.Generator().manual_seed(1)
-    x = nvfp4_input((96, 160), gen)
     amax = torch.tensor(2688.0)
-    for block_2d in (False, True):
-        q = hd.NVFP4Quantizer(block_2d=block_2d)
-        for rw, cw in DIRS:
-            k = nvfp4.quantize_nvfp4(q, x, rowwise=rw, columnwise=cw, state=None, amax=amax)
-            r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=amax)
-            _storages_equal(k[0], r[0], f"nvfp4 2d={block_2d} dirs={rw, cw} row")
-            _storages_equal(k[1], r[1], f"nvfp4 2d={block_2d} dirs={rw, cw} col")
+    for shape in ((96, 160), (128, 256)):  # partial tiles; whole tiles (the words kernel's EVEN)
+        x = nvfp4_input(shape, gen)
+        for block_2d in (False, True):
+            q = hd.NVFP4Quantizer(block_2d=block_2d)
+            for rw, cw in DIRS:
+                k = nvfp4.quantize_nvfp4(q, x, rowwise=rw, columnwise=cw, state=None, amax=amax)
+                r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=amax)
+                _storages_equal(k[0], r[0], f"nvfp4 {shape} 2d={block_2d} dirs={rw, cw} row")
+                _storages_equal(k[1], r[1], f"nvfp4 {shape} 2d={block_2d} dirs={rw, cw} col")
     xr = nvfp4_rht_input((64, 96), 5, gen)
     for block_2d in (False, True):
         q = hd.NVFP4Quantizer(rht=True, rht_seed=5, block_2d=block_2d)
@@ -172,26 +173,32 @@ def _check_nvfp4_rht_words_vs_tile():
     bitwise the tile kernel's ``T x`` on random bf16 with tiny values (products and sums
     below ``2**-126``) and zeros (interpreter: IEEE fp32 without flushing; bf16 subnormal
     inputs are left out: the interpreter's bf16 → fp32 cast flushes them, the GPU's does not),
-    two tile configs, row+col and columnwise only."""
+    two tile configs, row+col and columnwise only, whole and partial tiles."""
     from hybrid_dist.formats._numerics import hadamard16
-    from hybrid_dist.kernels.nvfp4 import nvfp4_amax_tiles, nvfp4_quantize_tiles
     from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP, nvfp4_words_default
 
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(96, 160, generator=gen) * torch.exp2(torch.randint(-20, 20, (96, 1), generator=gen).float())
+    x = torch.randn(128, 256, generator=gen) * torch.exp2(torch.randint(-20, 20, (128, 1), generator=gen).float())
     x[:16, :8] *= 2.0**-120  # tiny normal bf16: the tile kernel's products x/4 and sums are subnormal
     x[16:32, 8:16] = 2.0**-126 * torch.randint(-3, 4, (16, 8), generator=gen) * (1 + torch.rand(16, 8, generator=gen))
     x[40, :4], x[50, 100] = -0.0, -0.0
     x = x.bfloat16()
     t = hadamard16(7)[0].contiguous()
     seed = torch.zeros(1, dtype=torch.int64)
+    for xs in (x, x[:96, :160].contiguous()):  # whole tiles (the words kernel's EVEN) and partial ones
+        _rht_words_vs_tile(xs, t, seed, (NVFP4_SWEEP[0], nvfp4_words_default(True, True)))
+
+
+def _rht_words_vs_tile(x, t, seed, configs):
+    from hybrid_dist.kernels.nvfp4 import nvfp4_amax_tiles, nvfp4_quantize_tiles
+
     amax = nvfp4_amax_tiles(x, t, True, out=torch.zeros(2))
-    for cfg in (NVFP4_SWEEP[0], nvfp4_words_default(True, True)):
+    for cfg in configs:
         for rw, cw in ((True, True), (False, True)):
             w = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, config=cfg, words=True)
             ti = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, words=False)
             for name, a, b in zip(("row", "row scales", "col", "col scales", "row gs", "col gs"), w, ti):
-                _bits_equal(a, b, f"nvfp4 rht words vs tile {cfg.label()} dirs={rw, cw} {name}")
+                _bits_equal(a, b, f"nvfp4 rht words vs tile {tuple(x.shape)} {cfg.label()} dirs={rw, cw} {name}")
 
 
 def _check_nvfp4_sr_stream():

@@ -40,6 +40,16 @@ def load8w(p, rows, ok_k, M, stride_w):
 
 
 @triton.jit
+def load16w_even(p, stride_w):
+    """Words at ``p + j·stride_w`` for ``j < 16``, unmasked (every row and word in range)."""
+    return (tl.load(p), tl.load(p + stride_w), tl.load(p + 2 * stride_w), tl.load(p + 3 * stride_w),
+            tl.load(p + 4 * stride_w), tl.load(p + 5 * stride_w), tl.load(p + 6 * stride_w),
+            tl.load(p + 7 * stride_w), tl.load(p + 8 * stride_w), tl.load(p + 9 * stride_w),
+            tl.load(p + 10 * stride_w), tl.load(p + 11 * stride_w), tl.load(p + 12 * stride_w),
+            tl.load(p + 13 * stride_w), tl.load(p + 14 * stride_w), tl.load(p + 15 * stride_w))
+
+
+@triton.jit
 def st64(ptr, v, mask):
     """``tl.store`` of int64 ``v`` in the layout ``v`` has (an ``st.global.b64`` per element:
     Triton would move data whose addresses are not contiguous along the thread's elements

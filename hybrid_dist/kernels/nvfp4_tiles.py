@@ -209,13 +209,17 @@ def _store_row_scales4(s0, s1, s2, s3, j0: tl.constexpr, row_s_ptr, pid_m, pid_k
 
 @triton.jit
 def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.constexpr,
-               BK: tl.constexpr, K16: tl.constexpr):
+               BK: tl.constexpr, K16: tl.constexpr, EVEN: tl.constexpr):
     """Columnwise store: words ``[R, BK]`` → ``data [K, M/2]`` (as int64 ``[K, M/16]``),
-    block scales ``bs [R, BK/16 or BK]`` → ``[K/16 or K, M/16]`` (32-bit transposes)."""
+    block scales ``bs [R, BK/16 or BK]`` → ``[K/16 or K, M/16]`` (32-bit transposes);
+    ``EVEN``: the tile lies inside ``x``, no masks."""
     w = (w_lo.to(tl.int64) & 0xFFFFFFFF) | (w_hi.to(tl.int64) << 32)
     ck = pid_k * BK + tl.arange(0, BK)[:, None]
     cw = pid_m * R + tl.arange(0, R)[None, :]
-    tl.store(col64_ptr + ck * (M // 16) + cw, tl.trans(w), mask=(ck < K) & (cw < M // 16))
+    if EVEN:
+        tl.store(col64_ptr + ck * (M // 16) + cw, tl.trans(w))
+    else:
+        tl.store(col64_ptr + ck * (M // 16) + cw, tl.trans(w), mask=(ck < K) & (cw < M // 16))
     if K16:
         sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[:, None]
         nk = K // 16
@@ -223,7 +227,10 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
         sk = ck
         nk = K
     bs_t = tl.trans(bs.to(tl.float32)).to(tl.float8e4nv)
-    tl.store(col_s_ptr + sk * (M // 16) + cw, bs_t, mask=(sk < nk) & (cw < M // 16))
+    if EVEN:
+        tl.store(col_s_ptr + sk * (M // 16) + cw, bs_t)
+    else:
+        tl.store(col_s_ptr + sk * (M // 16) + cw, bs_t, mask=(sk < nk) & (cw < M // 16))
 
 
 @triton.jit
@@ -271,7 +278,7 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
     w_hi |= _rows4(x12, x13, x14, x15, 12, enc2, gs, w3, rs, pid_m, pid_k, row_ptr, row_s_ptr,
                 M, K, R, BK, TWO_D, SR, ROW) << 16
     if DERIVE_COL:  # codes packed as they are made (``w |= code << 4j``: few live registers)
-        _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True)
+        _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True, False)
 
 
 @triton.jit
@@ -293,7 +300,7 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x15, R, BK, TWO_D)), gs)
     w_lo = _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, w0, w1, R, BK, TWO_D, SR)
     w_hi = _codes8(x8, x9, x10, x11, x12, x13, x14, x15, enc, w2, w3, R, BK, TWO_D, SR)
-    _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D)
+    _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D, False)
 
 
 @triton.jit

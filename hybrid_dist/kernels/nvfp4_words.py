@@ -107,7 +107,7 @@ from hybrid_dist.kernels._jit_common import global_decode_scale
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 from hybrid_dist.kernels._e2m1 import e2m1_mag_into
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
-from hybrid_dist.kernels._words import load8w, st8, umax16x2, unpack
+from hybrid_dist.kernels._words import load8w, load16w_even, st8, umax16x2, unpack
 from hybrid_dist.kernels._rht_words import rht_half_codes, rht_signs16
 from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
 
@@ -130,20 +130,23 @@ def _per_word(e, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.constexpr):
+def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
     """Rowwise bytes of one set's words ``w [R, W]`` with encode multipliers ``enc [R, W]``
-    (one per word), stored."""
+    (one per word), stored (``EVEN``: the tile lies inside ``x``, no masks)."""
     lo, hi = unpack(w)
     pw = pid_k * W + tl.arange(0, W)[None, :]
     t = (w & SIGNS).to(tl.uint32, bitcast=True)
     signs = ((t >> 12) | (t >> 24)).to(tl.int32, bitcast=True)  # bits 3 and 7 (and junk above 8)
     byte = e2m1_mag_into(hi * enc, e2m1_mag_into(lo * enc, signs, 0), 1)
-    tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
+    if EVEN:
+        tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8))
+    else:
+        tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
 
 
 @triton.jit
 def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M, K,
-          R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr):
+          R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, EVEN: tl.constexpr):
     """Set ``j``: rowwise bytes stored, 1x16 scales ``[R, W/8]`` returned; its columnwise codes
     added into nibble ``j % 8`` of ``acc_e`` (low halves: even k) and ``acc_o`` (odd k)."""
     lo, hi = unpack(w)
@@ -151,7 +154,7 @@ def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_p
     if ROW:
         ram = tl.max(tl.reshape(tl.maximum(tl.abs(lo), tl.abs(hi)), (R, W // 8, 8)), axis=2)
         bs, enc = _block_scale(ram, gs)
-        _row_bytes(w, _per_word(enc, R, W, 8), rs + j, pid_k, row_ptr, M, K, R, W)
+        _row_bytes(w, _per_word(enc, R, W, 8), rs + j, pid_k, row_ptr, M, K, R, W, EVEN)
     if COL:
         acc_e = e2m1_mag_into(lo * enc_lo, acc_e, j % 8)
         acc_o = e2m1_mag_into(hi * enc_hi, acc_o, j % 8)
@@ -188,7 +191,7 @@ def _pair_amax(w, R: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K,
-               R: tl.constexpr, W: tl.constexpr):
+               R: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
     """Rowwise of sets ``j0 .. j0+3`` with each 1×16 block scale computed once: a row block is
     the 8 words of a lane quad (``W = 64``: words ``2c, 2c+1`` on lane ``c``), so lane ``c``
     reduces and scales set ``j0 + c % 4`` (``_lane_quad``) where each of the four lanes used
@@ -200,46 +203,51 @@ def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, 
                      c, R, C)
     bs, enc = _block_scale(amax, gs)
     e0, e1, e2, e3 = quad_gather(enc, R, C)
-    _row_bytes(w0, _per_word(e0, R, W, 2), rs + j0, pid_k, row_ptr, M, K, R, W)
-    _row_bytes(w1, _per_word(e1, R, W, 2), rs + j0 + 1, pid_k, row_ptr, M, K, R, W)
-    _row_bytes(w2, _per_word(e2, R, W, 2), rs + j0 + 2, pid_k, row_ptr, M, K, R, W)
-    _row_bytes(w3, _per_word(e3, R, W, 2), rs + j0 + 3, pid_k, row_ptr, M, K, R, W)
+    _row_bytes(w0, _per_word(e0, R, W, 2), rs + j0, pid_k, row_ptr, M, K, R, W, EVEN)
+    _row_bytes(w1, _per_word(e1, R, W, 2), rs + j0 + 1, pid_k, row_ptr, M, K, R, W, EVEN)
+    _row_bytes(w2, _per_word(e2, R, W, 2), rs + j0 + 2, pid_k, row_ptr, M, K, R, W, EVEN)
+    _row_bytes(w3, _per_word(e3, R, W, 2), rs + j0 + 3, pid_k, row_ptr, M, K, R, W, EVEN)
     rows = rs + j0 + c % 4
     sk = pid_k * (W // 8) + c // 4
     # in place (st8): a tl.store moved the scales through shared memory, a barrier per 4 sets
     p = row_s_ptr.to(tl.pointer_type(tl.uint8)) + rows * (K // 16) + sk
-    st8(p, bs.to(tl.uint8, bitcast=True).to(tl.int32), (rows < M) & (sk < K // 16))
+    ok = tl.full(rows.shape, 1, tl.int1) if EVEN else (rows < M) & (sk < K // 16)
+    st8(p, bs.to(tl.uint8, bitcast=True).to(tl.int32), ok)
 
 
 @triton.jit
 def _pset4(w0, w1, w2, w3, j0: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
            row_ptr, row_s_ptr, M, K, R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr,
-           COL: tl.constexpr, QUAD: tl.constexpr):
+           COL: tl.constexpr, QUAD: tl.constexpr, EVEN: tl.constexpr):
     """Sets ``j0 .. j0+3`` (see ``_pset``); their row scales stored together (``QUAD``: by
     ``_rows_quad``, before the columnwise codes)."""
     if ROW and QUAD:
-        _rows_quad(w0, w1, w2, w3, j0, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K, R, W)
+        _rows_quad(w0, w1, w2, w3, j0, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K, R, W, EVEN)
     ROW_SET: tl.constexpr = ROW and not QUAD
     s0, acc_e, acc_o = _pset(w0, j0, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M, K,
-                             R, W, ROW_SET, COL)
+                             R, W, ROW_SET, COL, EVEN)
     s1, acc_e, acc_o = _pset(w1, j0 + 1, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW_SET, COL)
+                             K, R, W, ROW_SET, COL, EVEN)
     s2, acc_e, acc_o = _pset(w2, j0 + 2, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW_SET, COL)
+                             K, R, W, ROW_SET, COL, EVEN)
     s3, acc_e, acc_o = _pset(w3, j0 + 3, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW_SET, COL)
+                             K, R, W, ROW_SET, COL, EVEN)
     if ROW_SET:
         _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, W * 2)
     return acc_e, acc_o
 
 
 @triton.jit
-def _load16w(x_ptr, rs, rw, M, KW, stride_w):
-    """The 16 row sets as words ``w_j = x[rs + j, words rw]`` (int32 ``[R, W]``), 0 outside."""
+def _load16w(x_ptr, rs, rw, M, KW, stride_w, EVEN: tl.constexpr):
+    """The 16 row sets as words ``w_j = x[rs + j, words rw]`` (int32 ``[R, W]``), 0 outside
+    (``EVEN``: nothing is outside)."""
     p = x_ptr + rs * stride_w + rw
-    mk = rw < KW
-    w0, w1, w2, w3, w4, w5, w6, w7 = load8w(p, rs, mk, M, stride_w)
-    w8, w9, w10, w11, w12, w13, w14, w15 = load8w(p + 8 * stride_w, rs + 8, mk, M, stride_w)
+    if EVEN:
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = load16w_even(p, stride_w)
+    else:
+        mk = rw < KW
+        w0, w1, w2, w3, w4, w5, w6, w7 = load8w(p, rs, mk, M, stride_w)
+        w8, w9, w10, w11, w12, w13, w14, w15 = load8w(p + 8 * stride_w, rs + 8, mk, M, stride_w)
     return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
 
 
@@ -258,14 +266,16 @@ def _colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w
 def nvfp4_words_kernel(
     x_ptr, t_ptr, amax_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
     stride_w, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    QUAD: tl.constexpr,
+    QUAD: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + 1×16 scales and/or columnwise
     ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales, as
     ``nvfp4_tiles.nvfp4_quantize_kernel`` without SR and 2D blocks (bitwise its output, RHT
     included). ``x_ptr``: the bf16 input as int32 words ``[M, K/2]`` (row stride ``stride_w``
     words); ``amax_ptr``: fp32 ``max|x|`` and, with ``RHT``, ``max|RHT(x)|`` (the global decode
-    scales, written by program (0, 0)); ``t_ptr``: fp32 ``T[0, :]`` (read with ``RHT``)."""
+    scales, written by program (0, 0)); ``t_ptr``: fp32 ``T[0, :]`` (read with ``RHT``). ``EVEN``:
+    ``M % BM == K % BK == 0`` and ``x`` not empty, so no load or store needs a mask (sm_90 SASS:
+    35.5 → 34.6 instructions per element, 42.5 → 41.1 with RHT)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     gs = global_decode_scale(tl.load(amax_ptr))
     gs_col = global_decode_scale(tl.load(amax_ptr + 1)) if RHT else gs
@@ -276,7 +286,8 @@ def nvfp4_words_kernel(
     W: tl.constexpr = BK // 2
     rs = pid_m * BM + tl.arange(0, R)[:, None] * 16
     rw = pid_k * W + tl.arange(0, W)[None, :]
-    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _load16w(x_ptr, rs, rw, M, K // 2, stride_w)
+    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _load16w(x_ptr, rs, rw, M, K // 2,
+                                                                                  stride_w, EVEN)
     enc_lo = gs
     enc_hi = gs
     bs_lo = gs
@@ -293,13 +304,13 @@ def nvfp4_words_kernel(
         se_lo, so_lo = _col_signs(w0, w1, w2, w3, w4, w5, w6, w7)
         se_hi, so_hi = _col_signs(w8, w9, w10, w11, w12, w13, w14, w15)
     e_lo, o_lo = _pset4(w0, w1, w2, w3, 0, se_lo, so_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
+                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
     e_lo, o_lo = _pset4(w4, w5, w6, w7, 4, e_lo, o_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
+                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
     e_hi, o_hi = _pset4(w8, w9, w10, w11, 8, se_hi, so_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
+                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD)
+                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
     if COL and RHT:  # note "RHT"; the signs s_q of T = H16 diag(s) / 4 as bit 31
         s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = rht_signs16(t_ptr)
         bs_lo, e_lo, e_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
@@ -312,4 +323,4 @@ def nvfp4_words_kernel(
         w_lo = tl.reshape(tl.join(e_lo, o_lo), (R, BK))
         w_hi = tl.reshape(tl.join(e_hi, o_hi), (R, BK))
         bs = tl.reshape(tl.join(bs_lo.to(tl.float32), bs_hi.to(tl.float32)), (R, BK))
-        _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, False)
+        _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, False, EVEN)
