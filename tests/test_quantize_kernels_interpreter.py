@@ -204,7 +204,7 @@ def _rht_words_vs_tile(x, t, seed, configs):
 def _check_nvfp4_sr_stream():
     """Stochastic rounding: bitwise the reference fed the kernels' Philox stream
     (``tests/_nvfp4_sr_stream``), 1D and 2D blocks, with and without RHT, every direction set,
-    two tile configs, a seed with a non-zero high word."""
+    two tile configs, partial and whole tiles, a seed with a non-zero high word."""
     from hybrid_dist.kernels import nvfp4
     from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
     from tests._nvfp4_sr_stream import KernelStreamNVFP4, fixed_kernel_seed
@@ -213,10 +213,12 @@ def _check_nvfp4_sr_stream():
     seed = (5 << 32) + 77
     x, amax = nvfp4_input((96, 160), gen), torch.tensor(2688.0)
     xr = nvfp4_rht_input((64, 96), 5, gen)
+    xe, xre = nvfp4_input((128, 256), gen), nvfp4_rht_input((128, 256), 5, gen)  # whole tiles (EVEN)
     for block_2d in (False, True):
         q = KernelStreamNVFP4(stochastic_rounding=True, block_2d=block_2d, kernel_seed=seed)
         qr = KernelStreamNVFP4(stochastic_rounding=True, rht=True, rht_seed=5, block_2d=block_2d, kernel_seed=seed)
         cases = [(q, x, amax, rw, cw) for rw, cw in DIRS] + [(qr, xr, None, True, True)]
+        cases += [(q, xe, amax, True, True), (qr, xre, None, True, True)]
         for cfg in NVFP4_SWEEP[:2]:
             for qi, xi, am, rw, cw in cases:
                 with fixed_kernel_seed(seed):

@@ -98,18 +98,19 @@ def nvfp4_quantize_tiles(
              else torch.empty(0, dtype=torch.int64, device=x.device))
     grid = (max(cdiv(m, config.bm), 1), max(cdiv(k, config.bk), 1))  # program (0, 0) writes gs even if x is empty
     opts = config.launch_options(x.device)
+    even = m * k > 0 and m % config.bm == 0 and k % config.bk == 0  # no masks: every tile lies inside x
     if words:
         xw = x.view(torch.int32)
         launch(nvfp4_words_kernel, grid, xw, rht_row, amax, outs[0], outs[1], col64, outs[3], *gs, m, k,
                max(xw.stride(0), 1), ROW=rowwise, COL=columnwise, RHT=rht, BM=config.bm, BK=config.bk,
                QUAD=rowwise and columnwise and words_lane_quads(config),
-               EVEN=m * k > 0 and m % config.bm == 0 and k % config.bk == 0, **opts)
+               EVEN=even, **opts)
     else:
         launch(
             nvfp4_quantize_kernel, grid, x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k,
             max(x.stride(0), 1),
             ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
-            TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, **opts)
+            TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, EVEN=even, **opts)
     return (*outs, *gs)
 
 

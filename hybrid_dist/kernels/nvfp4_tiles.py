@@ -34,26 +34,35 @@ from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
 @triton.jit
-def _load16(x_ptr, rs, rk, M, K, stride_m):
-    """The 16 row sets ``x[rs + j, rk]`` (fp32 ``[R, BK]``), zero outside ``[M, K]``."""
+def _ld(p, ok, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(p).to(tl.float32)
+    else:
+        return tl.load(p, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load16(x_ptr, rs, rk, M, K, stride_m, EVEN: tl.constexpr):
+    """The 16 row sets ``x[rs + j, rk]`` (fp32 ``[R, BK]``), zero outside ``[M, K]``
+    (``EVEN``: the tile lies inside, no masks)."""
     p = x_ptr + rs * stride_m + rk
     mk = rk < K
-    x0 = tl.load(p, mask=(rs < M) & mk, other=0.0).to(tl.float32)
-    x1 = tl.load(p + stride_m, mask=(rs + 1 < M) & mk, other=0.0).to(tl.float32)
-    x2 = tl.load(p + 2 * stride_m, mask=(rs + 2 < M) & mk, other=0.0).to(tl.float32)
-    x3 = tl.load(p + 3 * stride_m, mask=(rs + 3 < M) & mk, other=0.0).to(tl.float32)
-    x4 = tl.load(p + 4 * stride_m, mask=(rs + 4 < M) & mk, other=0.0).to(tl.float32)
-    x5 = tl.load(p + 5 * stride_m, mask=(rs + 5 < M) & mk, other=0.0).to(tl.float32)
-    x6 = tl.load(p + 6 * stride_m, mask=(rs + 6 < M) & mk, other=0.0).to(tl.float32)
-    x7 = tl.load(p + 7 * stride_m, mask=(rs + 7 < M) & mk, other=0.0).to(tl.float32)
-    x8 = tl.load(p + 8 * stride_m, mask=(rs + 8 < M) & mk, other=0.0).to(tl.float32)
-    x9 = tl.load(p + 9 * stride_m, mask=(rs + 9 < M) & mk, other=0.0).to(tl.float32)
-    x10 = tl.load(p + 10 * stride_m, mask=(rs + 10 < M) & mk, other=0.0).to(tl.float32)
-    x11 = tl.load(p + 11 * stride_m, mask=(rs + 11 < M) & mk, other=0.0).to(tl.float32)
-    x12 = tl.load(p + 12 * stride_m, mask=(rs + 12 < M) & mk, other=0.0).to(tl.float32)
-    x13 = tl.load(p + 13 * stride_m, mask=(rs + 13 < M) & mk, other=0.0).to(tl.float32)
-    x14 = tl.load(p + 14 * stride_m, mask=(rs + 14 < M) & mk, other=0.0).to(tl.float32)
-    x15 = tl.load(p + 15 * stride_m, mask=(rs + 15 < M) & mk, other=0.0).to(tl.float32)
+    x0 = _ld(p, (rs < M) & mk, EVEN)
+    x1 = _ld(p + stride_m, (rs + 1 < M) & mk, EVEN)
+    x2 = _ld(p + 2 * stride_m, (rs + 2 < M) & mk, EVEN)
+    x3 = _ld(p + 3 * stride_m, (rs + 3 < M) & mk, EVEN)
+    x4 = _ld(p + 4 * stride_m, (rs + 4 < M) & mk, EVEN)
+    x5 = _ld(p + 5 * stride_m, (rs + 5 < M) & mk, EVEN)
+    x6 = _ld(p + 6 * stride_m, (rs + 6 < M) & mk, EVEN)
+    x7 = _ld(p + 7 * stride_m, (rs + 7 < M) & mk, EVEN)
+    x8 = _ld(p + 8 * stride_m, (rs + 8 < M) & mk, EVEN)
+    x9 = _ld(p + 9 * stride_m, (rs + 9 < M) & mk, EVEN)
+    x10 = _ld(p + 10 * stride_m, (rs + 10 < M) & mk, EVEN)
+    x11 = _ld(p + 11 * stride_m, (rs + 11 < M) & mk, EVEN)
+    x12 = _ld(p + 12 * stride_m, (rs + 12 < M) & mk, EVEN)
+    x13 = _ld(p + 13 * stride_m, (rs + 13 < M) & mk, EVEN)
+    x14 = _ld(p + 14 * stride_m, (rs + 14 < M) & mk, EVEN)
+    x15 = _ld(p + 15 * stride_m, (rs + 15 < M) & mk, EVEN)
     return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
 
@@ -177,7 +186,7 @@ def _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, w_a, w_b, R: tl.constexpr, BK: 
 
 @triton.jit
 def _row_set(x, enc_2d, gs, w, B: tl.constexpr, rows, pid_k, row_ptr, M, K, R: tl.constexpr,
-             BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, STORE: tl.constexpr):
+             BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, STORE: tl.constexpr, EVEN: tl.constexpr):
     """Rowwise codes of one set and its 1×16 block scales ``[R, BK/16]`` (``enc_2d`` and
     no scales of its own for 16×16 blocks); with ``STORE`` writes the packed ``[R, BK/2]``
     bytes at ``rows`` (the scales of the 16 sets are stored together: ``_store_row_scales``)."""
@@ -189,13 +198,16 @@ def _row_set(x, enc_2d, gs, w, B: tl.constexpr, rows, pid_k, row_ptr, M, K, R: t
         codes = _codes(x, enc, w, B, R, BK, True, SR)
     if STORE:
         pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
-        tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK), mask=(rows < M) & (pk < K // 2))
+        if EVEN:
+            tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK))
+        else:
+            tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK), mask=(rows < M) & (pk < K // 2))
     return codes, bs
 
 
 @triton.jit
 def _store_row_scales4(s0, s1, s2, s3, j0: tl.constexpr, row_s_ptr, pid_m, pid_k, M, K,
-                       R: tl.constexpr, BK: tl.constexpr):
+                       R: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
     """The 1×16 scales of sets ``j0 .. j0+3`` (``s_j [R, BK/16]``: rows ``16i + j`` of the
     tile) in one store: one layout conversion per 4 sets instead of one per set (all 16 at
     once keeps too many scales live: 254 registers at 64×256)."""
@@ -204,7 +216,10 @@ def _store_row_scales4(s0, s1, s2, s3, j0: tl.constexpr, row_s_ptr, pid_m, pid_k
     i = tl.arange(0, R)[:, None, None]
     rows = pid_m * (R * 16) + i * 16 + j0 + tl.arange(0, 4)[None, None, :]
     sk = pid_k * C + tl.arange(0, C)[None, :, None]
-    tl.store(row_s_ptr + rows * (K // 16) + sk, s, mask=(rows < M) & (sk < K // 16))
+    if EVEN:
+        tl.store(row_s_ptr + rows * (K // 16) + sk, s)
+    else:
+        tl.store(row_s_ptr + rows * (K // 16) + sk, s, mask=(rows < M) & (sk < K // 16))
 
 
 @triton.jit
@@ -235,16 +250,17 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
 
 @triton.jit
 def _rows4(x0, x1, x2, x3, j0: tl.constexpr, enc2, gs, w, rs, pid_m, pid_k, row_ptr, row_s_ptr,
-           M, K, R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr):
+           M, K, R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr,
+           EVEN: tl.constexpr):
     """Sets ``j0 .. j0+3`` (``x0..x3``; SR noise from bytes 0..3 of the words ``w``) rowwise
     (stored if ``ROW``, 1×16 scales in one store); returns their codes packed
     ``c0 | c1 << 4 | c2 << 8 | c3 << 12`` (int32)."""
-    c0, s0 = _row_set(x0, enc2, gs, w, 0, rs + j0, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    c1, s1 = _row_set(x1, enc2, gs, w, 1, rs + j0 + 1, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    c2, s2 = _row_set(x2, enc2, gs, w, 2, rs + j0 + 2, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
-    c3, s3 = _row_set(x3, enc2, gs, w, 3, rs + j0 + 3, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW)
+    c0, s0 = _row_set(x0, enc2, gs, w, 0, rs + j0, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW, EVEN)
+    c1, s1 = _row_set(x1, enc2, gs, w, 1, rs + j0 + 1, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW, EVEN)
+    c2, s2 = _row_set(x2, enc2, gs, w, 2, rs + j0 + 2, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW, EVEN)
+    c3, s3 = _row_set(x3, enc2, gs, w, 3, rs + j0 + 3, pid_k, row_ptr, M, K, R, BK, TWO_D, SR, ROW, EVEN)
     if ROW and not TWO_D:
-        _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, BK)
+        _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, BK, EVEN)
     return c0 | (c1 << 4) | (c2 << 8) | (c3 << 12)
 
 
@@ -252,7 +268,7 @@ def _rows4(x0, x1, x2, x3, j0: tl.constexpr, enc2, gs, w, rs, pid_m, pid_k, row_
 def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
             gs, w0, w1, w2, w3, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
             R: tl.constexpr, BK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr,
-            DERIVE_COL: tl.constexpr):
+            DERIVE_COL: tl.constexpr, EVEN: tl.constexpr):
     """Rowwise codes of the 16 sets (stored if ``ROW``), global decode scale ``gs``; with
     ``DERIVE_COL`` (2D blocks) also their exact transpose as the columnwise direction; SR
     noise of set ``j`` from byte ``j % 4`` of the random words ``w{j / 4}``."""
@@ -270,21 +286,21 @@ def _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
             sk = pid_k * (BK // 16) + tl.arange(0, BK // 16)[None, :]
             tl.store(row_s_ptr + sb * (K // 16) + sk, bs2, mask=(sb < M // 16) & (sk < K // 16))
     w_lo = _rows4(x0, x1, x2, x3, 0, enc2, gs, w0, rs, pid_m, pid_k, row_ptr, row_s_ptr,
-                M, K, R, BK, TWO_D, SR, ROW)
+                M, K, R, BK, TWO_D, SR, ROW, EVEN)
     w_lo |= _rows4(x4, x5, x6, x7, 4, enc2, gs, w1, rs, pid_m, pid_k, row_ptr, row_s_ptr,
-                M, K, R, BK, TWO_D, SR, ROW) << 16
+                M, K, R, BK, TWO_D, SR, ROW, EVEN) << 16
     w_hi = _rows4(x8, x9, x10, x11, 8, enc2, gs, w2, rs, pid_m, pid_k, row_ptr, row_s_ptr,
-                M, K, R, BK, TWO_D, SR, ROW)
+                M, K, R, BK, TWO_D, SR, ROW, EVEN)
     w_hi |= _rows4(x12, x13, x14, x15, 12, enc2, gs, w3, rs, pid_m, pid_k, row_ptr, row_s_ptr,
-                M, K, R, BK, TWO_D, SR, ROW) << 16
+                M, K, R, BK, TWO_D, SR, ROW, EVEN) << 16
     if DERIVE_COL:  # codes packed as they are made (``w |= code << 4j``: few live registers)
-        _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True, False)
+        _store_col(w_lo, w_hi, bs2, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, True, EVEN)
 
 
 @triton.jit
 def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
             t_ptr, gs, w0, w1, w2, w3, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R: tl.constexpr,
-            BK: tl.constexpr, RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr):
+            BK: tl.constexpr, RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr, EVEN: tl.constexpr):
     """Columnwise direction (16 along M, × 16 along K if ``TWO_D``), optionally in the
     Hadamard domain, global decode scale ``gs``; SR noise of set ``j`` from byte ``j % 4`` of
     the random words ``w{j / 4}``."""
@@ -300,7 +316,7 @@ def _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
         _kmax(x15, R, BK, TWO_D)), gs)
     w_lo = _codes8(x0, x1, x2, x3, x4, x5, x6, x7, enc, w0, w1, R, BK, TWO_D, SR)
     w_hi = _codes8(x8, x9, x10, x11, x12, x13, x14, x15, enc, w2, w3, R, BK, TWO_D, SR)
-    _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D, False)
+    _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R, BK, TWO_D, EVEN)
 
 
 @triton.jit
@@ -308,7 +324,7 @@ def nvfp4_quantize_kernel(
     x_ptr, t_ptr, amax_ptr, seed_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
     stride_m,
     ROW: tl.constexpr, COL: tl.constexpr, DERIVE_COL: tl.constexpr, RHT: tl.constexpr,
-    SR: tl.constexpr, TWO_D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    SR: tl.constexpr, TWO_D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + scales and/or columnwise
     ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales. ``amax_ptr``:
@@ -326,7 +342,7 @@ def nvfp4_quantize_kernel(
     R: tl.constexpr = BM // 16
     rs = pid_m * BM + tl.arange(0, R)[:, None] * 16  # first row of each 16-row group
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(x_ptr, rs, rk, M, K, stride_m)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(x_ptr, rs, rk, M, K, stride_m, EVEN)
     # SR: Philox counters of the tile's (16-row group, column) pairs, uint32 (module doc)
     ctr = same_layout(((rs // 16) * K + rk).to(tl.uint32), x0)
     w0, w1, w2, w3 = ctr, ctr, ctr, ctr  # unused without SR
@@ -335,13 +351,13 @@ def nvfp4_quantize_kernel(
             w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), ctr)
         _rows16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                 gs_row, w0, w1, w2, w3, rs, pid_m, pid_k, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, M, K,
-                R, BK, TWO_D, SR, ROW, DERIVE_COL)
+                R, BK, TWO_D, SR, ROW, DERIVE_COL, EVEN)
     if COL and not DERIVE_COL:
         if SR:
             w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), ctr + (tl.cdiv(M, 16) * K).to(tl.uint32))
         _cols16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                 t_ptr, gs_col, w0, w1, w2, w3, pid_m, pid_k, col64_ptr, col_s_ptr, M, K, R, BK,
-                RHT, TWO_D, SR)
+                RHT, TWO_D, SR, EVEN)
 
 
 @triton.jit
@@ -355,7 +371,8 @@ def nvfp4_amax_kernel(x_ptr, t_ptr, amax_ptr, M, K, stride_m, n_tiles_k, n_tiles
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         rs = (t // n_tiles_k) * BM + tl.arange(0, R)[:, None] * 16
         rk = (t % n_tiles_k) * BK + tl.arange(0, BK)[None, :]
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(x_ptr, rs, rk, M, K, stride_m)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(x_ptr, rs, rk, M, K, stride_m,
+                                                                                    False)
         acc = tl.maximum(acc, _max16(
             tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5), tl.abs(x6), tl.abs(x7),
             tl.abs(x8), tl.abs(x9), tl.abs(x10), tl.abs(x11), tl.abs(x12), tl.abs(x13), tl.abs(x14), tl.abs(x15)))

@@ -233,7 +233,7 @@ def _pset4(w0, w1, w2, w3, j0: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, r
     s3, acc_e, acc_o = _pset(w3, j0 + 3, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
                              K, R, W, ROW_SET, COL, EVEN)
     if ROW_SET:
-        _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, W * 2)
+        _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, W * 2, EVEN)
     return acc_e, acc_o
 
 
