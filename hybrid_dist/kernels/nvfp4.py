@@ -98,7 +98,11 @@ def nvfp4_quantize_tiles(
              else torch.empty(0, dtype=torch.int64, device=x.device))
     grid = (max(cdiv(m, config.bm), 1), max(cdiv(k, config.bk), 1))  # program (0, 0) writes gs even if x is empty
     opts = config.launch_options(x.device)
-    even = m * k > 0 and m % config.bm == 0 and k % config.bk == 0  # no masks: every tile lies inside x
+    # no masks where every tile lies inside x: the words kernel, and the tile kernel's 16x16 blocks
+    # (twenty-third session, one H100 call, 16384x8192 row+col: 2D 0.1544 -> 0.1512 ms); for
+    # 1x16 blocks it raised the tile kernel to 138-142 registers (SR 0.3063 -> 0.4123 ms, RHT + SR
+    # 0.3404 -> 0.4374; capped at 128: 0.3013 and 0.3516)
+    even = m * k > 0 and m % config.bm == 0 and k % config.bk == 0
     if words:
         xw = x.view(torch.int32)
         launch(nvfp4_words_kernel, grid, xw, rht_row, amax, outs[0], outs[1], col64, outs[3], *gs, m, k,
@@ -110,7 +114,7 @@ def nvfp4_quantize_tiles(
             nvfp4_quantize_kernel, grid, x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k,
             max(x.stride(0), 1),
             ROW=rowwise, COL=columnwise, DERIVE_COL=derive_col and columnwise, RHT=rht, SR=sr,
-            TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, EVEN=even, **opts)
+            TWO_D=block_rows == NV_BLOCK, BM=config.bm, BK=config.bk, EVEN=even and block_rows == NV_BLOCK, **opts)
     return (*outs, *gs)
 
 
