@@ -76,10 +76,25 @@ quad's sets through shared memory first (a layout conversion with two barriers p
 and scales stored the same way, without their transposes, were slower: 0.276–0.391 ms (1D),
 0.292–0.396 (RHT).
 
+[Note: even tiles] With ``EVEN`` (``M % BM == K % BK == 0``, chosen by the host) no load or
+store has a mask: 35.5 → 34.5 sm_90 SASS instructions per element (1D, row+col) and 42.5 →
+41.0 (RHT), whose stack frame also went (8 bytes → 0). Twenty-third session, one H100 call,
+16384×8192 row+col at 96 registers, against the kernel before that session (5 interleaved
+rounds, bitwise equal): 1D 0.1932 → 0.1852 ms (masked: 0.1911), RHT 0.2277 → 0.2094 (masked:
+0.2238), RHT columnwise only 0.1405 → 0.1333.
+
 [Note: RHT] With ``RHT`` the columnwise direction is made after the rowwise one, each half
-(even k, odd k) at once for the 16 sets (``_rht_half``): unpacked to fp32, transformed by the
-tile kernel's butterfly (``nvfp4_tiles._rht16``), block-scaled and encoded as there, so the
-output is bitwise the tile kernel's (GPU test at every tile config). Seventeenth session, one
+(even k, odd k) at once for the 16 sets (``_rht_words.rht_half_codes``): unpacked to fp32 with
+the random signs put into the sign bits, transformed by unscaled butterflies, block-scaled and
+encoded, bitwise the tile kernel's ``T x`` (``nvfp4_tiles._rht16``) for ``|x| < 2**124``
+(``_rht_words``' note "unscaled butterflies"; GPU test at every tile config, interpreter test
+with tiny values). Twenty-third session: that form, the block amax from the last stage's pairs
+and the codes' signs by byte permutes took the pass from 43.6 to 42.5 sm_90 SASS instructions
+per element (ALU 20.6 → 19.4); one H100 call, 16384×8192, medians of 5 interleaved rounds,
+outputs bitwise the kernel before: row+col 0.2273 → 0.2231 ms and 0.2280 → 0.2240 (at 96
+registers; 104: 0.2349, uncapped 0.2254), columnwise only 0.1405 → 0.1332 (80 registers). Until
+then the columnwise values were the tile kernel's ``x_q · T[0, q]`` and butterfly, with
+``_codes8``'s encoder. Seventeenth session, one
 H200 run (``benchmarks.nvfp4_words_rht``, 16384×8192, two repetitions): row+col 0.270 / 0.270
 → 0.243 / 0.243 ms, columnwise only 0.147 / 0.148 → 0.144 / 0.144 (sm_90 SASS: 49.6 → 44.6
 instructions per element). Tried in the same session and not kept, each bitwise the kernel it
