@@ -151,3 +151,15 @@ def rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w
     c_lo = codes8_signed(z0, z1, z2, z3, z4, z5, z6, z7, enc)
     c_hi = codes8_signed(z8, z9, z10, z11, z12, z13, z14, z15, enc)
     return bs, c_lo, c_hi
+
+
+@triton.jit
+def rht_columns(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, t_ptr, gs):
+    """``rht_half_codes`` of both halves: ``(bs_even, c_lo_even, c_hi_even, bs_odd, c_lo_odd,
+    c_hi_odd)``; ``t_ptr``: fp32 ``T[0, :]`` (its signs are read once for both)."""
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = rht_signs16(t_ptr)
+    bs_e, e_lo, e_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
+                                      s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15, gs, False)
+    bs_o, o_lo, o_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
+                                      s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15, gs, True)
+    return bs_e, e_lo, e_hi, bs_o, o_lo, o_hi

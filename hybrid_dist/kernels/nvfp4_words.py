@@ -123,7 +123,7 @@ from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 from hybrid_dist.kernels._e2m1 import e2m1_mag_into
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, load16w_even, st8, umax16x2, unpack
-from hybrid_dist.kernels._rht_words import rht_half_codes, rht_signs16
+from hybrid_dist.kernels._rht_words import rht_columns
 from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
 
 
@@ -326,14 +326,9 @@ def nvfp4_words_kernel(
                         row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
                         row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
-    if COL and RHT:  # note "RHT"; the signs s_q of T = H16 diag(s) / 4 as bit 31
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = rht_signs16(t_ptr)
-        bs_lo, e_lo, e_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
-                                           s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                                           gs_col, False)
-        bs_hi, o_lo, o_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
-                                           s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                                           gs_col, True)
+    if COL and RHT:  # note "RHT"
+        bs_lo, e_lo, e_hi, bs_hi, o_lo, o_hi = rht_columns(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12,
+                                                           w13, w14, w15, t_ptr, gs_col)
     if COL:
         w_lo = tl.reshape(tl.join(e_lo, o_lo), (R, BK))
         w_hi = tl.reshape(tl.join(e_hi, o_hi), (R, BK))
