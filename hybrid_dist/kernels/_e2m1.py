@@ -1,5 +1,6 @@
 """E2M1 (NVFP4 element) encoders for the Triton kernels, bitwise ``formats._numerics``:
-round to nearest even (``e2m1_rne_bits``; ``e2m1_rne_mad`` adds the code into a packed word)
+round to nearest even (``e2m1_rne_bits``; ``e2m1_rne_mad`` adds the code into a packed word;
+``e2m1_mag_into`` adds only the magnitude, after ``e2m1_sign_nibbles8`` has placed eight signs)
 and stochastic rounding from 8 random bits per element (``e2m1_sr_mad`` with ``sr_noise``).
 Codes are int32 with the sign in bit 3."""
 

@@ -107,8 +107,7 @@ def nvfp4_quantize_tiles(
         xw = x.view(torch.int32)
         launch(nvfp4_words_kernel, grid, xw, rht_row, amax, outs[0], outs[1], col64, outs[3], *gs, m, k,
                max(xw.stride(0), 1), ROW=rowwise, COL=columnwise, RHT=rht, BM=config.bm, BK=config.bk,
-               QUAD=rowwise and columnwise and words_lane_quads(config),
-               EVEN=even, **opts)
+               QUAD=rowwise and columnwise and words_lane_quads(config), EVEN=even, **opts)
     else:
         launch(
             nvfp4_quantize_kernel, grid, x, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k,
