@@ -94,8 +94,8 @@ per element (ALU 20.6 → 19.4); one H100 call, 16384×8192, medians of 5 interl
 outputs bitwise the kernel before: row+col 0.2273 → 0.2231 ms and 0.2280 → 0.2240 (at 96
 registers; 104: 0.2349, uncapped 0.2254), columnwise only 0.1405 → 0.1332 (80 registers). Until
 then the columnwise values were the tile kernel's ``x_q · T[0, q]`` and butterfly, with
-``_codes8``'s encoder. Seventeenth session, one H200 run (``benchmarks.nvfp4_words_rht``, 16384×8192, two repetitions): row+col 0.270 / 0.270
-→ 0.243 / 0.243 ms, columnwise only 0.147 / 0.148 → 0.144 / 0.144 (sm_90 SASS: 49.6 → 44.6
+``_codes8``'s encoder. Seventeenth session, one H200 run (``benchmarks.nvfp4_words_rht``,
+16384×8192, two repetitions): row+col 0.270 / 0.270 → 0.243 / 0.243 ms, columnwise only 0.147 / 0.148 → 0.144 / 0.144 (sm_90 SASS: 49.6 → 44.6
 instructions per element). Tried in the same session and not kept, each bitwise the kernel it
 replaced (one H200 run each): stochastic rounding here too (the tile kernel's Philox counters,
 one ``randint4x`` per word and half): SR 0.303 → 0.295 ms at 128×128/w8 and 0.314 at 64×128/w4,
