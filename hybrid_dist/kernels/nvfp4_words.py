@@ -95,15 +95,15 @@ outputs bitwise the kernel before: row+col 0.2273 → 0.2231 ms and 0.2280 → 0
 registers; 104: 0.2349, uncapped 0.2254), columnwise only 0.1405 → 0.1332 (80 registers). Until
 then the columnwise values were the tile kernel's ``x_q · T[0, q]`` and butterfly, with
 ``_codes8``'s encoder. Seventeenth session, one H200 run (``benchmarks.nvfp4_words_rht``,
-16384×8192, two repetitions): row+col 0.270 / 0.270 → 0.243 / 0.243 ms, columnwise only 0.147 / 0.148 → 0.144 / 0.144 (sm_90 SASS: 49.6 → 44.6
-instructions per element). Tried in the same session and not kept, each bitwise the kernel it
-replaced (one H200 run each): stochastic rounding here too (the tile kernel's Philox counters,
-one ``randint4x`` per word and half): SR 0.303 → 0.295 ms at 128×128/w8 and 0.314 at 64×128/w4,
-RHT + SR 0.338 → 0.339 / 0.371, so SR stays with ``nvfp4_tiles``; the E2M1 code taken by
-``mul.hi.u32 bits, 1025`` (FMA pipe) instead of ``shr 22`` (ALU pipe; 20.0 → 18.8 ALU
-instructions per element): 0.197 → 0.213 ms, and the rowwise signs taken from the words by
-one ``mul.hi`` per word (18.3 ALU; it would also encode -0.0 as a negative zero): 0.222 ms.
-The ALU count alone does not predict these kernels' speed.
+16384×8192, two repetitions): row+col 0.270 / 0.270 → 0.243 / 0.243 ms, columnwise only 0.147 /
+0.148 → 0.144 / 0.144 (sm_90 SASS: 49.6 → 44.6 instructions per element). Tried in the same
+session and not kept, each bitwise the kernel it replaced (one H200 run each): stochastic
+rounding here too (the tile kernel's Philox counters, one ``randint4x`` per word and half): SR
+0.303 → 0.295 ms at 128×128/w8 and 0.314 at 64×128/w4, RHT + SR 0.338 → 0.339 / 0.371, so SR
+stays with ``nvfp4_tiles``; the E2M1 code taken by ``mul.hi.u32 bits, 1025`` (FMA pipe) instead
+of ``shr 22`` (ALU pipe; 20.0 → 18.8 ALU instructions per element): 0.197 → 0.213 ms, and the
+rowwise signs taken from the words by one ``mul.hi`` per word (18.3 ALU; it would also encode
+-0.0 as a negative zero): 0.222 ms. The ALU count alone does not predict these kernels' speed.
 
 Exactness: the same operations as the reference per element (bitwise, every direction;
 RHT within the tile kernel's bound, ``kernels.nvfp4``), with the block-scale domain of
