@@ -113,7 +113,7 @@ def test_fp8_block_bitwise(shape, block):
 
 def test_fp8_block_1x128_rowwise_partial_tiles():
     """1x128 rowwise is the one FP8 block case where M need not be a multiple of 128: the
-    kernel's masked path (whole tiles take ``EVEN``, unmasked), bitwise the reference."""
+    kernel's last row of tiles is partial (masked), bitwise the reference."""
     for pow2 in (True, False):
         q = hd.Float8BlockQuantizer(block="1x128", power_of_2_scales=pow2)
         _check(q, _x((200, 384)), True, False, f"fp8_block 1x128 rowwise (200, 384) pow2={pow2}")
