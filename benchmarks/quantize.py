@@ -159,12 +159,14 @@ def sass() -> None:
     nv_sig = {"x_ptr": "*bf16", "t_ptr": "*fp32", "amax_ptr": "*fp32", "seed_ptr": "*i64", "row_ptr": "*u8",
               "row_s_ptr": "*fp8e4nv", "col64_ptr": "*i64", "col_s_ptr": "*fp8e4nv", "gs_row_ptr": "*fp32",
               "gs_col_ptr": "*fp32", "M": i32, "K": i32,
-              "stride_m": i32, "ROW": c, "COL": c, "DERIVE_COL": c, "RHT": c, "SR": c, "TWO_D": c, "BM": c, "BK": c}
+              "stride_m": i32, "ROW": c, "COL": c, "DERIVE_COL": c, "RHT": c, "SR": c, "TWO_D": c, "BM": c, "BK": c,
+              "EVEN": c}
     rows = [_sass_row(_mxfp8_kernel, mx_sig, {"FMAX": 448.0, "E5M2": False, "BF16": True, "ROW": True, "COL": True,
                                              "EVEN": True}, cfg,
                       "mxfp8 row+col") for cfg in MXFP8_SWEEP]
     for name, rht, sr, br in NVFP4_SWEEP_CASES:
-        flags = {"ROW": True, "COL": True, "DERIVE_COL": br == 16 and not rht, "RHT": rht, "SR": sr, "TWO_D": br == 16}
+        flags = {"ROW": True, "COL": True, "DERIVE_COL": br == 16 and not rht, "RHT": rht, "SR": sr, "TWO_D": br == 16,
+                 "EVEN": br == 16}  # as nvfp4_quantize_tiles launches whole tiles
         rows += [_sass_row(nvfp4_quantize_kernel, nv_sig, flags, cfg, f"{name} row+col") for cfg in NVFP4_SWEEP]
     print_table(["kernel pass", "tile config", "regs", "local (spill) bytes", "SASS instr / element"], rows,
                 "quantize kernels compiled for sm_90 (offline; thread-instructions per element of x)")
