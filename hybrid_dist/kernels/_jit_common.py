@@ -175,6 +175,16 @@ def same_layout(v, ref):
 
 
 @triton.jit
+def store_tile(ptr, v, mask, EVEN: tl.constexpr):
+    """``tl.store(ptr, v, mask=mask)``, without the mask when ``EVEN`` (the host launched
+    whole tiles only: every address in range)."""
+    if EVEN:
+        tl.store(ptr, v)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
 def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
     """Pack int32 codes ``[R, C]`` into uint8 ``[R, C/2]`` (element 2j low nibble)."""
     lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))

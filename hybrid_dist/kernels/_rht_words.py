@@ -137,8 +137,8 @@ def rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w
                    HIGH: tl.constexpr):
     """Columnwise of one half (even or odd k) of the 16 sets' words in the Hadamard domain:
     block scales (E4M3, ``w``'s shape) and the codes of sets 0-7 (``c_lo``) and 8-15
-    (``c_hi``), set ``j`` in nibble ``j % 8``; bitwise ``nvfp4_words``' former ``_rht_half``
-    (the tile kernel's ``_rht16``, ``_block_scale``, ``_codes8``) for ``|x| < 2**124``.
+    (``c_hi``), set ``j`` in nibble ``j % 8``; bitwise the tile kernel's columnwise RHT
+    (``nvfp4_tiles._cols16``) for ``|x| < 2**124``.
     ``s_q``: set ``q``'s sign (``rht_signs16``)."""
     z0, z1, z2, z3, z4, z5, z6, z7, z8, z9, z10, z11, z12, z13, z14, z15, amax = wht16_amax(
         signed_half(w0, s0, HIGH), signed_half(w1, s1, HIGH), signed_half(w2, s2, HIGH),

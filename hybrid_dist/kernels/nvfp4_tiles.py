@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad, e2m1_sr_mad, sr_noise
-from hybrid_dist.kernels._jit_common import global_decode_scale, pack_pairs, same_layout
+from hybrid_dist.kernels._jit_common import global_decode_scale, pack_pairs, same_layout, store_tile
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
@@ -198,10 +198,7 @@ def _row_set(x, enc_2d, gs, w, B: tl.constexpr, rows, pid_k, row_ptr, M, K, R: t
         codes = _codes(x, enc, w, B, R, BK, True, SR)
     if STORE:
         pk = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]
-        if EVEN:
-            tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK))
-        else:
-            tl.store(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK), mask=(rows < M) & (pk < K // 2))
+        store_tile(row_ptr + rows * (K // 2) + pk, pack_pairs(codes, R, BK), (rows < M) & (pk < K // 2), EVEN)
     return codes, bs
 
 
@@ -216,10 +213,7 @@ def _store_row_scales4(s0, s1, s2, s3, j0: tl.constexpr, row_s_ptr, pid_m, pid_k
     i = tl.arange(0, R)[:, None, None]
     rows = pid_m * (R * 16) + i * 16 + j0 + tl.arange(0, 4)[None, None, :]
     sk = pid_k * C + tl.arange(0, C)[None, :, None]
-    if EVEN:
-        tl.store(row_s_ptr + rows * (K // 16) + sk, s)
-    else:
-        tl.store(row_s_ptr + rows * (K // 16) + sk, s, mask=(rows < M) & (sk < K // 16))
+    store_tile(row_s_ptr + rows * (K // 16) + sk, s, (rows < M) & (sk < K // 16), EVEN)
 
 
 @triton.jit
@@ -231,7 +225,7 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
     w = (w_lo.to(tl.int64) & 0xFFFFFFFF) | (w_hi.to(tl.int64) << 32)
     ck = pid_k * BK + tl.arange(0, BK)[:, None]
     cw = pid_m * R + tl.arange(0, R)[None, :]
-    if EVEN:
+    if EVEN:  # written out: through store_tile the RHT + SR kernel compiles to another schedule
         tl.store(col64_ptr + ck * (M // 16) + cw, tl.trans(w))
     else:
         tl.store(col64_ptr + ck * (M // 16) + cw, tl.trans(w), mask=(ck < K) & (cw < M // 16))
@@ -242,10 +236,7 @@ def _store_col(w_lo, w_hi, bs, col64_ptr, col_s_ptr, pid_m, pid_k, M, K, R: tl.c
         sk = ck
         nk = K
     bs_t = tl.trans(bs.to(tl.float32)).to(tl.float8e4nv)
-    if EVEN:
-        tl.store(col_s_ptr + sk * (M // 16) + cw, bs_t)
-    else:
-        tl.store(col_s_ptr + sk * (M // 16) + cw, bs_t, mask=(sk < nk) & (cw < M // 16))
+    store_tile(col_s_ptr + sk * (M // 16) + cw, bs_t, (sk < nk) & (cw < M // 16), EVEN)
 
 
 @triton.jit

@@ -117,7 +117,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import global_decode_scale
+from hybrid_dist.kernels._jit_common import global_decode_scale, store_tile
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 from hybrid_dist.kernels._e2m1 import e2m1_mag_into
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
@@ -152,10 +152,7 @@ def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.conste
     t = (w & SIGNS).to(tl.uint32, bitcast=True)
     signs = ((t >> 12) | (t >> 24)).to(tl.int32, bitcast=True)  # bits 3 and 7 (and junk above 8)
     byte = e2m1_mag_into(hi * enc, e2m1_mag_into(lo * enc, signs, 0), 1)
-    if EVEN:
-        tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8))
-    else:
-        tl.store(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), mask=(rows < M) & (pw < K // 2))
+    store_tile(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), (rows < M) & (pw < K // 2), EVEN)
 
 
 @triton.jit

@@ -162,5 +162,4 @@ NVFP4_SWEEP = (
 
 __all__ = ["MXFP8_DEFAULT", "MXFP8_SWEEP", "MXFP8_WORDS_DEFAULT", "MXFP8_WORDS_SWEEP", "NVFP4_2D_DEFAULT",
            "NVFP4_DEFAULT", "NVFP4_SWEEP", "NVFP4_WORDS_BOTH", "NVFP4_WORDS_DEFAULT", "NVFP4_WORDS_RHT_DEFAULT",
-           "TileConfig", "bf16_words",
-           "nvfp4_default", "nvfp4_words_default"]
+           "TileConfig", "bf16_words", "nvfp4_default", "nvfp4_words_default"]
