@@ -21,11 +21,13 @@ def _launcher(x, t, amax, cfg: TileConfig, quad: bool):
     xw = x.view(torch.int32)
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(M, K, True, True, 1)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
+    seed = torch.zeros(1, dtype=torch.int64, device=x.device)  # unread without SR
     grid = (cdiv(M, cfg.bm), cdiv(K, cfg.bk))
 
     def run():
-        nvfp4_words_kernel[grid](xw, t, amax, outs[0], outs[1], outs[2].view(torch.int64), outs[3], *gs, M, K,
-                                 xw.stride(0), ROW=True, COL=True, RHT=False, BM=cfg.bm, BK=cfg.bk, QUAD=quad,
+        nvfp4_words_kernel[grid](xw, t, amax, seed, outs[0], outs[1], outs[2].view(torch.int64), outs[3], *gs, M,
+                                 K, xw.stride(0), ROW=True, COL=True, RHT=False, SR=False, BM=cfg.bm, BK=cfg.bk,
+                                 QUAD=quad,
                                  EVEN=M % cfg.bm == 0 and K % cfg.bk == 0,
                                  **cfg.launch_options(x.device))
         return outs

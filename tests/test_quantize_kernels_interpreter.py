@@ -173,7 +173,8 @@ def _check_nvfp4_rht_words_vs_tile():
     bitwise the tile kernel's ``T x`` on random bf16 with tiny values (products and sums
     below ``2**-126``) and zeros (interpreter: IEEE fp32 without flushing; bf16 subnormal
     inputs are left out: the interpreter's bf16 → fp32 cast flushes them, the GPU's does not),
-    two tile configs, row+col and columnwise only, whole and partial tiles."""
+    two tile configs, row+col and columnwise only, whole and partial tiles; with stochastic
+    rounding of one direction too (the tile kernel's Philox stream)."""
     from hybrid_dist.formats._numerics import hadamard16
     from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP, nvfp4_words_default
 
@@ -187,18 +188,29 @@ def _check_nvfp4_rht_words_vs_tile():
     seed = torch.zeros(1, dtype=torch.int64)
     for xs in (x, x[:96, :160].contiguous()):  # whole tiles (the words kernel's EVEN) and partial ones
         _rht_words_vs_tile(xs, t, seed, (NVFP4_SWEEP[0], nvfp4_words_default(True, True)))
+    # stochastic rounding (the tile kernel's Philox stream), ordinary values; also rowwise only
+    xn = (torch.randn(128, 256, generator=gen) * 3).bfloat16()
+    sr_seed = torch.tensor([(5 << 32) + 77])
+    for xs in (xn, xn[:96, :160].contiguous()):
+        _rht_words_vs_tile(xs, t, sr_seed, (NVFP4_SWEEP[0], nvfp4_words_default(True, True, True)), sr=True)
 
 
-def _rht_words_vs_tile(x, t, seed, configs):
+def _rht_words_vs_tile(x, t, seed, configs, sr=False):
     from hybrid_dist.kernels.nvfp4 import nvfp4_amax_tiles, nvfp4_quantize_tiles
 
     amax = nvfp4_amax_tiles(x, t, True, out=torch.zeros(2))
+    cases = (((False, True, True), (True, False, False), (True, False, True)) if sr
+             else ((True, True, True), (False, True, True)))
     for cfg in configs:
-        for rw, cw in ((True, True), (False, True)):
-            w = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, config=cfg, words=True)
-            ti = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, words=False)
+        for rw, cw, rht in cases:
+            w = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, rht, sr, 1, config=cfg, words=True)
+            ti = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, rht, sr, 1, words=False)
             for name, a, b in zip(("row", "row scales", "col", "col scales", "row gs", "col gs"), w, ti):
-                _bits_equal(a, b, f"nvfp4 rht words vs tile {tuple(x.shape)} {cfg.label()} dirs={rw, cw} {name}")
+                _bits_equal(a, b, f"nvfp4 words vs tile {tuple(x.shape)} {cfg.label()} rht={rht} sr={sr} "
+                                  f"dirs={rw, cw} {name}")
+            if sr and rw:  # the noise is drawn: rounding to nearest gives other codes
+                rne = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, rht, False, 1, config=cfg, words=True)
+                assert not torch.equal(w[0], rne[0]), f"nvfp4 words sr {cfg.label()}: rowwise codes are RNE's"
 
 
 def _check_nvfp4_sr_stream():

@@ -1,7 +1,8 @@
 """E2M1 (NVFP4 element) encoders for the Triton kernels, bitwise ``formats._numerics``:
 round to nearest even (``e2m1_rne_bits``; ``e2m1_rne_mad`` adds the code into a packed word;
 ``e2m1_mag_into`` adds only the magnitude, after ``e2m1_sign_nibbles8`` has placed eight signs)
-and stochastic rounding from 8 random bits per element (``e2m1_sr_mad`` with ``sr_noise``).
+and stochastic rounding from 8 random bits per element (``e2m1_sr_mad`` with ``sr_noise``;
+``e2m1_sr_mag_into`` the magnitude only).
 Codes are int32 with the sign in bit 3."""
 
 from __future__ import annotations
@@ -139,10 +140,14 @@ def e2m1_sign_nibbles8(v0, v1, v2, v3, v4, v5, v6, v7):
 # ``gap · n`` to ``u`` and truncates to E2M1's grid, both rounding toward zero, so the code is
 # ``hi`` exactly when ``u + gap · n >= hi``: up with probability ``(u - lo) / gap`` rounded to a
 # multiple of 1/256 (to nearest, halves up: the noise sits at cell midpoints).
-_SR_CODE = (_MAGIC + "sub.rn.f32 t, $2, 0f42800000; fma.rz.f32 s, e, t, u; "
-            "add.rz.f32 r, s, m; sub.rn.f32 r, r, m; " + _CODE)
+_SR_ROUND = _MAGIC + "sub.rn.f32 t, $2, 0f42800000; fma.rz.f32 s, e, t, u; add.rz.f32 r, s, m; sub.rn.f32 r, r, m; "
+_SR_CODE = _SR_ROUND + _CODE
 _SR_MAD_ASM = tl.constexpr("{ .reg .f32 u, e, m, t, s, r; .reg .b32 h, b; .reg .pred q; " + _SR_CODE
                            + "@q add.s32 h, h, 8; mad.lo.u32 $0, h, $4, $3; }")
+# ``e2m1_sr_mag_into``: ``_SR_ROUND``'s magnitude code added into a nibble, as ``_MAG_*_ASM``
+_SR_MAG_BODY = "{ .reg .f32 u, e, m, t, s, r; .reg .b32 h; " + _SR_ROUND + _R126
+_SR_MAG_SHR_ASM = tl.constexpr(_SR_MAG_BODY + "shr.b32 h, h, $4; add.u32 $0, h, $3; }")
+_SR_MAG_SHL_ASM = tl.constexpr(_SR_MAG_BODY + "shl.b32 h, h, $4; add.u32 $0, h, $3; }")
 # prmt: bytes {0x80, w.byte[B], 0x80, 0x42} = fp32 64 + (w.byte[B] + 1/2) / 512; $2 is the
 # selector 0x7604 + 16·B (a constant: ptxas folds it into the instruction)
 _NOISE_ASM = tl.constexpr("{ .reg .b32 k; mov.b32 k, 1115684992; prmt.b32 $0, $1, k, $2; }")
@@ -185,3 +190,17 @@ def e2m1_sr_mad(v, f, acc, mult):
         return acc + e2m1_sr_ops(v, f) * mult
     return tl.inline_asm_elementwise(_SR_MAD_ASM, "=r,f,f,r,r", [v, f, acc, mult], dtype=tl.int32, is_pure=True,
                                      pack=1)
+
+
+@triton.jit
+def e2m1_sr_mag_into(v, f, acc, N: tl.constexpr):
+    """``acc + (|code| << 4N)`` for the stochastically rounded E2M1 code of fp32 ``v`` with the
+    noise ``f`` of ``sr_noise`` (``e2m1_sr_mad``'s rounding, ``e2m1_mag_into``'s packing): the
+    magnitude only, the caller places the signs (``e2m1_sign_nibbles8`` or the input's bits)."""
+    if INTERPRET:
+        return acc + ((e2m1_sr_ops(v, f) & 7) << (4 * N))
+    if 4 * N <= 22:
+        return tl.inline_asm_elementwise(_SR_MAG_SHR_ASM, "=r,f,f,r,r", [v, f, acc, _nibble_shift(v, N)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_SR_MAG_SHL_ASM, "=r,f,f,r,r", [v, f, acc, _nibble_shift(v, N)],
+                                     dtype=tl.int32, is_pure=True, pack=1)

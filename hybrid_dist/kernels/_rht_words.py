@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._e2m1 import e2m1_mag_into, e2m1_sign_nibbles8
+from hybrid_dist.kernels._e2m1 import e2m1_mag_into, e2m1_sign_nibbles8, e2m1_sr_mag_into, sr_noise
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
@@ -117,29 +117,41 @@ def wht16_amax(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, 
 
 
 @triton.jit
-def codes8_signed(z0, z1, z2, z3, z4, z5, z6, z7, enc):
+def _mag(v, acc, N: tl.constexpr, r, SR: tl.constexpr):
+    """``e2m1_mag_into`` (round to nearest even) or, with ``SR``, ``e2m1_sr_mag_into`` with the
+    noise of byte ``N % 4`` of the random words ``r``."""
+    if SR:
+        return e2m1_sr_mag_into(v, sr_noise(r, N % 4), acc, N)
+    return e2m1_mag_into(v, acc, N)
+
+
+@triton.jit
+def codes8_signed(z0, z1, z2, z3, z4, z5, z6, z7, enc, r_a, r_b, SR: tl.constexpr):
     """E2M1 codes of ``z_j · enc`` packed into one int32 (set ``j`` in nibble ``j``), each
-    sign from ``z_j``'s bits."""
+    sign from ``z_j``'s bits; ``SR``: set ``j``'s noise from byte ``j % 4`` of the random words
+    ``r_a`` (sets 0-3) or ``r_b`` (sets 4-7)."""
     acc = e2m1_sign_nibbles8(z0, z1, z2, z3, z4, z5, z6, z7)
-    acc = e2m1_mag_into(z0 * enc, acc, 0)
-    acc = e2m1_mag_into(z1 * enc, acc, 1)
-    acc = e2m1_mag_into(z2 * enc, acc, 2)
-    acc = e2m1_mag_into(z3 * enc, acc, 3)
-    acc = e2m1_mag_into(z4 * enc, acc, 4)
-    acc = e2m1_mag_into(z5 * enc, acc, 5)
-    acc = e2m1_mag_into(z6 * enc, acc, 6)
-    return e2m1_mag_into(z7 * enc, acc, 7)
+    acc = _mag(z0 * enc, acc, 0, r_a, SR)
+    acc = _mag(z1 * enc, acc, 1, r_a, SR)
+    acc = _mag(z2 * enc, acc, 2, r_a, SR)
+    acc = _mag(z3 * enc, acc, 3, r_a, SR)
+    acc = _mag(z4 * enc, acc, 4, r_b, SR)
+    acc = _mag(z5 * enc, acc, 5, r_b, SR)
+    acc = _mag(z6 * enc, acc, 6, r_b, SR)
+    return _mag(z7 * enc, acc, 7, r_b, SR)
 
 
 @triton.jit
 def rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
                    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15, gs,
-                   HIGH: tl.constexpr):
+                   seed, ctr, HIGH: tl.constexpr, SR: tl.constexpr):
     """Columnwise of one half (even or odd k) of the 16 sets' words in the Hadamard domain:
     block scales (E4M3, ``w``'s shape) and the codes of sets 0-7 (``c_lo``) and 8-15
     (``c_hi``), set ``j`` in nibble ``j % 8``; bitwise the tile kernel's columnwise RHT
     (``nvfp4_tiles._cols16``) for ``|x| < 2**124``.
-    ``s_q``: set ``q``'s sign (``rht_signs16``)."""
+    ``s_q``: set ``q``'s sign (``rht_signs16``). ``SR``: stochastic rounding, set ``q`` taking
+    byte ``q % 4`` of word ``q / 4`` of ``tl.randint4x(seed, ctr)`` (uint32 Philox counters of
+    this half's columns: the tile kernel's stream)."""
     z0, z1, z2, z3, z4, z5, z6, z7, z8, z9, z10, z11, z12, z13, z14, z15, amax = wht16_amax(
         signed_half(w0, s0, HIGH), signed_half(w1, s1, HIGH), signed_half(w2, s2, HIGH),
         signed_half(w3, s3, HIGH), signed_half(w4, s4, HIGH), signed_half(w5, s5, HIGH),
@@ -149,18 +161,25 @@ def rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w
         signed_half(w15, s15, HIGH))
     bs, enc = _block_scale(amax * 0.25, gs)
     enc = enc * 0.25
-    c_lo = codes8_signed(z0, z1, z2, z3, z4, z5, z6, z7, enc)
-    c_hi = codes8_signed(z8, z9, z10, z11, z12, z13, z14, z15, enc)
+    r0, r1, r2, r3 = ctr, ctr, ctr, ctr  # unused without SR
+    if SR:
+        r0, r1, r2, r3 = tl.randint4x(seed, ctr)
+    c_lo = codes8_signed(z0, z1, z2, z3, z4, z5, z6, z7, enc, r0, r1, SR)
+    c_hi = codes8_signed(z8, z9, z10, z11, z12, z13, z14, z15, enc, r2, r3, SR)
     return bs, c_lo, c_hi
 
 
 @triton.jit
-def rht_columns(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, t_ptr, gs):
+def rht_columns(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, t_ptr, gs,
+                seed, ctr, SR: tl.constexpr):
     """``rht_half_codes`` of both halves: ``(bs_even, c_lo_even, c_hi_even, bs_odd, c_lo_odd,
-    c_hi_odd)``; ``t_ptr``: fp32 ``T[0, :]`` (its signs are read once for both)."""
+    c_hi_odd)``; ``t_ptr``: fp32 ``T[0, :]`` (its signs are read once for both). ``SR``: the
+    even half's Philox counters are ``ctr`` (uint32, ``w``'s shape), the odd half's ``ctr + 1``."""
     s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = rht_signs16(t_ptr)
     bs_e, e_lo, e_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
-                                      s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15, gs, False)
+                                      s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15, gs,
+                                      seed, ctr, False, SR)
     bs_o, o_lo, o_hi = rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
-                                      s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15, gs, True)
+                                      s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15, gs,
+                                      seed, ctr + 1, True, SR)
     return bs_e, e_lo, e_hi, bs_o, o_lo, o_hi

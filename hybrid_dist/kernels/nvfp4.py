@@ -81,17 +81,20 @@ def nvfp4_quantize_tiles(
     ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks).
     ``config``: the tile config (default ``quant_tiles.nvfp4_words_default`` for the
     words kernel, else ``quant_tiles.nvfp4_default(block_rows)``). ``words``: None picks
-    ``kernels.nvfp4_words`` for 1×16 blocks without SR from word-readable bf16; False runs the
-    tile kernel there instead (benchmarks and tests compare the two)."""
+    ``kernels.nvfp4_words`` for 1×16 blocks from word-readable bf16 (with SR: rowwise only, or
+    columnwise only with RHT); False runs the tile kernel there instead (benchmarks and tests
+    compare the two)."""
     m, k = x.shape
     if sr and 2 * cdiv(m, NV_BLOCK) * k > 2**32:
         raise ValueError(f"NVFP4 stochastic rounding of a {m}x{k} tensor: its Philox counters "
                          f"(2·⌈M/16⌉·K) would wrap at 2**32; quantize it in row chunks")
-    can_words = block_rows == 1 and not sr and bf16_words(x)
+    # SR: one direction, a columnwise one with RHT (``nvfp4_words``' note "SR")
+    can_words = block_rows == 1 and bf16_words(x) and (not sr or (rowwise != columnwise and (rht or rowwise)))
     if words and not can_words:
-        raise ValueError("nvfp4_quantize_tiles(words=True) needs 1x16 blocks, no SR and word-readable bf16")
+        raise ValueError("nvfp4_quantize_tiles(words=True) needs 1x16 blocks, word-readable bf16 and, with SR, "
+                         "one direction (a columnwise one with RHT)")
     words = can_words if words is None else words
-    config = config or (nvfp4_words_default(rht, rowwise and columnwise) if words else nvfp4_default(block_rows))
+    config = config or (nvfp4_words_default(rht, rowwise and columnwise, sr) if words else nvfp4_default(block_rows))
     outs = [torch.empty(s, dtype=d, device=x.device) for s, d in _nvfp4_shapes(m, k, rowwise, columnwise, block_rows)]
     gs = [torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2)]
     col64 = (outs[2].view(torch.int64) if columnwise and x.numel()
@@ -105,8 +108,8 @@ def nvfp4_quantize_tiles(
     even = m * k > 0 and m % config.bm == 0 and k % config.bk == 0
     if words:
         xw = x.view(torch.int32)
-        launch(nvfp4_words_kernel, grid, xw, rht_row, amax, outs[0], outs[1], col64, outs[3], *gs, m, k,
-               max(xw.stride(0), 1), ROW=rowwise, COL=columnwise, RHT=rht, BM=config.bm, BK=config.bk,
+        launch(nvfp4_words_kernel, grid, xw, rht_row, amax, seed, outs[0], outs[1], col64, outs[3], *gs, m, k,
+               max(xw.stride(0), 1), ROW=rowwise, COL=columnwise, RHT=rht, SR=sr, BM=config.bm, BK=config.bk,
                QUAD=rowwise and columnwise and words_lane_quads(config), EVEN=even, **opts)
     else:
         launch(

@@ -105,11 +105,26 @@ of ``shr 22`` (ALU pipe; 20.0 → 18.8 ALU instructions per element): 0.197 → 
 rowwise signs taken from the words by one ``mul.hi`` per word (18.3 ALU; it would also encode
 -0.0 as a negative zero): 0.222 ms. The ALU count alone does not predict these kernels' speed.
 
+[Note: SR] (twenty-fourth session) Stochastic rounding of one direction: rowwise (1×16, no
+RHT) or columnwise with RHT. The tile kernel's Philox stream (``nvfp4_tiles``' module doc): the
+even k of word ``c`` draw counter ``(m/16)·K + 2c``, the odd k ``+1``, each ``tl.randint4x``
+serving the 16 sets (set ``j``: byte ``j % 4`` of word ``j / 4``); the columnwise counters are
+offset by ``⌈M/16⌉·K``. The codes' magnitudes are rounded by ``_e2m1.e2m1_sr_mag_into`` (the
+tile kernel's SR rounding, this kernel's packing); bitwise the tile kernel (GPU test at every
+tile config, interpreter test). One H100 call, 16384×8192, fused pass, medians of 5
+interleaved rounds against the tile kernel (outputs bitwise equal): rowwise SR 0.2407 →
+0.1632 ms (1.475×), columnwise RHT + SR 0.1852 → 0.1605 (1.154×, at 96 registers: at 80 it
+spills 72 bytes). Both directions are left to the tile kernel: there this kernel was slower
+(0.3401 → 0.3572 ms at 96 registers, 0.3633 at 128, with 57.5 sm_90 SASS instructions per
+element against the tile kernel's 65.9: four Philox chains per word pair at 96 registers),
+and at the 80-register cap it faulted on the GPU (misaligned address; the spilled build of
+both directions only, every other config and direction set ran bitwise equal).
+
 Exactness: the same operations as the reference per element (bitwise, every direction;
 RHT within the tile kernel's bound, ``kernels.nvfp4``), with the block-scale domain of
-``_jit_common.nvfp4_block_scale``. Stochastic rounding stays with ``nvfp4_tiles``: written
-this way with the 32-bit uniforms SR then drew it measured 1.34 against 0.68 ms, and with the
-8-bit draws it is no faster (note "RHT").
+``_jit_common.nvfp4_block_scale``. Stochastic rounding of both directions stays with
+``nvfp4_tiles`` (note "SR"; written this way with the 32-bit uniforms SR then drew it
+measured 1.34 against 0.68 ms, and with the 8-bit draws it was no faster, note "RHT").
 """
 
 from __future__ import annotations
@@ -117,9 +132,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import global_decode_scale, store_tile
+from hybrid_dist.kernels._jit_common import global_decode_scale, same_layout, store_tile
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
-from hybrid_dist.kernels._e2m1 import e2m1_mag_into
+from hybrid_dist.kernels._e2m1 import e2m1_mag_into, e2m1_sr_mag_into, sr_noise
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, load16w_even, st8, umax16x2, unpack
 from hybrid_dist.kernels._rht_words import rht_columns
@@ -144,20 +159,26 @@ def _per_word(e, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, R: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
+def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, r_e, r_o, B: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+               SR: tl.constexpr, EVEN: tl.constexpr):
     """Rowwise bytes of one set's words ``w [R, W]`` with encode multipliers ``enc [R, W]``
-    (one per word), stored (``EVEN``: the tile lies inside ``x``, no masks)."""
+    (one per word), stored (``EVEN``: the tile lies inside ``x``, no masks). ``SR``: the even
+    (odd) k take the noise of byte ``B`` of the random words ``r_e`` (``r_o``)."""
     lo, hi = unpack(w)
     pw = pid_k * W + tl.arange(0, W)[None, :]
     t = (w & SIGNS).to(tl.uint32, bitcast=True)
     signs = ((t >> 12) | (t >> 24)).to(tl.int32, bitcast=True)  # bits 3 and 7 (and junk above 8)
-    byte = e2m1_mag_into(hi * enc, e2m1_mag_into(lo * enc, signs, 0), 1)
+    if SR:
+        byte = e2m1_sr_mag_into(hi * enc, sr_noise(r_o, B), e2m1_sr_mag_into(lo * enc, sr_noise(r_e, B), signs, 0), 1)
+    else:
+        byte = e2m1_mag_into(hi * enc, e2m1_mag_into(lo * enc, signs, 0), 1)
     store_tile(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), (rows < M) & (pw < K // 2), EVEN)
 
 
 @triton.jit
-def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M, K,
-          R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, EVEN: tl.constexpr):
+def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M, K, r_e, r_o,
+          R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr,
+          EVEN: tl.constexpr):
     """Set ``j``: rowwise bytes stored, 1x16 scales ``[R, W/8]`` returned; its columnwise codes
     added into nibble ``j % 8`` of ``acc_e`` (low halves: even k) and ``acc_o`` (odd k)."""
     lo, hi = unpack(w)
@@ -165,7 +186,7 @@ def _pset(w, j: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_p
     if ROW:
         ram = tl.max(tl.reshape(tl.maximum(tl.abs(lo), tl.abs(hi)), (R, W // 8, 8)), axis=2)
         bs, enc = _block_scale(ram, gs)
-        _row_bytes(w, _per_word(enc, R, W, 8), rs + j, pid_k, row_ptr, M, K, R, W, EVEN)
+        _row_bytes(w, _per_word(enc, R, W, 8), rs + j, pid_k, row_ptr, M, K, r_e, r_o, j % 4, R, W, SR, EVEN)
     if COL:
         acc_e = e2m1_mag_into(lo * enc_lo, acc_e, j % 8)
         acc_o = e2m1_mag_into(hi * enc_hi, acc_o, j % 8)
@@ -201,8 +222,8 @@ def _pair_amax(w, R: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K,
-               R: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
+def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K, r_e, r_o,
+               R: tl.constexpr, W: tl.constexpr, SR: tl.constexpr, EVEN: tl.constexpr):
     """Rowwise of sets ``j0 .. j0+3`` with each 1×16 block scale computed once: a row block is
     the 8 words of a lane quad (``W = 64``: words ``2c, 2c+1`` on lane ``c``), so lane ``c``
     reduces and scales set ``j0 + c % 4`` (``_lane_quad``) where each of the four lanes used
@@ -214,10 +235,10 @@ def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, 
                      c, R, C)
     bs, enc = _block_scale(amax, gs)
     e0, e1, e2, e3 = quad_gather(enc, R, C)
-    _row_bytes(w0, _per_word(e0, R, W, 2), rs + j0, pid_k, row_ptr, M, K, R, W, EVEN)
-    _row_bytes(w1, _per_word(e1, R, W, 2), rs + j0 + 1, pid_k, row_ptr, M, K, R, W, EVEN)
-    _row_bytes(w2, _per_word(e2, R, W, 2), rs + j0 + 2, pid_k, row_ptr, M, K, R, W, EVEN)
-    _row_bytes(w3, _per_word(e3, R, W, 2), rs + j0 + 3, pid_k, row_ptr, M, K, R, W, EVEN)
+    _row_bytes(w0, _per_word(e0, R, W, 2), rs + j0, pid_k, row_ptr, M, K, r_e, r_o, 0, R, W, SR, EVEN)
+    _row_bytes(w1, _per_word(e1, R, W, 2), rs + j0 + 1, pid_k, row_ptr, M, K, r_e, r_o, 1, R, W, SR, EVEN)
+    _row_bytes(w2, _per_word(e2, R, W, 2), rs + j0 + 2, pid_k, row_ptr, M, K, r_e, r_o, 2, R, W, SR, EVEN)
+    _row_bytes(w3, _per_word(e3, R, W, 2), rs + j0 + 3, pid_k, row_ptr, M, K, r_e, r_o, 3, R, W, SR, EVEN)
     rows = rs + j0 + c % 4
     sk = pid_k * (W // 8) + c // 4
     # in place (st8): a tl.store moved the scales through shared memory, a barrier per 4 sets
@@ -228,21 +249,22 @@ def _rows_quad(w0, w1, w2, w3, j0: tl.constexpr, gs, rs, pid_m, pid_k, row_ptr, 
 
 @triton.jit
 def _pset4(w0, w1, w2, w3, j0: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-           row_ptr, row_s_ptr, M, K, R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr,
-           COL: tl.constexpr, QUAD: tl.constexpr, EVEN: tl.constexpr):
+           row_ptr, row_s_ptr, M, K, r_e, r_o, R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr,
+           COL: tl.constexpr, QUAD: tl.constexpr, SR: tl.constexpr, EVEN: tl.constexpr):
     """Sets ``j0 .. j0+3`` (see ``_pset``); their row scales stored together (``QUAD``: by
-    ``_rows_quad``, before the columnwise codes)."""
+    ``_rows_quad``, before the columnwise codes). ``SR``: rowwise noise of set ``j`` from byte
+    ``j % 4`` of the random words ``r_e`` (even k) and ``r_o`` (odd k)."""
     if ROW and QUAD:
-        _rows_quad(w0, w1, w2, w3, j0, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K, R, W, EVEN)
+        _rows_quad(w0, w1, w2, w3, j0, gs, rs, pid_m, pid_k, row_ptr, row_s_ptr, M, K, r_e, r_o, R, W, SR, EVEN)
     ROW_SET: tl.constexpr = ROW and not QUAD
-    s0, acc_e, acc_o = _pset(w0, j0, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M, K,
-                             R, W, ROW_SET, COL, EVEN)
+    s0, acc_e, acc_o = _pset(w0, j0, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M, K, r_e, r_o,
+                             R, W, ROW_SET, COL, SR, EVEN)
     s1, acc_e, acc_o = _pset(w1, j0 + 1, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW_SET, COL, EVEN)
+                             K, r_e, r_o, R, W, ROW_SET, COL, SR, EVEN)
     s2, acc_e, acc_o = _pset(w2, j0 + 2, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW_SET, COL, EVEN)
+                             K, r_e, r_o, R, W, ROW_SET, COL, SR, EVEN)
     s3, acc_e, acc_o = _pset(w3, j0 + 3, acc_e, acc_o, enc_lo, enc_hi, gs, rs, pid_k, row_ptr, M,
-                             K, R, W, ROW_SET, COL, EVEN)
+                             K, r_e, r_o, R, W, ROW_SET, COL, SR, EVEN)
     if ROW_SET:
         _store_row_scales4(s0, s1, s2, s3, j0, row_s_ptr, pid_m, pid_k, M, K, R, W * 2, EVEN)
     return acc_e, acc_o
@@ -275,18 +297,19 @@ def _colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w
 
 @triton.jit
 def nvfp4_words_kernel(
-    x_ptr, t_ptr, amax_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
-    stride_w, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    QUAD: tl.constexpr, EVEN: tl.constexpr,
+    x_ptr, t_ptr, amax_ptr, seed_ptr, row_ptr, row_s_ptr, col64_ptr, col_s_ptr, gs_row_ptr, gs_col_ptr, M, K,
+    stride_w, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR: tl.constexpr, BM: tl.constexpr,
+    BK: tl.constexpr, QUAD: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + 1×16 scales and/or columnwise
     ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales, as
-    ``nvfp4_tiles.nvfp4_quantize_kernel`` without SR and 2D blocks (bitwise its output, RHT
-    included). ``x_ptr``: the bf16 input as int32 words ``[M, K/2]`` (row stride ``stride_w``
-    words); ``amax_ptr``: fp32 ``max|x|`` and, with ``RHT``, ``max|RHT(x)|`` (the global decode
-    scales, written by program (0, 0)); ``t_ptr``: fp32 ``T[0, :]`` (read with ``RHT``). ``EVEN``:
-    ``M % BM == K % BK == 0`` and ``x`` not empty, so no load or store needs a mask (sm_90 SASS:
-    35.5 → 34.6 instructions per element, 42.5 → 41.1 with RHT)."""
+    ``nvfp4_tiles.nvfp4_quantize_kernel`` without 2D blocks (bitwise its output, RHT and SR
+    included; with SR one direction, a columnwise one with RHT: note "SR"). ``x_ptr``: the bf16 input
+    as int32 words ``[M, K/2]`` (row stride ``stride_w`` words); ``amax_ptr``: fp32 ``max|x|``
+    and, with ``RHT``, ``max|RHT(x)|`` (the global decode scales, written by program (0, 0));
+    ``t_ptr``: fp32 ``T[0, :]`` (read with ``RHT``); ``seed_ptr``: int64, the Philox key (read
+    with ``SR``). ``EVEN``: ``M % BM == K % BK == 0`` and ``x`` not empty, so no load or store
+    needs a mask (sm_90 SASS: 35.5 → 34.6 instructions per element, 42.5 → 41.1 with RHT)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     gs = global_decode_scale(tl.load(amax_ptr))
     gs_col = global_decode_scale(tl.load(amax_ptr + 1)) if RHT else gs
@@ -304,6 +327,15 @@ def nvfp4_words_kernel(
     bs_lo = gs
     bs_hi = gs
     SET_COL: tl.constexpr = COL and not RHT  # columnwise codes made set by set (no transform)
+    tl.static_assert(not SR or (ROW != COL and not SET_COL), "nvfp4_words: SR makes one direction (note \"SR\")")
+    # SR: the tile kernel's Philox counters (uint32) of the even k of each (16-row group, word)
+    ctr = same_layout(((rs // 16) * K + 2 * rw).to(tl.uint32), w0)
+    re0, re1, re2, re3 = ctr, ctr, ctr, ctr  # unused without SR
+    ro0, ro1, ro2, ro3 = ctr, ctr, ctr, ctr
+    if SR and ROW:
+        seed = tl.load(seed_ptr)
+        re0, re1, re2, re3 = tl.randint4x(seed, ctr)
+        ro0, ro1, ro2, ro3 = tl.randint4x(seed, ctr + 1)
     if SET_COL:
         cam_lo, cam_hi = unpack(_colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15))
         bs_lo, enc_lo = _block_scale(cam_lo, gs)
@@ -315,16 +347,20 @@ def nvfp4_words_kernel(
         se_lo, so_lo = _col_signs(w0, w1, w2, w3, w4, w5, w6, w7)
         se_hi, so_hi = _col_signs(w8, w9, w10, w11, w12, w13, w14, w15)
     e_lo, o_lo = _pset4(w0, w1, w2, w3, 0, se_lo, so_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
+                        row_s_ptr, M, K, re0, ro0, R, W, ROW, SET_COL, QUAD, SR, EVEN)
     e_lo, o_lo = _pset4(w4, w5, w6, w7, 4, e_lo, o_lo, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
+                        row_ptr, row_s_ptr, M, K, re1, ro1, R, W, ROW, SET_COL, QUAD, SR, EVEN)
     e_hi, o_hi = _pset4(w8, w9, w10, w11, 8, se_hi, so_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k, row_ptr,
-                        row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
+                        row_s_ptr, M, K, re2, ro2, R, W, ROW, SET_COL, QUAD, SR, EVEN)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
-                        row_ptr, row_s_ptr, M, K, R, W, ROW, SET_COL, QUAD, EVEN)
-    if COL and RHT:  # note "RHT"
+                        row_ptr, row_s_ptr, M, K, re3, ro3, R, W, ROW, SET_COL, QUAD, SR, EVEN)
+    if COL and RHT:  # note "RHT"; SR: the columnwise counters follow the rowwise ones (module doc)
+        seed_c = 0
+        if SR:
+            seed_c = tl.load(seed_ptr)
         bs_lo, e_lo, e_hi, bs_hi, o_lo, o_hi = rht_columns(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12,
-                                                           w13, w14, w15, t_ptr, gs_col)
+                                                           w13, w14, w15, t_ptr, gs_col, seed_c,
+                                                           ctr + (tl.cdiv(M, 16) * K).to(tl.uint32), SR)
     if COL:
         w_lo = tl.reshape(tl.join(e_lo, o_lo), (R, BK))
         w_hi = tl.reshape(tl.join(e_hi, o_hi), (R, BK))

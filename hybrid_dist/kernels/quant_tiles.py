@@ -116,10 +116,11 @@ NVFP4_WORDS_RHT_DEFAULT = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=80)
 NVFP4_WORDS_BOTH = TileConfig(bm=64, bk=128, num_warps=4, maxnreg=96)
 
 
-def nvfp4_words_default(rht: bool, both: bool = False) -> TileConfig:
+def nvfp4_words_default(rht: bool, both: bool = False, sr: bool = False) -> TileConfig:
     """The ``nvfp4_words`` tile config, with or without the columnwise RHT, for both
-    directions or one."""
-    if both:
+    directions or one, with or without stochastic rounding (one direction; RHT + SR
+    columnwise spills at 80 registers: 72 bytes of stack, none at 96; sm_90, offline)."""
+    if both or sr:
         return NVFP4_WORDS_BOTH
     return NVFP4_WORDS_RHT_DEFAULT if rht else NVFP4_WORDS_DEFAULT
 

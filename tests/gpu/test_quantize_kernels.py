@@ -202,16 +202,21 @@ def test_nvfp4_rht_within_bound(shape, block_2d):
     _check_rht_within_bound(hd.NVFP4Quantizer(rht=True, block_2d=block_2d), _x(shape), f"{shape} 2d={block_2d}")
 
 
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
 @pytest.mark.parametrize("cfg", NVFP4_SWEEP, ids=lambda c: c.label())
-def test_nvfp4_rht_words_kernel_bitwise_tile_kernel(cfg):
+def test_nvfp4_rht_words_kernel_bitwise_tile_kernel(cfg, sr):
     """1×16 blocks with RHT from bf16 take the words kernel: bitwise the tile kernel (the same
     fp32 transform, block scales and codes), every direction set, at every tile config and
     the tile kernel's default, with partial tiles along M and K (96x160), +-inf, bf16
     subnormals and tiny normals (the tile kernel's products ``x/4`` subnormal: the words
-    kernel's unscaled butterflies, ``kernels._rht_words``, are exact there too)."""
+    kernel's unscaled butterflies, ``kernels._rht_words``, are exact there too). ``sr``:
+    stochastic rounding (the tile kernel's Philox stream, a key with a non-zero high word) of
+    one direction: columnwise with RHT, rowwise with and without (``nvfp4_words``' note "SR")."""
     from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
 
-    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    seed = torch.tensor([(5 << 32) + 77 if sr else 0], dtype=torch.int64, device="cuda")
+    cases = [(True, False, False), (True, False, True), (False, True, True)] if sr else [
+        (rw, cw, True) for rw, cw in DIRS]
     for shape in ((384, 640), (96, 160)):
         for x in (_x(shape), _x(shape, seed=1)):
             if shape == (96, 160):
@@ -219,11 +224,11 @@ def test_nvfp4_rht_words_kernel_bitwise_tile_kernel(cfg):
                 x[:16, :8] *= 2.0**-120
                 x[16:32, 8:16] = 2.0**-133 * torch.randint(-3, 4, (16, 8), device="cuda")
             t = _rht_row(3, x.device)
-            amax = nvfp4_amax_tiles(x, t, True)
-            for rw, cw in DIRS:
-                what = f"nvfp4 rht words {cfg.label()} {shape} dirs={rw, cw}"
-                w = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, config=cfg, words=True)
-                ti = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, True, False, 1, words=False)
+            for rw, cw, rht in cases:
+                amax = nvfp4_amax_tiles(x, t, rht)
+                what = f"nvfp4 words {cfg.label()} {shape} rht={rht} sr={sr} dirs={rw, cw}"
+                w = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, rht, sr, 1, config=cfg, words=True)
+                ti = nvfp4_quantize_tiles(x, t, amax, seed, rw, cw, False, rht, sr, 1, words=False)
                 for name, a, b in zip(("row", "row scales", "col", "col scales", "row gs", "col gs"), w, ti):
                     a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
                     if name == "row" and rw:  # an inf's code (its scaled value NaN): the sign may differ
