@@ -271,6 +271,28 @@ def _pset4(w0, w1, w2, w3, j0: tl.constexpr, acc_e, acc_o, enc_lo, enc_hi, gs, r
 
 
 @triton.jit
+def _seed(seed_ptr, SR: tl.constexpr):
+    """The int64 Philox key with ``SR`` (else 0, unread)."""
+    seed = tl.full([], 0, tl.int64)
+    if SR:
+        seed = tl.load(seed_ptr)
+    return seed
+
+
+@triton.jit
+def _row_noise(seed_ptr, ctr, SR: tl.constexpr):
+    """With ``SR``, the rowwise random words of each word pair's even k (``tl.randint4x`` at the
+    counters ``ctr``) and odd k (``ctr + 1``): ``(e0, e1, e2, e3, o0, o1, o2, o3)``; else
+    ``ctr`` eight times (unused)."""
+    if SR:
+        seed = tl.load(seed_ptr)
+        e0, e1, e2, e3 = tl.randint4x(seed, ctr)
+        o0, o1, o2, o3 = tl.randint4x(seed, ctr + 1)
+        return e0, e1, e2, e3, o0, o1, o2, o3
+    return ctr, ctr, ctr, ctr, ctr, ctr, ctr, ctr
+
+
+@triton.jit
 def _load16w(x_ptr, rs, rw, M, KW, stride_w, EVEN: tl.constexpr):
     """The 16 row sets as words ``w_j = x[rs + j, words rw]`` (int32 ``[R, W]``), 0 outside
     (``EVEN``: nothing is outside)."""
@@ -322,27 +344,18 @@ def nvfp4_words_kernel(
     rw = pid_k * W + tl.arange(0, W)[None, :]
     w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _load16w(x_ptr, rs, rw, M, K // 2,
                                                                                   stride_w, EVEN)
-    enc_lo = gs
-    enc_hi = gs
-    bs_lo = gs
-    bs_hi = gs
+    enc_lo, enc_hi, bs_lo, bs_hi = gs, gs, gs, gs
     SET_COL: tl.constexpr = COL and not RHT  # columnwise codes made set by set (no transform)
     tl.static_assert(not SR or (ROW != COL and not SET_COL), "nvfp4_words: SR makes one direction (note \"SR\")")
     # SR: the tile kernel's Philox counters (uint32) of the even k of each (16-row group, word)
     ctr = same_layout(((rs // 16) * K + 2 * rw).to(tl.uint32), w0)
-    re0, re1, re2, re3 = ctr, ctr, ctr, ctr  # unused without SR
-    ro0, ro1, ro2, ro3 = ctr, ctr, ctr, ctr
-    if SR and ROW:
-        seed = tl.load(seed_ptr)
-        re0, re1, re2, re3 = tl.randint4x(seed, ctr)
-        ro0, ro1, ro2, ro3 = tl.randint4x(seed, ctr + 1)
+    re0, re1, re2, re3, ro0, ro1, ro2, ro3 = _row_noise(seed_ptr, ctr, SR and ROW)
     if SET_COL:
         cam_lo, cam_hi = unpack(_colmax16(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15))
         bs_lo, enc_lo = _block_scale(cam_lo, gs)
         bs_hi, enc_hi = _block_scale(cam_hi, gs)
     z = tl.zeros((R, W), tl.int32)
-    se_lo, so_lo = z, z
-    se_hi, so_hi = z, z
+    se_lo, so_lo, se_hi, so_hi = z, z, z, z
     if SET_COL:  # the columnwise accumulators start from the signs (note "signs")
         se_lo, so_lo = _col_signs(w0, w1, w2, w3, w4, w5, w6, w7)
         se_hi, so_hi = _col_signs(w8, w9, w10, w11, w12, w13, w14, w15)
@@ -354,12 +367,9 @@ def nvfp4_words_kernel(
                         row_s_ptr, M, K, re2, ro2, R, W, ROW, SET_COL, QUAD, SR, EVEN)
     e_hi, o_hi = _pset4(w12, w13, w14, w15, 12, e_hi, o_hi, enc_lo, enc_hi, gs, rs, pid_m, pid_k,
                         row_ptr, row_s_ptr, M, K, re3, ro3, R, W, ROW, SET_COL, QUAD, SR, EVEN)
-    if COL and RHT:  # note "RHT"; SR: the columnwise counters follow the rowwise ones (module doc)
-        seed_c = 0
-        if SR:
-            seed_c = tl.load(seed_ptr)
+    if COL and RHT:  # note "RHT"; SR: the columnwise counters follow the rowwise ones (note "SR")
         bs_lo, e_lo, e_hi, bs_hi, o_lo, o_hi = rht_columns(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12,
-                                                           w13, w14, w15, t_ptr, gs_col, seed_c,
+                                                           w13, w14, w15, t_ptr, gs_col, _seed(seed_ptr, SR),
                                                            ctr + (tl.cdiv(M, 16) * K).to(tl.uint32), SR)
     if COL:
         w_lo = tl.reshape(tl.join(e_lo, o_lo), (R, BK))
