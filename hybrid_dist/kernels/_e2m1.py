@@ -2,7 +2,7 @@
 round to nearest even (``e2m1_rne_bits``; ``e2m1_rne_mad`` adds the code into a packed word;
 ``e2m1_mag_into`` adds only the magnitude, after ``e2m1_sign_nibbles8`` has placed eight signs)
 and stochastic rounding from 8 random bits per element (``e2m1_sr_mad`` with ``sr_noise``;
-``e2m1_sr_mag_into`` the magnitude only).
+``e2m1_sr_mag_into`` the magnitude only; ``e2m1_mag_into_rounded`` picks either).
 Codes are int32 with the sign in bit 3."""
 
 from __future__ import annotations
@@ -204,3 +204,12 @@ def e2m1_sr_mag_into(v, f, acc, N: tl.constexpr):
                                          dtype=tl.int32, is_pure=True, pack=1)
     return tl.inline_asm_elementwise(_SR_MAG_SHL_ASM, "=r,f,f,r,r", [v, f, acc, _nibble_shift(v, N)],
                                      dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def e2m1_mag_into_rounded(v, acc, N: tl.constexpr, r, B: tl.constexpr, SR: tl.constexpr):
+    """``e2m1_mag_into`` (round to nearest even), or with ``SR`` ``e2m1_sr_mag_into`` with the
+    noise of byte ``B`` of the random int32 words ``r`` (``sr_noise``; ``r`` unread without)."""
+    if SR:
+        return e2m1_sr_mag_into(v, sr_noise(r, B), acc, N)
+    return e2m1_mag_into(v, acc, N)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._e2m1 import e2m1_mag_into, e2m1_sign_nibbles8, e2m1_sr_mag_into, sr_noise
+from hybrid_dist.kernels._e2m1 import e2m1_mag_into_rounded, e2m1_sign_nibbles8
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
@@ -117,28 +117,19 @@ def wht16_amax(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, 
 
 
 @triton.jit
-def _mag(v, acc, N: tl.constexpr, r, SR: tl.constexpr):
-    """``e2m1_mag_into`` (round to nearest even) or, with ``SR``, ``e2m1_sr_mag_into`` with the
-    noise of byte ``N % 4`` of the random words ``r``."""
-    if SR:
-        return e2m1_sr_mag_into(v, sr_noise(r, N % 4), acc, N)
-    return e2m1_mag_into(v, acc, N)
-
-
-@triton.jit
 def codes8_signed(z0, z1, z2, z3, z4, z5, z6, z7, enc, r_a, r_b, SR: tl.constexpr):
     """E2M1 codes of ``z_j · enc`` packed into one int32 (set ``j`` in nibble ``j``), each
     sign from ``z_j``'s bits; ``SR``: set ``j``'s noise from byte ``j % 4`` of the random words
     ``r_a`` (sets 0-3) or ``r_b`` (sets 4-7)."""
     acc = e2m1_sign_nibbles8(z0, z1, z2, z3, z4, z5, z6, z7)
-    acc = _mag(z0 * enc, acc, 0, r_a, SR)
-    acc = _mag(z1 * enc, acc, 1, r_a, SR)
-    acc = _mag(z2 * enc, acc, 2, r_a, SR)
-    acc = _mag(z3 * enc, acc, 3, r_a, SR)
-    acc = _mag(z4 * enc, acc, 4, r_b, SR)
-    acc = _mag(z5 * enc, acc, 5, r_b, SR)
-    acc = _mag(z6 * enc, acc, 6, r_b, SR)
-    return _mag(z7 * enc, acc, 7, r_b, SR)
+    acc = e2m1_mag_into_rounded(z0 * enc, acc, 0, r_a, 0, SR)
+    acc = e2m1_mag_into_rounded(z1 * enc, acc, 1, r_a, 1, SR)
+    acc = e2m1_mag_into_rounded(z2 * enc, acc, 2, r_a, 2, SR)
+    acc = e2m1_mag_into_rounded(z3 * enc, acc, 3, r_a, 3, SR)
+    acc = e2m1_mag_into_rounded(z4 * enc, acc, 4, r_b, 0, SR)
+    acc = e2m1_mag_into_rounded(z5 * enc, acc, 5, r_b, 1, SR)
+    acc = e2m1_mag_into_rounded(z6 * enc, acc, 6, r_b, 2, SR)
+    return e2m1_mag_into_rounded(z7 * enc, acc, 7, r_b, 3, SR)
 
 
 @triton.jit

@@ -134,7 +134,7 @@ import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import global_decode_scale, same_layout, store_tile
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
-from hybrid_dist.kernels._e2m1 import e2m1_mag_into, e2m1_sr_mag_into, sr_noise
+from hybrid_dist.kernels._e2m1 import e2m1_mag_into, e2m1_mag_into_rounded
 from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, load16w_even, st8, umax16x2, unpack
 from hybrid_dist.kernels._rht_words import rht_columns
@@ -168,10 +168,7 @@ def _row_bytes(w, enc, rows, pid_k, row_ptr, M, K, r_e, r_o, B: tl.constexpr, R:
     pw = pid_k * W + tl.arange(0, W)[None, :]
     t = (w & SIGNS).to(tl.uint32, bitcast=True)
     signs = ((t >> 12) | (t >> 24)).to(tl.int32, bitcast=True)  # bits 3 and 7 (and junk above 8)
-    if SR:
-        byte = e2m1_sr_mag_into(hi * enc, sr_noise(r_o, B), e2m1_sr_mag_into(lo * enc, sr_noise(r_e, B), signs, 0), 1)
-    else:
-        byte = e2m1_mag_into(hi * enc, e2m1_mag_into(lo * enc, signs, 0), 1)
+    byte = e2m1_mag_into_rounded(hi * enc, e2m1_mag_into_rounded(lo * enc, signs, 0, r_e, B, SR), 1, r_o, B, SR)
     store_tile(row_ptr + rows * (K // 2) + pw, byte.to(tl.uint8), (rows < M) & (pw < K // 2), EVEN)
 
 
