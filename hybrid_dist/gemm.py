@@ -70,7 +70,7 @@ def gemm_nt(a: DirectionStorage, b: DirectionStorage, *, out_dtype: torch.dtype,
 
 
 def _operand(t: QuantizedTensor, direction: str, role: str, gemm: str) -> DirectionStorage:
-    st = t.storage_of(direction)
+    st = t._rowwise if direction == "rowwise" else t._columnwise  # attribute reads: traceable
     if st is None:
         raise ValueError(
             f"{gemm} needs the {direction} direction of {role}, but the QuantizedTensor has "

@@ -40,6 +40,7 @@ class QuantizedTensor(torch.Tensor):
         self._rowwise = rowwise
         self._columnwise = columnwise
         self._quantizer = quantizer
+        _expose_inner_tensors(self)
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -121,14 +122,6 @@ class QuantizedTensor(torch.Tensor):
             outer_size, dtype, storages.get("rowwise"), storages.get("columnwise"), quantizer
         )
 
-    def __getattr__(self, name: str):
-        direction, sep, field = name.partition("__")
-        if sep and direction in DIRECTIONS and field:
-            st = object.__getattribute__(self, f"_{direction}")
-            if st is not None and field in st.TENSOR_FIELDS:
-                return getattr(st, field)
-        raise AttributeError(f"'QuantizedTensor' object has no attribute '{name}'")
-
     # --- pickling (torch.save; torch.load(weights_only=True) after add_safe_globals) --
     def __reduce_ex__(self, protocol):
         storages = tuple(
@@ -157,6 +150,16 @@ class QuantizedTensor(torch.Tensor):
 # FSDP2 calls ``inspect.signature`` on the pre-all-gather hook at every all-gather of every
 # parameter; a precomputed ``__signature__`` turns that ~10 µs parse into a lookup.
 QuantizedTensor.fsdp_pre_all_gather.__signature__ = inspect.signature(QuantizedTensor.fsdp_pre_all_gather)
+
+
+def _expose_inner_tensors(t: QuantizedTensor) -> None:
+    """Set ``t.<direction>__<field>`` to each inner tensor: plain attributes (no
+    ``__getattr__``), so Dynamo reads them from a parameter's source like any attribute."""
+    for d in DIRECTIONS:
+        st = getattr(t, f"_{d}")
+        if st is not None:
+            for f in st.TENSOR_FIELDS:
+                t.__dict__[f"{d}__{f}"] = getattr(st, f)
 
 
 def _storage_meta(st: DirectionStorage):

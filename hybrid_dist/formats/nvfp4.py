@@ -114,7 +114,7 @@ class NVFP4State:
         # loaded by load_state_dict, for the keys and generators made after it
         self._loaded_key: torch.Tensor | None = None
         self._loaded_generators: dict[str, torch.Tensor] = {}  # device type -> generator state
-        # how a compiled graph finds this state (none for a state made while tracing)
+        # how a compiled graph finds this state: its id as a CPU tensor (none while tracing)
         self.uid = None if torch.compiler.is_compiling() else _traced_rng.register(self)
 
     def generator(self, device: torch.device) -> torch.Generator:
