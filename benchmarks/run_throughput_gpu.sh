@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Throughput benchmark (issue 7) on one host with NGPU GPUs (default 4; NCCL is picked by
-# the launcher): `torchrun -m hybrid_dist.launch.train` with FSDP=NGPU for the 8b and 1b
-# presets (dense) and MoE variants (8 experts, top-2) per recipe -- bf16, fp8_current
-# (+ --quantized-init: float8 all-gather), mxfp8_fwd_nvfp4_bwd, nvfp4 -- plus torchao float8
-# tensorwise (`--baseline torchao-float8 --compile`, skipped when torchao does not import)
-# next to compiled bf16 and compiled fp8_current+qinit. Each run: STEPS steps, the first 2
+# Throughput benchmark on one host with NGPU GPUs (default 4; NCCL is picked by the
+# launcher): `torchrun -m hybrid_dist.launch.train` with FSDP=NGPU for a 16-block 8b (1 x 8192
+# and 1 x 4096 tokens per GPU) and the 1b (4 x 2048): bf16 eager and compiled, torchao float8
+# tensorwise compiled (`--baseline torchao-float8 --compile`, skipped when torchao does not
+# import), hd fp8_current and fp8_delayed with --quantized-init (float8 all-gather) eager and
+# compiled, mxfp8_fwd_nvfp4_bwd compiled; then MoE variants and other recipes. Each run: STEPS steps, the first 2
 # left out of tokens/s (--timing-warmup 2); metrics JSONL and log per run in $OUT; at the
 # end ONE markdown table (python -m benchmarks.throughput) in $OUT/throughput.md.
 #
@@ -35,35 +35,47 @@ if ! python3 -c "import torchao.float8" > /dev/null 2>&1 && ls .whl/torchao-*.wh
 if python3 -c "import torchao.float8" > /dev/null 2>&1; then TORCHAO=1; else TORCHAO=0
   echo "torchao.float8 does not import here: the torchao-float8 rows are skipped"; fi
 
-# model shapes (tokens per GPU): 8b 1 x 8192 (torchtitan's Llama-3-8B setting), 1b 4 x 2048, 1b MoE 2 x 2048; last in the plan
-# (reached in a second call, e.g. ONLY=moe), a 4-block 8b MoE (8 experts of the 8b FFN, top-2)
-M8B=${M8B:-"--preset 8b --batch-size 1 --seq-len 8192"}
+# model shapes (tokens per GPU): a 16-block 8b at 1 x 8192 (torchtitan's Llama-3-8B setting) and
+# 1 x 4096, the 1b at 4 x 2048; then MoE variants (8 experts, top-2) and the other recipes
+M8B=${M8B:-"--preset 8b --layers 16 --batch-size 1 --seq-len 8192"}
+M8B4K=${M8B4K:-"--preset 8b --layers 16 --batch-size 1 --seq-len 4096"}
 M1B=${M1B:-"--preset 1b --batch-size 4 --seq-len 2048"}
 MOE=${MOE:-"--preset 1b --moe-experts 8 --moe-top-k 2 --batch-size 2 --seq-len 2048"}
 MOE8B=${MOE8B:-"--preset 8b --layers 4 --moe-experts 8 --moe-top-k 2 --batch-size 1 --seq-len 4096"}
 QI="--recipe fp8_current --quantized-init"
+QD="--recipe fp8_delayed --quantized-init"
 TAO="--baseline torchao-float8 --compile"
 # name | time cap (s) | needs torchao | launcher options   (priority order)
 PLAN="
-8b_bf16|75|0|$M8B --recipe bf16
-8b_fp8_current_qinit|90|0|$M8B $QI
-8b_torchao_float8_compile|120|1|$M8B $TAO
-8b_bf16_compile|120|0|$M8B --recipe bf16 --compile
-8b_fp8_current_compile|120|0|$M8B --recipe fp8_current --compile
-8b_fp8_current_qinit_compile|120|0|$M8B $QI --compile
-1b_bf16|60|0|$M1B --recipe bf16
-1b_fp8_current_qinit|75|0|$M1B $QI
+8b_bf16_compile|150|0|$M8B --recipe bf16 --compile
+8b_torchao_float8_compile|150|1|$M8B $TAO
+8b_fp8_current_qinit_compile|150|0|$M8B $QI --compile
+8b_fp8_current_qinit|120|0|$M8B $QI
+8b_mxfp8_fwd_nvfp4_bwd_compile|150|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd --compile
+8b_fp8_delayed_qinit_compile|150|0|$M8B $QD --compile
+8b_bf16|100|0|$M8B --recipe bf16
+8b_fp8_delayed_qinit|120|0|$M8B $QD
+1b_bf16_compile|120|0|$M1B --recipe bf16 --compile
+1b_torchao_float8_compile|120|1|$M1B $TAO
+1b_fp8_current_qinit_compile|120|0|$M1B $QI --compile
+1b_fp8_current_qinit|90|0|$M1B $QI
+1b_mxfp8_fwd_nvfp4_bwd_compile|120|0|$M1B --recipe mxfp8_fwd_nvfp4_bwd --compile
+1b_fp8_delayed_qinit_compile|120|0|$M1B $QD --compile
+1b_bf16|90|0|$M1B --recipe bf16
+1b_fp8_delayed_qinit|90|0|$M1B $QD
+8b4k_bf16_compile|150|0|$M8B4K --recipe bf16 --compile
+8b4k_torchao_float8_compile|150|1|$M8B4K $TAO
+8b4k_fp8_current_qinit_compile|150|0|$M8B4K $QI --compile
+8b4k_fp8_current_qinit|120|0|$M8B4K $QI
+8b4k_mxfp8_fwd_nvfp4_bwd_compile|150|0|$M8B4K --recipe mxfp8_fwd_nvfp4_bwd --compile
+8b4k_fp8_delayed_qinit_compile|150|0|$M8B4K $QD --compile
+8b4k_bf16|100|0|$M8B4K --recipe bf16
+8b4k_fp8_delayed_qinit|120|0|$M8B4K $QD
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
-8b_mxfp8_fwd_nvfp4_bwd|90|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
-8b_nvfp4|90|0|$M8B --recipe nvfp4
-1b_mxfp8_fwd_nvfp4_bwd|75|0|$M1B --recipe mxfp8_fwd_nvfp4_bwd
-1b_nvfp4|75|0|$M1B --recipe nvfp4
+8b_mxfp8_fwd_nvfp4_bwd|120|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
+8b_nvfp4|120|0|$M8B --recipe nvfp4
 1b_moe8_mxfp8_fwd_nvfp4_bwd|90|0|$MOE --recipe mxfp8_fwd_nvfp4_bwd
-1b_torchao_float8_compile|100|1|$M1B $TAO
-1b_bf16_compile|100|0|$M1B --recipe bf16 --compile
-1b_fp8_current_qinit_compile|100|0|$M1B $QI --compile
-1b_fp8_current|60|0|$M1B --recipe fp8_current
 8b_L4_moe8_bf16|75|0|$MOE8B --recipe bf16
 8b_L4_moe8_fp8_current|75|0|$MOE8B --recipe fp8_current
 "

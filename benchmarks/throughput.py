@@ -5,7 +5,7 @@ Reads metrics JSONL files written by ``torchrun ... -m hybrid_dist.launch.train 
 one row per run, grouped by model:
 
 - preset: from the ``start`` record: the preset, ``moe<E>top<k>`` for MoE, ``L<n>`` when
-  ``--layers`` changed the depth, ``fsdp<N>``;
+  ``--layers`` changed the depth, tokens per GPU as ``batch×seq``, ``fsdp<N>``;
 - recipe: the recipe or the baseline (``torchao-float8``), ``+qinit`` (``--quantized-init``),
   ``+compile``;
 - tokens/s: from the ``summary`` record: all ranks' tokens / time over the timed steps
@@ -14,8 +14,10 @@ one row per run, grouped by model:
 - peak GiB: the summary's peak memory of rank 0 during training;
 - all-gather/step: the last step's all-gather output bytes per rank, measured for
   quantized parameters (``hybrid_dist.fsdp2``), else estimated (``~``);
+- graphs/breaks: for compiled runs, the graphs Dynamo compiled and its graph breaks;
 - × bf16: tokens/s ÷ that of the ``bf16`` run (no baseline, no ``--quantized-init``) of the
-  same model, with the same ``--compile`` setting when there is one.
+  same model, with the same ``--compile`` setting when there is one;
+- × torchao: tokens/s ÷ that of the compiled torchao float8 run of the same model.
 
 A file whose last run has no ``summary`` (it crashed or timed out) gives a row of ``—``
 marked ``failed`` (or with the ``status`` of a stub ``start`` record that
@@ -63,6 +65,8 @@ def model_label(start: dict) -> str:
     n_layers = start.get("n_layers")
     if preset in PRESETS and n_layers and n_layers != PRESETS[preset].n_layers:
         label += f" L{n_layers}"
+    if start.get("batch_size") and start.get("seq_len"):
+        label += f" {start['batch_size']}×{start['seq_len']}"
     return label + f" fsdp{start.get('fsdp', '?')}"
 
 
@@ -88,6 +92,18 @@ def _bf16_tps(run: dict, runs: list[dict]) -> float | None:
     match = [r for r in same if bool(r["start"].get("compile")) == bool(run["start"].get("compile"))]
     pick = (match or same)[:1]
     return pick[0]["summary"]["tokens_per_s"] if pick else None
+
+
+def _torchao_tps(run: dict, runs: list[dict]) -> float | None:
+    """tokens/s of the compiled torchao float8 run of the same model."""
+    same = [r for r in runs if r["summary"] and r["start"].get("baseline") == "torchao-float8"
+            and model_label(r["start"]) == model_label(run["start"])]
+    return same[0]["summary"]["tokens_per_s"] if same else None
+
+
+def _compiled(s: dict) -> str:
+    cs = s.get("compile_stats")
+    return f"{cs['graphs']}/{cs['graph_breaks']}" if cs else ""
 
 
 def _gib(b) -> str:
@@ -121,17 +137,19 @@ def table_rows(runs: list[dict]) -> list[list[str]]:
         if s is None:  # crashed, timed out, or never started (the GPU script's stub says why)
             rows.append([model_label(start), f"{recipe_label(start)} ({start.get('status', 'failed')})", "—", "—",
                          _gib(max((r.get("peak_mem_bytes") or 0 for r in run["steps"]), default=None)),
-                         _ag(run["steps"]), "—"])
+                         _ag(run["steps"]), "", "—", "—"])
             continue
-        ref = _bf16_tps(run, runs)
+        ref, tao = _bf16_tps(run, runs), _torchao_tps(run, runs)
         mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "n/a"
         ratio = f"{s['tokens_per_s'] / ref:.2f}" if ref else "—"
+        vs_tao = f"{s['tokens_per_s'] / tao:.2f}" if tao else "—"
         rows.append([model_label(start), recipe_label(start), f"{s['tokens_per_s']:,.0f}", mfu,
-                     _gib(s.get("peak_mem_bytes")), _ag(run["steps"]), ratio])
+                     _gib(s.get("peak_mem_bytes")), _ag(run["steps"]), _compiled(s), ratio, vs_tao])
     return rows
 
 
-HEADER = ["preset", "recipe", "tokens/s", "MFU", "peak GiB", "all-gather/step", "× bf16"]
+HEADER = ["preset", "recipe", "tokens/s", "MFU", "peak GiB", "all-gather/step", "graphs/breaks", "× bf16",
+          "× torchao"]
 
 
 def format_table(runs: list[dict]) -> str:

@@ -164,6 +164,15 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
     return loss
 
 
+def compile_stats() -> dict:
+    """What Dynamo did in this process: graphs compiled (one per distinct block structure
+    when nothing recompiles) and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
 def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, start: int, data) -> dict:
     """The metrics JSONL's ``start`` record: what was run (the throughput table reads it)."""
     return {"name": cfg.name, "recipe": recipe.name, "baseline": cfg.baseline, "preset": cfg.preset,
@@ -211,5 +220,8 @@ def train(cfg: TrainConfig) -> dict:
             meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
             if cfg.save_every and step % cfg.save_every == 0:
                 checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device)
-    summary = meter.finish({"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)})
+    extra = {"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
+    if cfg.compile:
+        extra["compile_stats"] = compile_stats()
+    summary = meter.finish(extra)
     return {**summary, "losses": losses}

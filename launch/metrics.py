@@ -141,5 +141,7 @@ def format_summary(s: dict) -> str:
         if isinstance(floor, float) and floor == floor else ""
     first, final = s["first_loss"], s["final_loss"]
     loss = f"loss {first:.4f} -> {final:.4f}{ref}" if first is not None else "no steps run"
+    cs = s.get("compile_stats")
+    compiled = f"; compiled {cs['graphs']} graphs, {cs['graph_breaks']} graph breaks" if cs else ""
     return (f"summary: {s['steps']} steps, {loss}; {s['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "
-            f"peak mem {s['peak_mem_bytes'] / 2**30:.2f} GiB, {s['wall_s']:.1f} s")
+            f"peak mem {s['peak_mem_bytes'] / 2**30:.2f} GiB, {s['wall_s']:.1f} s{compiled}")

@@ -90,8 +90,9 @@ def _write(path, start, tps=None, steps=3, ag=None, ag_est=None, mode="w"):
             rec.update({"ag_bytes": ag} if ag is not None else {"ag_bytes_est": ag_est})
             f.write(json.dumps(rec) + "\n")
         if tps is not None:
+            cs = {"compile_stats": {"graphs": 1, "graph_breaks": 0}} if start.get("compile") else {}
             f.write(json.dumps({"event": "summary", "tokens_per_s": tps, "mfu": tps / 1e5,
-                                "peak_mem_bytes": 20 * 2**30}) + "\n")
+                                "peak_mem_bytes": 20 * 2**30, **cs}) + "\n")
 
 
 def test_throughput_table(tmp_path):
@@ -117,16 +118,18 @@ def test_throughput_table(tmp_path):
         paths.append(str(p))
     rows = throughput.table_rows([throughput.load_last_run(p) for p in paths])
     got = {(r[0], r[1]): r[2:] for r in rows}
-    assert got[("8b fsdp4", "bf16")] == ["1,000", "1.0%", "20.0", "~2.00 GiB", "1.00"]
-    assert got[("8b fsdp4", "fp8_current +qinit")] == ["1,300", "1.3%", "20.0", "1.00 GiB", "1.30"]
-    assert got[("8b fsdp4", "bf16 +compile")][-1] == "1.00"  # compiled runs compare with compiled bf16
-    assert got[("8b fsdp4", "torchao-float8 +compile")] == ["1,500", "1.5%", "20.0", "~1.00 GiB", "1.25"]
-    assert got[("8b fsdp4", "nvfp4 (failed)")] == ["—", "—", "10.0", "~2.00 GiB", "—"]
-    assert got[("1b moe8top2 L4 fsdp4", "bf16")][-2:] == ["~1.00 MiB", "1.00"]
-    assert got[("1b moe8top2 fsdp4", "mxfp8 (skipped)")] == ["—", "—", "—", "—", "—"]
+    assert got[("8b fsdp4", "bf16")] == ["1,000", "1.0%", "20.0", "~2.00 GiB", "", "1.00", "0.67"]
+    assert got[("8b fsdp4", "fp8_current +qinit")] == ["1,300", "1.3%", "20.0", "1.00 GiB", "", "1.30", "0.87"]
+    assert got[("8b fsdp4", "bf16 +compile")][-2:] == ["1.00", "0.80"]  # compiled runs: compiled bf16
+    assert got[("8b fsdp4", "torchao-float8 +compile")] == ["1,500", "1.5%", "20.0", "~1.00 GiB", "1/0", "1.25",
+                                                           "1.00"]
+    assert got[("8b fsdp4", "nvfp4 (failed)")] == ["—", "—", "10.0", "~2.00 GiB", "", "—", "—"]
+    assert got[("1b moe8top2 L4 fsdp4", "bf16")][-4:] == ["~1.00 MiB", "", "1.00", "—"]
+    assert got[("1b moe8top2 fsdp4", "mxfp8 (skipped)")] == ["—", "—", "—", "—", "", "—", "—"]
     # one table: header, separator, one row per run; 8b rows first (file order), eager before compiled
     table = throughput.format_table([throughput.load_last_run(p) for p in paths]).splitlines()
-    assert table[0].startswith("| preset | recipe | tokens/s | MFU | peak GiB | all-gather/step | × bf16 |")
+    assert table[0] == ("| preset | recipe | tokens/s | MFU | peak GiB | all-gather/step | graphs/breaks | × bf16 "
+                        "| × torchao |")
     assert len(table) == 2 + len(runs)
     order = [line.split(" | ")[1] for line in table[2:6]]
     assert order == ["bf16", "fp8_current +qinit", "nvfp4 (failed)", "bf16 +compile"], order
