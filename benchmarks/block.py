@@ -12,12 +12,14 @@ block sees ``[1, tokens, dim]`` activations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.util
 
 import torch
 
 import hybrid_dist as hd
-from benchmarks._bench import bench_ms, host_calls, print_table, profile_step
+from benchmarks._bench import bench_ms, host_calls, print_profile, print_table, profile_step
 from hybrid_dist.launch.model import Block, apply_recipe, rope_tables
 from hybrid_dist.launch.presets import preset
 
@@ -40,13 +42,25 @@ class _TorchBlock(_OneBlock):
         self.layers = torch.nn.ModuleDict({"0": Block(cfg, linear=torch.nn.Linear)})
 
 
-def _build(cfg, recipe_name: str, shared: bool):
+def _build(cfg, recipe_name: str, shared: bool, *, qinit: bool = False, compile: bool = False):
+    """``recipe_name``: a named recipe, ``torch`` (plain PyTorch bf16) or ``torchao`` (that
+    block converted by torchao's float8 tensorwise training). ``qinit``: block weights
+    created under ``hd.quantized_model_init``."""
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = _TorchBlock(cfg) if recipe_name == "torch" else _OneBlock(cfg)
+    plain = recipe_name in ("torch", "torchao")
+    init = hd.quantized_model_init(hd.recipe_from_name(recipe_name), keep_high_precision_init=False) \
+        if qinit and not plain else contextlib.nullcontext()
+    with torch.device("cuda"), init:
+        model = _TorchBlock(cfg) if plain else _OneBlock(cfg)
     model = model.to(torch.bfloat16)
-    if recipe_name != "torch":
+    if recipe_name == "torchao":
+        from hybrid_dist.launch import torchao_baseline
+
+        torchao_baseline.convert(model)
+    elif not plain:
         apply_recipe(model, hd.recipe_from_name(recipe_name), share_quantized_inputs=shared)
+    if compile:
+        model.layers["0"] = torch.compile(model.layers["0"])
     return model
 
 
@@ -73,23 +87,34 @@ def main() -> None:
     ap.add_argument("--preset", default="8b")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--recipes", default="fp8_current,mxfp8,fp8_block")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the block (no shared inputs); "
+                    "adds torchao float8 tensorwise when torchao imports")
+    ap.add_argument("--qinit", action="store_true", help="recipes' weights from hd.quantized_model_init")
+    ap.add_argument("--profile", action="store_true", help="print each configuration's top kernels")
     args = ap.parse_args()
     cfg = dataclasses.replace(preset(args.preset), n_layers=1, max_seq_len=max(args.tokens, 128))
     base_ms = None
     rows = []
-    configs = [("torch", False), ("bf16", False)] + [(r, s) for r in args.recipes.split(",") for s in (False, True)]
+    shares = (False,) if args.compile else (False, True)
+    configs = [("torch", False), ("bf16", False)] + [(r, s) for r in args.recipes.split(",") for s in shares]
+    if args.compile and importlib.util.find_spec("torchao") is not None:
+        configs.insert(1, ("torchao", False))
     for name, shared in configs:
-        model = _build(cfg, name, shared)
+        model = _build(cfg, name, shared, qinit=args.qinit, compile=args.compile)
         step = _step_fn(model, cfg, args.tokens)
         ms = bench_ms(step, warmup_ms=100, rep_ms=400)
         base_ms = base_ms or ms
-        label = "nn.Linear, nn.RMSNorm" if name == "torch" else ("shared" if shared else "per layer")
+        label = {"torch": "nn.Linear, nn.RMSNorm", "torchao": "Float8Linear"}.get(
+            name, "shared" if shared else "per layer")
         rows.append([name, label, ms, base_ms / ms, _launches(step)])
+        if args.profile:
+            print_profile(step, f"{name} ({label})", rows=12)
         del model, step
         torch.cuda.empty_cache()
+    mode = (", compiled" if args.compile else "") + (", quantized init" if args.qinit else "")
     print_table(["recipe", "input quantization", "ms", "x torch bf16", "launches"], rows,
                 f"## block fwd+bwd, preset {args.preset} (dim {cfg.dim}, ffn {cfg.ffn_dim}), "
-                f"{args.tokens} tokens, {torch.cuda.get_device_name()}")
+                f"{args.tokens} tokens{mode}, {torch.cuda.get_device_name()}")
 
 
 if __name__ == "__main__":
