@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Throughput benchmark (issue 7) on one host with NGPU GPUs (default 4; NCCL is picked by
+# Throughput benchmark on one host with NGPU GPUs (default 4; NCCL is picked by
 # the launcher): `torchrun -m hybrid_dist.launch.train` with FSDP=NGPU for the 8b and 1b
 # presets (dense) and MoE variants (8 experts, top-2) per recipe -- bf16, fp8_current
 # (+ --quantized-init: float8 all-gather), mxfp8_fwd_nvfp4_bwd, nvfp4 -- plus torchao float8
@@ -10,8 +10,8 @@
 #
 # Runs go in priority order and none starts once BUDGET_S seconds have passed (default
 # 400 s, so the script ends within ~7 min); runs left out appear as "(skipped)" rows.
-# ONLY=REGEX runs only the runs whose name matches (e.g. ONLY='^1b' for a second call that
-# fills in the skipped 1b rows; earlier files are kept, so the table covers both calls);
+# ONLY=REGEX runs only the runs whose name matches (e.g. ONLY='^1b' for a second run that
+# fills in the skipped 1b rows; earlier files are kept, so the table covers both runs);
 # SKIP=REGEX leaves out matching runs; M8B/M1B/MOE override the model options (CPU check:
 # NGPU=2 INSTALL=0 SKIP=compile M8B="--preset tiny --batch-size 2 --seq-len 64" ...).
 # A failing run (crash, timeout, OOM) is reported with the tail of its log and the script
@@ -29,14 +29,14 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 [ "${INSTALL:-1}" = 1 ] && python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/thr_gpus.txt"
 [ -z "$ONLY" ] && rm -f "$OUT"/thr_*.jsonl "$OUT"/thr_*.log
-# torchao is optional: a wheel carried in .whl/ (ignored by git; pass carry=[".whl"]) is installed if needed
+# torchao is optional: a wheel placed in .whl/ (ignored by git) is installed if needed
 if ! python3 -c "import torchao.float8" > /dev/null 2>&1 && ls .whl/torchao-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-deps --no-index .whl/torchao-*.whl 2>&1 | tail -1; fi
 if python3 -c "import torchao.float8" > /dev/null 2>&1; then TORCHAO=1; else TORCHAO=0
   echo "torchao.float8 does not import here: the torchao-float8 rows are skipped"; fi
 
 # model shapes (tokens per GPU): 8b 1 x 8192 (torchtitan's Llama-3-8B setting), 1b 4 x 2048, 1b MoE 2 x 2048; last in the plan
-# (reached in a second call, e.g. ONLY=moe), a 4-block 8b MoE (8 experts of the 8b FFN, top-2)
+# (reached in a second run, e.g. ONLY=moe), a 4-block 8b MoE (8 experts of the 8b FFN, top-2)
 M8B=${M8B:-"--preset 8b --batch-size 1 --seq-len 8192"}
 M1B=${M1B:-"--preset 1b --batch-size 4 --seq-len 2048"}
 MOE=${MOE:-"--preset 1b --moe-experts 8 --moe-top-k 2 --batch-size 2 --seq-len 2048"}
@@ -115,7 +115,7 @@ while IFS='|' read -r name cap needs_tao opts; do
     [ -f "$f" ] || stub "$name" "failed rc=$rc" "$opts --fsdp $NGPU"
     echo "-- $name FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); errors in $log:"
     grep -E "Error|Exception|error:" "$log" | grep -v "ChildFailedError\|^W1\|^\[W" | head -n 6 | sed 's/^/     /'
-    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # workers run in their own sessions: end any left on the GPUs
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # workers may outlive torchrun: end any left on the GPUs
       sleep 3
       for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2> /dev/null); do
         kill -9 "$pid" 2> /dev/null && echo "   killed leftover GPU process $pid"
@@ -125,7 +125,7 @@ while IFS='|' read -r name cap needs_tao opts; do
 done <<< "$PLAN"
 
 echo "total wall: ${SECONDS} s"
-files=()  # in plan order (also those of earlier calls with ONLY)
+files=()  # in plan order (also those of earlier runs with ONLY)
 while IFS='|' read -r name _; do [ -n "$name" ] && [ -f "$OUT/thr_$name.jsonl" ] && files+=("$OUT/thr_$name.jsonl"); done <<< "$PLAN"
 if [ "${#files[@]}" = 0 ]; then echo "no runs selected"; exit 1; fi
 python3 -m benchmarks.throughput "${files[@]}" | tee "$OUT/throughput.md"
