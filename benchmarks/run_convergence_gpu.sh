@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Convergence evidence (issue 7): the 125m preset for STEPS steps under four recipes, one
+# Convergence, one seed per recipe: the 125m preset for STEPS steps under four recipes, one
 # recipe per GPU in parallel (each a single-GPU run), then one plot. Logs and JSONL go to $OUT.
 set -o pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"

@@ -28,5 +28,5 @@ for f in "$OUT"/conv_*.log; do echo "== $f"; grep -v "^W1" "$f" | tail -n 4; don
 rm -f "$OUT"/conv_*.log
 python3 -m benchmarks.convergence_table "$OUT"/conv_*.jsonl | tee "$OUT/convergence_table.md"
 python3 -m hybrid_dist.launch.plot "$OUT"/conv_*_s0.jsonl --out "$OUT/convergence.png" || echo "(plot skipped)"
-# one archive for the per-run JSONL files (the device tool returns at most 8 files)
+# one archive for the per-run JSONL files
 tar czf "$OUT/conv_jsonl.tgz" -C "$OUT" $(cd "$OUT" && ls conv_*.jsonl) && rm -f "$OUT"/conv_*.jsonl

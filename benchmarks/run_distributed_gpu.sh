@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One full run on a lent multi-GPU host (2-4 GPUs, NCCL): the gpu-marked distributed and
+# One full run on a multi-GPU host (2-4 GPUs, NCCL): the gpu-marked distributed and
 # MoE tests, then the FSDP2 and TP benchmarks. Logs go to $OUT (or ./gpu_logs).
 set -o pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"

@@ -10,7 +10,7 @@
 #
 # Runs go in priority order and none starts once BUDGET_S seconds have passed (default
 # 400 s, so the script ends within ~7 min); runs left out appear as "(skipped)" rows.
-# ONLY=REGEX runs only the runs whose name matches (e.g. ONLY='^1b' for a second call that
+# ONLY=REGEX runs only the runs whose name matches (e.g. ONLY='^1b' for a second run that
 # fills in the skipped 1b rows; earlier files are kept, so the table covers both calls);
 # SKIP=REGEX leaves out matching runs; M8B/M1B/MOE override the model options (CPU check:
 # NGPU=2 INSTALL=0 SKIP=compile M8B="--preset tiny --batch-size 2 --seq-len 64" ...).
@@ -127,7 +127,7 @@ while IFS='|' read -r name cap needs_tao opts; do
     [ -f "$f" ] || stub "$name" "failed rc=$rc" "$opts --fsdp $NGPU"
     echo "-- $name FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); errors in $log:"
     grep -E "Error|Exception|error:" "$log" | grep -v "ChildFailedError\|^W1\|^\[W" | head -n 6 | sed 's/^/     /'
-    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # workers run in their own sessions: end any left on the GPUs
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # workers may outlive torchrun: end any left on the GPUs
       sleep 3
       for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2> /dev/null); do
         kill -9 "$pid" 2> /dev/null && echo "   killed leftover GPU process $pid"

@@ -1,6 +1,6 @@
 """hybrid_dist: hybrid (per-direction) low-precision training for PyTorch.
 
-See DESIGN §3 for the public API; everything not in ``__all__`` is private.
+See docs/design.md §3 for the public API; everything not in ``__all__`` is private.
 """
 
 import torch as _torch

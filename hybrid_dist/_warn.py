@@ -1,4 +1,4 @@
-"""One-time warnings: a fallback warns once per reason and says why (DESIGN §4.5)."""
+"""One-time warnings: a fallback warns once per reason and says why (docs/design.md §4.5)."""
 
 from __future__ import annotations
 

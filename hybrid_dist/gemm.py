@@ -7,7 +7,7 @@ GEMMs of a Linear ``y = x Wᵀ`` are one kind, ``out = A_stored @ B_stored.T`` (
     dgrad  dx[M, K]  = dy.rowwise   [M, N] · W.columnwise [K, N]ᵀ
     wgrad  dW[N, K]  = dy.columnwise[N, M] · x.columnwise [K, M]ᵀ
 
-The reference backend computes **any** pair of formats (DESIGN §4.3): each operand is
+The reference backend computes **any** pair of formats (docs/design.md §4.3): each operand is
 dequantized by its block scales into fp32 (exact for E4M3/E2M1 values under E8M0/E4M3
 block scales), the product accumulates in fp32, and per-tensor fp32 scales are applied to
 the accumulator. Two NVFP4 operands transformed with the same Hadamard matrix are

@@ -2,7 +2,7 @@
 
 ``HybridQuantizer(rowwise=A, columnwise=B).quantize(x)`` returns one
 :class:`QuantizedTensor` whose rowwise direction is exactly ``A``'s and whose columnwise
-direction is exactly ``B``'s (so DESIGN §4 invariants 1–2 hold by construction). When
+direction is exactly ``B``'s (so docs/design.md §4 invariants 1–2 hold by construction). When
 ``A == B`` the single quantizer's fused path makes both directions from one read.
 """
 

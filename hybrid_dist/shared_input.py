@@ -5,7 +5,7 @@ In a Llama block, ``attention_norm``'s output feeds wq, wk and wv: unfused, each
 quantizes the same tensor again (FP8 current scaling reads it twice each: amax, then
 cast). Linked with ``link_quantized_input(norm, consumers=[wq, wk, wv])``, the norm
 returns one :class:`QuantizedTensor` holding the directions the consumers need and
-``hd.Linear`` uses its storages as they are (DESIGN §3 API, issue 7).
+``hd.Linear`` uses its storages as they are (docs/design.md §3).
 
 [Note: when a producer shares its quantization]
 At each forward the producer asks its consumers which recipe they run now (their own

@@ -1,4 +1,4 @@
-"""hybrid_dist.launch: the end-to-end training job (DESIGN §3).
+"""hybrid_dist.launch: the end-to-end training job (docs/design.md §3).
 
 ``torchrun --nproc-per-node N -m hybrid_dist.launch.train [options]`` trains a Llama-style
 dense or MoE model under any recipe with FSDP2/HSDP/TP/EP; ``python -m

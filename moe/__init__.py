@@ -1,5 +1,5 @@
 """hybrid_dist.moe: grouped expert GEMMs with per-expert quantization, a dropless top-k
-MoE layer and expert-parallel token exchange (see DESIGN §3)."""
+MoE layer and expert-parallel token exchange (see docs/design.md §3)."""
 
 from hybrid_dist.moe.device_split import PackedSplit, split_quantize_packed
 from hybrid_dist.moe.expert_parallel import WireStats

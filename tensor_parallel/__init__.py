@@ -1,5 +1,5 @@
 """hybrid_dist.tensor_parallel: quantized TP/SP all-gathers and ``ParallelStyle``s for
-``hd.Linear`` (see DESIGN §3).
+``hd.Linear`` (see docs/design.md §3).
 
 Usage (a sequence-parallel MLP on the ``tp`` axis; activations seq-first ``[S/tp, B, H]``)::
 

@@ -1,4 +1,4 @@
-"""DESIGN §4 invariants 1–3 on the reference backend, for every format and ordered pair.
+"""docs/design.md §4 invariants 1–3 on the reference backend, for every format and ordered pair.
 
 1. Same format both ways is free: Hybrid(F, F) == plain F, bitwise (outputs and grads).
 2. Cross-format is exact per direction: Hybrid(A, B) inputs/weights with plain-B grads give

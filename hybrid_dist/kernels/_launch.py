@@ -1,34 +1,25 @@
 """Eager Triton launches at the host cost of the compiled kernel's launcher.
 
 [Note: direct launches]
-``kernel[grid](*args, **consts)`` goes through Triton's ``JITFunction.run`` on every call:
-argument binding, the specialization of every argument, a string cache key built from the
-options, a check of the kernel's global values, launch metadata and the current device
-and stream looked up through the driver. On an H200's host that costs 15–22 µs per call
-where the compiled kernel's launcher alone costs 6–8 µs (``benchmarks.host_costs``), and
-inside a training step, with the host's caches cold, each launch cost ~79 µs of profiled
-time (an H100 host), six per ``hd.Linear`` step with current scaling.
-
-``launch(kernel, grid, *args, **consts)`` launches the same compiled kernel. It keys its
-cache on what Triton's specialization depends on, computed here from the values:
+``kernel[grid](*args, **consts)`` goes through Triton's ``JITFunction.run`` on every call
+(argument binding and specialization, a string cache key, global-value checks, launch
+metadata, device and stream lookups), several times the cost of the compiled launcher.
+``launch(kernel, grid, *args, **consts)`` launches the same compiled kernel, keyed on what
+Triton's specialization depends on, computed here from the values:
 
 * a tensor: its dtype and whether its address is a multiple of 16;
-* an int: whether it is 1, whether it is a multiple of 16, and whether it fits int32
-  (Triton passes larger ints as int64);
+* an int: whether it is 1, whether it is a multiple of 16, and whether it fits int32;
 * a bool, float or None: its type;
 * the constexpr and option keywords, by value; the current device.
 
-Calls with the same key get the same specialization from Triton, so they share its
-compiled kernel. The first call of each key goes through ``kernel[grid]`` (which compiles
-or finds the kernel and returns it); later calls call its launcher with every parameter in
-signature order (Triton 3.6 passes constexprs too; other versions are launched through
-``kernel[grid]`` always), and for a kernel without scratch memory (all of this package's)
-the launcher's C function itself (``_entry``), which skips a Python frame per launch.
-Launch hooks (a profiler's ``launch_enter_hook``; Triton 3.6 keeps them in ``HookChain``
-lists, empty by default), debug mode, pre-run hooks, an instrumentation mode (which Triton
-keys its cache on) and the interpreter also take ``kernel[grid]``, so nothing they watch or
-change is skipped. Not cached: Triton's check that the kernel's global values have not
-changed since it was compiled (this package's kernels read module constants only).
+Calls with the same key share Triton's compiled kernel. The first call of each key goes
+through ``kernel[grid]`` (which compiles or finds it); later calls call its launcher with
+every parameter in signature order (Triton 3.6; other versions always take ``kernel[grid]``),
+for kernels without scratch memory (all of this package's) its C function (``_entry``).
+Launch hooks (a profiler's), debug mode, pre-run hooks, an instrumentation mode and the
+interpreter always take ``kernel[grid]``, so nothing they watch is skipped. Not cached:
+Triton's check that the kernel's global values are unchanged (these kernels read module
+constants only). Why: ``docs/design.md`` §8 ("Host cost").
 """
 
 from __future__ import annotations

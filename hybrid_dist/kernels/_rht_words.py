@@ -1,37 +1,26 @@
 """The columnwise RHT of ``nvfp4_words`` (1×16 blocks along M, bf16 words): the random signs
 applied while the words are unpacked, the Sylvester butterflies without the ``1/4`` (which
-moves onto the block scale), the block amax taken before the last butterfly stage, and the
-codes encoded with their signs taken from the transformed values' bits.
+moves onto the block scale), the block amax taken from the last butterfly stage, and the codes
+encoded with their signs taken from the transformed values' bits.
 
 [Note: unscaled butterflies] ``T = H16 · diag(s) / 4`` (``formats._numerics.hadamard16``;
 the kernel reads ``T[0, :] = s / 4``). The tile kernel (``nvfp4_tiles._rht16``) forms
-``y = T x`` as ``x_q · T[0, q]``, one multiply per element, then four stages of adds. Here
-``s_q`` is put into ``x_q``'s sign bit as the word is unpacked (the low half: ``(w << 16) +
-sign``, the high half: ``(w & 0xFFFF0000) ^ sign``, as many instructions as the plain
-unpacking) and the butterflies run on ``z = H16 (s ∘ x)``. Then ``z = 4y`` bitwise: the
-tile kernel's products ``x_q / 4`` are exact (8 significant bits) and multiples of ``2**-135``,
-as is every sum of them, so below ``2**-126`` (fp32's subnormals, spacing ``2**-149``) no sum
-rounds, and among normal numbers rounding commutes with the factor 4. That holds while ``z``
-does not overflow: every ``|x| < 2**124`` (``y`` itself overflows from ``2**126``). The block
-amax is ``max_p |z_p| / 4`` (exact) and the encode multiplier ``enc / 4`` (exact: with
-``|x| < 2**124`` the block's ``bs · gs < 2**123.6``, so ``enc / 4 > 2**-125.6`` is normal), so
+``y = T x`` as ``x_q · T[0, q]`` and four stages of adds. Here ``s_q`` goes into ``x_q``'s sign
+bit as the word is unpacked and the butterflies run on ``z = H16 (s ∘ x)``. Then ``z = 4y``
+bitwise: the tile kernel's products ``x_q / 4`` are exact multiples of ``2**-135``, as is every
+sum of them, so no subnormal sum rounds, and among normal numbers rounding commutes with the
+factor 4, as long as ``z`` does not overflow: every ``|x| < 2**124``. The block amax is
+``max_p |z_p| / 4`` and the encode multiplier ``enc / 4`` (both exact there), so
 ``RN(z_p · enc/4) = RN(y_p · enc)``: the tile kernel's codes and scales, bitwise.
 
-The block amax: for the last stage's pair ``(a, b)`` (outputs ``a + b`` and ``a − b``),
-``max(|RN(a + b)|, |RN(a − b)|) = RN(|a| + |b|)`` (one of the two has magnitude ``|a| + |b|``,
-and RN is monotone and odd), so the 16 values' max is 8 adds (FMA pipe) and 7 maxima where it
-was 15 maxima (ALU pipe, half rate on sm_90). NaN and inf give the same maximum either way
-(``fmax`` drops a NaN; ``inf − inf`` pairs with ``inf + inf``).
+Block amax: for the last stage's pair ``(a, b)`` (outputs ``a ± b``),
+``max(|RN(a + b)|, |RN(a − b)|) = RN(|a| + |b|)`` (RN is monotone and odd): 8 adds and 7
+maxima for 16 values. NaN and inf give the same maximum either way.
 
-The codes: ``_e2m1.e2m1_mag_into`` adds each magnitude into its nibble (one ``LEA.HI``) after
-``e2m1_sign_nibbles8`` has put the eight signs in place (eight instructions for eight codes),
-where ``e2m1_rne_mad`` took a shift, a compare, a predicated add and a multiply-add per code.
-A code's sign is ``z``'s sign bit, the sign of ``z · enc/4`` but where that product is NaN
-(``inf · 0``: a block with an inf input; such codes are "NaN aside" in every comparison of the
-kernels with the reference, and the GPU test masks their sign bits).
-
-Columnwise only (sm_90 SASS at 64×128/w4, 96 registers): 26.6 → 24.75 instructions per
-element, ALU 11.0 → 9.6; the timings are in ``nvfp4_words``' note "RHT".
+Codes: ``_e2m1.e2m1_mag_into`` adds each magnitude into its nibble after
+``e2m1_sign_nibbles8`` has put eight signs in place. A code's sign is ``z``'s sign bit, the
+sign of ``z · enc/4`` except where that product is NaN (``inf · 0``: a block with an inf
+input, "NaN aside" in every comparison with the reference).
 """
 
 from __future__ import annotations

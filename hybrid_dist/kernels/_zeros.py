@@ -1,30 +1,25 @@
 """Zero-filled fp32 targets for the amax passes' atomic max, without a fill per call.
 
 [Note: zeroed slots]
-An amax pass max-reduces into a buffer that must start at zero. ``torch.zeros`` costs an
-allocation and a fill launch: ~13 µs of host time alone and ~35 µs of profiled time
-inside an ``hd.Linear`` step, three times per step. ``zeroed_f32(device)`` hands out a
-fresh 16-byte slot of a buffer zeroed once per ``_SLOTS`` slots instead. A slot is
-never handed out twice (each comes from an iterator over the buffer's slot views, whose
-``next`` is one C call, so this holds across threads too), so nothing is reset and no
-kernel can see another's maximum.
+An amax pass max-reduces into a buffer that must start at zero; ``torch.zeros`` costs an
+allocation and a fill launch per call. ``zeroed_f32(device)`` hands out a fresh 16-byte slot
+of a buffer zeroed once per ``_SLOTS`` slots instead. A slot is never handed out twice (each
+comes from an iterator over the buffer's slot views, whose ``next`` is one C call, so this
+holds across threads too): nothing is reset and no kernel sees another's maximum.
 
-One buffer per (device, current stream, slot shape): the buffer is allocated on the stream
-whose kernels use it, so the caching allocator reuses its memory only after those kernels
-(the usual stream semantics). Its slot views are made together when it is allocated, by one
-``unbind``; a view made per call (``buffer[i]``, then ``[0]``) cost two ``aten::select`` of
-~7 µs of profiled host time each (an H100 step under cProfile; ~1.5 µs for both unprofiled on
-a CPU). ``unbind``'s views refuse in-place ops that autograd would have to record (nothing but
-the kernels writes a slot). Slots are 16 bytes so each starts 16-byte aligned, as a fresh
-tensor does: Triton specializes aligned pointers, and inductor asserts that a custom op's
-outputs are aligned (the amax ops return slots). Under CUDA-graph capture every replay
-would reuse the captured slot, so there (and while tracing, and for more than four values)
-the targets are plain ``torch.zeros`` (``fresh_f32``), whose fill a graph records.
+One buffer per (device, current stream, slot shape), allocated on the stream whose kernels
+use it, so the caching allocator reuses its memory only after those kernels. Its slot views
+are made once, by one ``unbind`` (views made per call cost two ``aten::select`` each);
+``unbind``'s views refuse in-place ops that autograd would record. Slots are 16 bytes so each
+starts 16-byte aligned, as a fresh tensor does (Triton specializes aligned pointers; inductor
+asserts that a custom op's outputs are aligned).
 
-The ``torch.library`` ops' implementations (what a compiled graph calls) always take
+Under CUDA-graph capture every replay would reuse the captured slot, so there (and while
+tracing, and for more than four values) the targets are plain ``torch.zeros``
+(``fresh_f32``), whose fill a graph records. The ``torch.library`` ops always take
 ``fresh_f32``: CUDA-graph trees (``mode="reduce-overhead"``) track every allocation made while
-a graph runs, warm-up runs included, and a slot buffer allocated there would belong to the
-graph's pool without any graph output tracking it.
+a graph runs, and a slot buffer allocated there would belong to the graph's pool without any
+graph output tracking it.
 """
 
 from __future__ import annotations

@@ -8,32 +8,19 @@ row-major with the contraction dim last (K-major: what Hopper FP8 wgmma needs fo
     grouped_rows_fp8    out [C, R]      = (a[s:e] · b[g]ᵀ) · sa[g]·sb[g]     a [C, Kc], b [E, R, Kc]
     grouped_tokens_fp8  out [E, Ra, Rb] = (a[:, s:e] · b[:, s:e]ᵀ) · sa[g]·sb[g]   a [Ra, C], b [Rb, C]
 
-``grouped_rows_fp8`` (fprop, dgrad): persistent — one program per multiprocessor walks
-the real row tiles (Σ_g cdiv(rows_g, BM), counted from ``offs`` on the device) times the N
-tiles, GROUP_M-swizzled for L2; each tile finds its group and first row from ``offs``
-(cumsum of the groups' tile counts). Operands arrive by TMA (host tensor descriptors:
-``Kc`` a multiple of 16, boxes past ``Kc`` or ``C`` read zeros); a row tile may read
-rows of the next group and an N tile rows of the next expert's weight, but only rows
-inside its group and columns ``< R`` are stored, so no tile writes another's rows. Rows
-``>= offs[-1]`` are NOT written (the output is ``torch.empty``); with ``tokens`` the
-output is in token order and padding rows are skipped. ``grouped_tokens_fp8`` (wgrad):
-grid (tiles of Ra × tiles of Rb, E), each program loops over its group's contraction
-range with pointer loads; group bounds must be multiples of 16 (the packed layout
-guarantees it; the kernel tells the compiler so, for 16-byte loads; unchecked), and an
-empty group writes zeros.
+``grouped_rows_fp8`` (fprop, dgrad): persistent, one program per multiprocessor walking the
+real row tiles (counted from ``offs`` on the device) times the N tiles, GROUP_M-swizzled;
+operands arrive by TMA (``Kc`` a multiple of 16; boxes past ``Kc`` or ``C`` read zeros); only
+rows inside a tile's group and columns ``< R`` are stored. Rows ``>= offs[-1]`` are NOT
+written (the output is ``torch.empty``); with ``tokens`` the output is in token order.
+``grouped_tokens_fp8`` (wgrad): grid (tiles of Ra × tiles of Rb, E), pointer loads over each
+group's contraction range; group bounds must be multiples of 16 (the packed layout guarantees
+it; unchecked), and an empty group writes zeros.
 
 Accumulation in fp32 on the tensor cores; the scale product multiplies the fp32 accumulator,
 one rounding to bf16. ``fast_accum=False`` promotes the Hopper FP8 partial sums to fp32
-every BK=128 products (``max_num_imprecise_acc``), ``True`` never (Triton's sm90 default).
-Mixed dtypes: ``tl.dot`` accepts any FP8 pair and the sm90 wgmma lowering types A and B
-separately, so no operand is upcast (``wgmma ... .e5m2.e4m3``).
-
-Measured on an H100 (dgrad of the MoE benchmark: 32768 tokens in 8 uneven groups, 7168 ×
-2048, E5M2 × E4M3, promoting; one run, ``.scratch``-style sweep): the persistent TMA rows
-kernel 1.100 ms (874 TFLOP/s) against 1.210 ms for the earlier non-persistent pointer-load
-kernel, bitwise the same output; CUTLASS E4M3 × E4M3 split-accumulation fprop of the same
-size 1.035 ms. TMA gave the wgrad kernel nothing (1.308 against 1.333 ms), so it keeps
-pointer loads.
+every BK=128 products, ``True`` never (Triton's sm90 default). Mixed dtypes: the sm90 wgmma
+lowering types A and B separately (``wgmma ... .e5m2.e4m3``), so no operand is upcast.
 """
 
 from __future__ import annotations
@@ -55,8 +42,7 @@ def _tokens_configs():
     if os.environ.get("TRITON_INTERPRET") == "1":  # one small config (tiles split groups): CPU tests
         return [triton.Config({"BM": 64, "BN": 64, "BK": 32, "GROUP_M": 2}, num_warps=4)]
     # sm90 ptxas: no spills with fast_accum at BN=256; 128x128/8 warps has none when promoting (a
-    # second fp32 accumulator). 256x128/s4: 1.290 against 1.391 ms for the autotuner's pick
-    # without it (MoE benchmark wgrad, H100, one run)
+    # second fp32 accumulator). 256x128/s4 is the fastest for the MoE benchmark's wgrad (H100)
     shapes = ((128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3),
               (256, 128, 8, 4))
     return [triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
@@ -102,8 +88,8 @@ def _set_blocks(nargs):
 def _rows_configs():
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BM": 64, "BN": 64, "BK": 32, "GROUP_M": 2}, num_warps=4, pre_hook=_set_blocks)]
-    # H100, dgrad 32768x7168x2048 E5M2 x E4M3 (.scratch sweep, one run): 256x128/s3 the best
-    # promoting (874 TFLOP/s, CUTLASS E4M3 split-accum fprop 929), 128x256/s4 with fast_accum (1137)
+    # H100, dgrad 32768x7168x2048 E5M2 x E4M3: 256x128/s3 is the fastest promoting, 128x256/s4
+    # with fast_accum
     shapes = ((256, 128, 8, 3), (128, 256, 8, 4), (128, 256, 8, 3))
     return [triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s,
                           pre_hook=_set_blocks) for bm, bn, w, s in shapes]
@@ -155,7 +141,7 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, Ra, Rb, C, F
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(Ra, BM), tl.cdiv(Rb, BN), GROUP_M)
     end = tl.multiple_of(tl.load(offs_ptr + g), 16)
     # the hint must sit on a value of this function (on a helper's result it is lost when the
-    # helper is inlined: byte-wide FP8 loads, 17.7 ms instead of 1.3 ms on an H100)
+    # helper is inlined, and the FP8 loads become byte-wide, an order of magnitude slower)
     start = tl.multiple_of(tl.load(offs_ptr + tl.maximum(g - 1, 0)) * (g > 0), 16)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)

@@ -17,12 +17,12 @@ one register layout, so a thread holds the same k's of every row:
   store through shared memory to coalesce it). No 8-bit register transpose.
 
 Every load is issued before the first store: the stores may alias the input as far as the
-compiler knows, so it would not hoist a load over them (measured on an H100: loads
-interleaved with the stores ran at 0.29x copy, loads first 0.72x). bf16 inputs use the
-short E8M0 helpers for bf16-valued amax (``_jit_common.e8m0_rceil_bf16``).
+compiler knows, so it would not hoist a load over them (one load in flight at a time). bf16
+inputs use the short E8M0 helpers for bf16-valued amax (``_jit_common.e8m0_rceil_bf16``).
+Tile configs: ``kernels.quant_tiles`` (``bm`` must be 32).
 
-Tile configs: ``kernels.quant_tiles`` (``bm`` must be 32; ``benchmarks/quantize.py --sweep``
-times them against the previous kernel, ``mxfp8_v1``).
+Dispatch (``mxfp8_quantize_op``): with a columnwise direction, bf16 that reads as int32
+words takes ``mxfp8_words``, other inputs this kernel; rowwise only takes ``mxfp8_v1``.
 """
 
 from __future__ import annotations
@@ -227,10 +227,8 @@ def mxfp8_quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty.
 
-    With columnwise: ``mxfp8_words`` for word-readable bf16 (H100, 16384x8192, x copy: 0.888
-    against 0.742 for the 32-row-set kernel in the same run), else the row-set kernel
-    (0.733-0.747 in five runs, against 0.700-0.708 for ``mxfp8_v1``); rowwise only: ``mxfp8_v1``
-    (0.907-0.922 in six runs, against 0.895-0.904 for the row-set kernel)."""
+    With columnwise: ``mxfp8_words`` for word-readable bf16, else the 32-row-set kernel;
+    rowwise only: ``mxfp8_v1`` (the fastest of the three there)."""
     if not columnwise:
         from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
 

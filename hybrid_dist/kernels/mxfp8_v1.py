@@ -1,13 +1,12 @@
 """The first MXFP8 quantize kernel (one ``[BM, BK]`` tile, 8-bit in-register transpose): the
-registered default for rowwise only (``mxfp8.mxfp8_quantize_op``: 1-2% faster there than the
-32-row-set kernel of ``mxfp8``, which does row+col 1.04-1.06x faster on an H100), and the
+registered kernel for rowwise only (``mxfp8.mxfp8_quantize_op``; slightly faster there than
+the 32-row-set kernel of ``mxfp8``, which is faster with a columnwise direction), and the
 baseline of ``benchmarks/quantize.py --sweep``.
 
 One fixed tile, ``32x256`` with 4 warps (no autotuning: deterministic, and no benchmarking
-at the first call). On an H100 (16384x8192 bf16, row+col, × copy in one run): 0.693,
-against 0.575 for the autotuner's pick among the earlier five configs and 0.612 / 0.640 for
-``32x128/w4`` / ``64x128/w4``; more warps per tile were slower at every tile shape. The
-E8M0 exponent is the integer-only RCEIL of ``_jit_common.e8m0_rceil`` (no fp32 division).
+at the first call; it was the fastest of the tiles tried on an H100). The E8M0 exponent is
+the integer-only RCEIL of ``_jit_common.e8m0_rceil`` (no fp32 division). Bitwise
+``formats.mxfp8.mxfp8_quantize_rows`` in each direction.
 """
 
 from __future__ import annotations

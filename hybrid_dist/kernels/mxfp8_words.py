@@ -1,40 +1,28 @@
 """MXFP8 quantize with both directions (or columnwise only) on bf16 pairs: the input read as
 int32 words, eight interleaved row sets per program, and fp8 bytes packed four or eight at
-a time.
+a time. Outputs as ``formats.mxfp8``: ``data [M, K]`` + E8M0 ``[M, K/32]`` rowwise,
+``data [K, M]`` + ``[K, M/32]`` columnwise.
 
 [Note: MXFP8 words] A program owns ``x[BM, BK]`` (``BM = 32·G`` rows: ``G`` columnwise
 blocks) and loads it as 8 row sets ``w_j [R = BM/8, W = BK/2]`` of int32 words: row ``r``
 of set ``j`` is ``x`` row ``32·(r // 4) + 8·(r % 4) + j`` of the tile, word ``c`` holds
-``x[., 2c]`` (low half) and ``x[., 2c+1]`` (high half). With ``W = 32`` (``BK = 64``) the
-compiler lays ``[R, W]`` out as 4 words per thread, 8 threads along K and 4 along M per
-warp, one warp per 32-row block. A thread thus holds 8 rows × 8 columns of one columnwise
-block, which sets everything else:
+``x[., 2c]`` (low half) and ``x[., 2c+1]`` (high half). With ``W = 32`` (``BK = 64``) a thread
+holds 4 words of 8 rows, i.e. 8 rows × 8 columns of one columnwise block, so:
 
 * columnwise amax: an unsigned 16×2 max of ``w_j & 0x7FFF7FFF`` over the 8 sets inside the
-  thread (``max.u16x2``, two columns per instruction; for non-negative bf16 the integer
-  order is the float order), then over the 4 threads along M (two shuffles);
-* rowwise amax: the same max over the 4 words of a row in the thread, then over the 4
-  threads that share a 1×32 block (two shuffles), then the larger half;
-* each element is unpacked once (one shift or AND) and multiplied by both scales; pairs
-  are cast with ``cvt.rn.satfinite.e4m3x2.f32`` (``e5m2x2``), two elements per
-  instruction, as Triton's own fp8 cast;
-* stores are 8 bytes: one int64 of rowwise bytes per set (8 consecutive k) and one of
-  columnwise bytes per column (8 consecutive m of ``data [K, M]``, from sets 0..7).
+  thread (``max.u16x2``; for non-negative bf16 the integer order is the float order), then
+  over the 4 threads along M (two shuffles); rowwise amax likewise over the 4 threads that
+  share a 1×32 block;
+* each element is unpacked once (one shift or AND) and multiplied by both scales; pairs are
+  cast with ``cvt.rn.satfinite.e4m3x2.f32`` (``e5m2x2``), as Triton's own fp8 cast;
+* stores are 8 bytes: one int64 of rowwise bytes per set, one of columnwise bytes per column.
 
-E8M0 scales come from the bf16 amax bits with integer ops (``_jit_common.e8m0_rceil_bf16``).
-They are written to staging buffers in which each program's bytes are contiguous (rowwise
-``[K/BK, M, BK/32]``, columnwise ``[M/BM, K, BM/32]``) and moved into place by
-``scale_staging.unstage``: in place, every 32-byte sector of a scale tensor would take its bytes
-from 8 to 16 programs, and those partial-sector writes were the bound (one H100 run,
-16384×8192: 0.2435 ms in place, 0.1931 ms with no scale stores at all, 0.1987 staged; the
-unstaging adds 6.5 µs). Program order is ``pid_k`` fastest, so the programs in flight read
-whole rows (0.2449 against 0.2652 ms with ``pid_m`` fastest, before staging).
-
-13 SASS instructions per element (sm_90, 128×64/w4), against 24 for the row-set kernel
-(``mxfp8``), which is latency-bound at 244 registers.
-
-The result is bitwise the reference (``formats.mxfp8.mxfp8_quantize_rows`` in each
-direction): the same per-element IEEE operations.
+E8M0 scales come from the bf16 amax bits with integer ops (``_jit_common.e8m0_rceil_bf16``)
+and go to staging buffers in which each program's bytes are contiguous (rowwise
+``[K/BK, M, BK/32]``, columnwise ``[M/BM, K, BM/32]``), moved into place by
+``scale_staging.unstage`` (written in place, each 32-byte sector of a scale tensor would take
+its bytes from 8 to 16 programs). Programs run ``pid_k`` fastest, so those in flight read
+whole rows. Bitwise ``formats.mxfp8.mxfp8_quantize_rows`` in each direction.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """NVFP4 fused quantize (host side): an amax pass (with the Hadamard-domain amax), then one
 pass that reads each ``[BM, BK]`` tile once and writes every requested direction. The
-kernels and their data layout in registers: ``kernels.nvfp4_tiles``; 1×16 blocks without
-stochastic rounding from bf16 (RHT or not) take ``kernels.nvfp4_words`` (bf16 pairs as words).
+kernels and their data layout in registers: ``kernels.nvfp4_tiles``; 1×16 blocks from bf16
+(RHT or not; with stochastic rounding, one direction) take ``kernels.nvfp4_words``.
 
 Layouts (``formats.nvfp4``): rowwise ``data [M, K/2]`` uint8 + ``block_scale [M/br, K/16]``
 E4M3; columnwise ``data [K, M/2]`` + ``block_scale [K/br, M/16]``; ``br`` = 16 for 2D blocks.
@@ -102,9 +102,7 @@ def nvfp4_quantize_tiles(
     grid = (max(cdiv(m, config.bm), 1), max(cdiv(k, config.bk), 1))  # program (0, 0) writes gs even if x is empty
     opts = config.launch_options(x.device)
     # no masks where every tile lies inside x: the words kernel, and the tile kernel's 16x16 blocks
-    # (twenty-third session, one H100 call, 16384x8192 row+col: 2D 0.1544 -> 0.1512 ms); for
-    # 1x16 blocks it raised the tile kernel to 138-142 registers (SR 0.3063 -> 0.4123 ms, RHT + SR
-    # 0.3404 -> 0.4374; capped at 128: 0.3013 and 0.3516)
+    # (faster); for 1x16 blocks it would raise the tile kernel's registers past 128 and slow it
     even = m * k > 0 and m % config.bm == 0 and k % config.bk == 0
     if words:
         xw = x.view(torch.int32)

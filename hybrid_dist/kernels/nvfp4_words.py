@@ -1,130 +1,30 @@
-"""NVFP4 quantize with 1×16 blocks and round-to-nearest, on bf16 pairs: the fused pass of
-``nvfp4_tiles`` for activations and weights in 1D blocks, reading ``x`` as int32 words; the
-columnwise direction optionally in the Hadamard domain (RHT, note "RHT" below).
+"""NVFP4 quantize with 1×16 blocks from bf16 read as int32 words: ``nvfp4_tiles``' fused pass
+(bitwise its output) for round-to-nearest in both directions, the columnwise direction
+optionally in the Hadamard domain (RHT), and stochastic rounding (SR) of one direction.
+Outputs as ``formats.nvfp4``: rowwise ``data [M, K/2]`` + E4M3 scales ``[M, K/16]``,
+columnwise ``data [K, M/2]`` + ``[K, M/16]``, and the global decode scales.
 
 [Note: words] A program owns ``x[BM, BK]`` as 16 interleaved row sets (``nvfp4_tiles``'
-note), each loaded as words ``w_j [R = BM/16, W = BK/2]``: word ``c`` holds ``x[., 2c]`` in
-its low half and ``x[., 2c+1]`` in its high half. Unpacking is one shift or one AND per
-element (the bf16 → fp32 cast took three instructions per pair), and the two halves map
-straight onto the outputs:
+note), each loaded as words ``w_j [BM/16, BK/2]``: word ``c`` holds ``x[., 2c]`` (low half)
+and ``x[., 2c+1]`` (high half). Rowwise byte ``c`` is ``code(low) | code(high) << 4``; the
+columnwise codes of set ``j`` go into nibble ``j`` of separate even-k and odd-k words; the
+columnwise block amax is an unsigned 16×2 max of ``w_j & 0x7FFF7FFF`` over the sets.
+[Note: lane quads] ``QUAD`` (both directions, 64×128 tiles, 4 warps): the four lanes that
+hold one rowwise block share the scale work of four row sets (``_lane_quad``).
+[Note: signs] A code's sign bit is the input's sign bit (``-0.0`` encodes as ``0x8``, as in
+``_numerics.e2m1_encode``); magnitudes are added into their nibbles (``_e2m1``). An inf in a
+block whose encode multiplier is 0 keeps its sign, where the tile kernel's NaN has none.
+[Note: row scales in place] Each lane stores its own rowwise scale byte (``_words.st8``).
+[Note: even tiles] ``EVEN`` (``M % BM == K % BK == 0``, chosen by the host): no masks.
+[Note: RHT] The columnwise direction of each half (even k, odd k) is made for the 16 sets at
+once by ``_rht_words``: bitwise the tile kernel's ``T x`` for ``|x| < 2**124``.
+[Note: SR] One direction: rowwise (no RHT) or columnwise with RHT, on the tile kernel's
+Philox stream (the even k of word ``c`` draw counter ``(m/16)·K + 2c``, the odd k ``+1``;
+columnwise counters offset by ``⌈M/16⌉·K``). SR of both directions stays on ``nvfp4_tiles``.
 
-* rowwise byte ``c`` of a row = ``code(low) | code(high) << 4``: one per word, no shuffles;
-* columnwise: the even-k codes (low halves) and odd-k codes (high halves) of the 16 sets
-  are accumulated into nibble ``j`` of separate words, then interleaved for the transpose;
-* the columnwise block amax is an unsigned 16×2 max of ``w_j & 0x7FFF7FFF`` over the sets
-  (``max.u16x2``: two elements per instruction; for non-negative bf16 the integer order is
-  the float order);
-* row and column codes of set ``j`` are made together, so each set is unpacked once.
-
-Why it is faster (sm_90): the fused pass is bound by the ALU pipe (half rate), not by memory
-or issue (Nsight Compute on the tile kernel: SM throughput 81%, ``math_pipe_throttle`` the
-top stall; 27 of its 45 SASS instructions per element are ALU). Here the codes are packed
-with integer multiply-adds (``e2m1_rne_mad``, FMA pipe) instead of shifts and ORs, and the
-unpacking and the columnwise amax take fewer ALU instructions: 25.5 ALU / 43 in all. One
-H100 run, 16384×8192, fused pass: 0.2544 ms against 0.2737 (tile kernel), with a 128-register
-cap (``NVFP4_WORDS_DEFAULT``; 16 warps per SM instead of 12). The E2M1 rounding moved to the
-FMA pipe (``_e2m1.e2m1_rne_bits``) then cut the ALU instructions from 27.7 to 21.6 per
-element (43.3 in all; sm_90 SASS): 0.2540 → 0.2214 ms in one H200 run.
-
-[Note: lane quads] A rowwise 1×16 block is 8 words, which the default tile (64×128, 4 warps:
-each set's words ``[4, 64]``, two per thread, row ``i`` on warp ``i``) spreads over a quad of
-lanes. Computed per set, each block's scale (~16 instructions) ran on all four lanes. With
-``QUAD`` the four lanes of a quad share the work of four sets instead: lane ``c`` reduces and
-scales set ``j0 + c % 4`` (``_lane_quad``: a reduce-scatter and an all-gather of warp
-shuffles), 42.75 → 39.25 SASS instructions per element. Two H100 runs, 16384×8192, row+col
-fused pass, two repetitions each: capped at 128 registers 0.2242 / 0.2246 → 0.2139 / 0.2152 ms
-and 0.2239 / 0.2244 → 0.2133 / 0.2134; uncapped 0.2415 / 0.2416 → 0.2120 / 0.2122 and 0.2420 /
-0.2429 → 0.2091 / 0.2099 (the default now: ``quant_tiles.NVFP4_WORDS_DEFAULT``). Rowwise only
-it was slower (capped, 0.1538 → 0.1573), so it is used when both directions are made. The
-same sharing in ``nvfp4_tiles`` (RHT and SR kernels, 128×128/8 warps, 4 elements per thread:
-also a quad per block) cut RHT from 49.6 to 45.9 and RHT+SR from 65.9 to 62.3 instructions per
-element but ran slower in the second run: RHT 0.2782 → 0.2820, SR 0.3063 → 0.3918 (144
-registers: one program per SM), 0.3086 → 0.3118 capped at 128, RHT+SR 0.3404 → 0.4541; not
-kept. Taking the E2M1 signs from the input's bits (integer multiply-adds instead of a compare
-and a predicated add per code: 21.1 → 16.3 ALU instructions per element) was slower in the
-first run (0.2407 with ``QUAD``): ptxas pairs each ``mad.hi`` with a zeroed register, and the
-kernel spilled.
-
-[Note: signs] (twenty-second session) The codes' sign bits come from the input's bits, not
-from a compare per code: a word's two bf16 signs (bits 15 and 31) are masked and shifted into
-bits 3 and 7 of its rowwise byte, and four sets at a time into the columnwise accumulators,
-which start from them (``_col_signs``). The magnitude codes are then added into their nibbles
-by a shift and an add (``_e2m1.e2m1_mag_into``, one ``LEA.HI``) where a compare, a predicated
-add, a shift and a multiply-add per code were. sm_90 SASS, row+col: 39.1 → 35.9 instructions
-per element, 20.0 → 18.1 of them ALU. A code's sign is the input's sign bit, so ``-0.0``
-encodes as the negative zero ``0x8``; ``_numerics.e2m1_encode`` and every kernel's encoder now
-say the same (``v < 0`` made it ``0x0`` before). An inf input in a block whose encode
-multiplier is 0 (its scaled value NaN) keeps its sign here, where the tile kernel's NaN has
-none (NaN aside, as before). One H100 session, fused pass 16384×8192, medians of interleaved
-rounds against the kernel before (``.scratch``-only A/B, outputs bitwise equal): 1D row+col
-0.2123 → 0.2070 ms and, in a second call, 0.2091 → 0.2020 at 96 registers (uncapped it was no
-faster: 0.2120, 0.2132; ``quant_tiles.NVFP4_WORDS_BOTH``); with RHT 0.2385 → 0.2348 and
-0.2384 → 0.2373 (at 80 registers, its former cap, it spilled: 0.2448, 0.2483). Nsight Compute
-(same session, 1D): issue active 73% before, 70% after at 30% occupancy (20 warps per SM),
-the top stalls ``long_scoreboard`` (loads), ``not_selected`` and ``wait``: no single pipe bounds
-the pass now. Tried in the same calls and not kept: a persistent grid that loads the next
-tile's words before making this one (2–4 programs per SM: 0.235–0.621 ms), and Triton's
-pipelined async copies into shared memory (``tl.range(num_stages=2..4)``, 2–4 programs per SM:
-0.238–0.336 ms); with fewer warps per SM either lost more than the hidden load latency gave.
-
-[Note: row scales in place] Each lane stores its own rowwise scale byte (``_words.st8``, an
-``st.global.b8`` in the layout the byte has). ``tl.store`` moved the four scales of each lane
-quad's sets through shared memory first (a layout conversion with two barriers per four sets:
-11 barriers per tile, 3 now). Same session, two H100 calls against the kernel before the note
-"signs" (medians of 5 interleaved rounds, bitwise equal): 1D row+col at 96 registers 0.2116 →
-0.1921 and 0.2111 → 0.1913 ms, RHT 0.2372 → 0.2256 and 0.2388 → 0.2266. The columnwise data
-and scales stored the same way, without their transposes, were slower: 0.276–0.391 ms (1D),
-0.292–0.396 (RHT).
-
-[Note: even tiles] With ``EVEN`` (``M % BM == K % BK == 0``, chosen by the host) no load or
-store has a mask: 35.5 → 34.5 sm_90 SASS instructions per element (1D, row+col) and 42.5 →
-41.0 (RHT), whose stack frame also went (8 bytes → 0). Twenty-third session, one H100 call,
-16384×8192 row+col at 96 registers, against the kernel before that session (5 interleaved
-rounds, bitwise equal): 1D 0.1932 → 0.1852 ms (masked: 0.1911), RHT 0.2277 → 0.2094 (masked:
-0.2238), RHT columnwise only 0.1405 → 0.1333.
-
-[Note: RHT] With ``RHT`` the columnwise direction is made after the rowwise one, each half
-(even k, odd k) at once for the 16 sets (``_rht_words.rht_half_codes``): unpacked to fp32 with
-the random signs put into the sign bits, transformed by unscaled butterflies, block-scaled and
-encoded, bitwise the tile kernel's ``T x`` (``nvfp4_tiles._rht16``) for ``|x| < 2**124``
-(``_rht_words``' note "unscaled butterflies"; GPU test at every tile config, interpreter test
-with tiny values). Twenty-third session: that form, the block amax from the last stage's pairs
-and the codes' signs by byte permutes took the pass from 43.6 to 42.5 sm_90 SASS instructions
-per element (ALU 20.6 → 19.4); one H100 call, 16384×8192, medians of 5 interleaved rounds,
-outputs bitwise the kernel before: row+col 0.2273 → 0.2231 ms and 0.2280 → 0.2240 (at 96
-registers; 104: 0.2349, uncapped 0.2254), columnwise only 0.1405 → 0.1332 (80 registers). Until
-then the columnwise values were the tile kernel's ``x_q · T[0, q]`` and butterfly, with
-``_codes8``'s encoder. Seventeenth session, one H200 run (``benchmarks.nvfp4_words_rht``,
-16384×8192, two repetitions): row+col 0.270 / 0.270 → 0.243 / 0.243 ms, columnwise only 0.147 /
-0.148 → 0.144 / 0.144 (sm_90 SASS: 49.6 → 44.6 instructions per element). Tried in the same
-session and not kept, each bitwise the kernel it replaced (one H200 run each): stochastic
-rounding here too (the tile kernel's Philox counters, one ``randint4x`` per word and half): SR
-0.303 → 0.295 ms at 128×128/w8 and 0.314 at 64×128/w4, RHT + SR 0.338 → 0.339 / 0.371, so SR
-stays with ``nvfp4_tiles``; the E2M1 code taken by ``mul.hi.u32 bits, 1025`` (FMA pipe) instead
-of ``shr 22`` (ALU pipe; 20.0 → 18.8 ALU instructions per element): 0.197 → 0.213 ms, and the
-rowwise signs taken from the words by one ``mul.hi`` per word (18.3 ALU; it would also encode
--0.0 as a negative zero): 0.222 ms. The ALU count alone does not predict these kernels' speed.
-
-[Note: SR] (twenty-fourth session) Stochastic rounding of one direction: rowwise (1×16, no
-RHT) or columnwise with RHT. The tile kernel's Philox stream (``nvfp4_tiles``' module doc): the
-even k of word ``c`` draw counter ``(m/16)·K + 2c``, the odd k ``+1``, each ``tl.randint4x``
-serving the 16 sets (set ``j``: byte ``j % 4`` of word ``j / 4``); the columnwise counters are
-offset by ``⌈M/16⌉·K``. The codes' magnitudes are rounded by ``_e2m1.e2m1_sr_mag_into`` (the
-tile kernel's SR rounding, this kernel's packing); bitwise the tile kernel (GPU test at every
-tile config, interpreter test). One H100 call, 16384×8192, fused pass, medians of 5
-interleaved rounds against the tile kernel (outputs bitwise equal): rowwise SR 0.2407 →
-0.1632 ms (1.475×), columnwise RHT + SR 0.1852 → 0.1605 (1.154×, at 96 registers: at 80 it
-spills 72 bytes). Both directions are left to the tile kernel: there this kernel was slower
-(0.3401 → 0.3572 ms at 96 registers, 0.3633 at 128, with 57.5 sm_90 SASS instructions per
-element against the tile kernel's 65.9: four Philox chains per word pair at 96 registers),
-and at the 80-register cap it faulted on the GPU (misaligned address; the spilled build of
-both directions only, every other config and direction set ran bitwise equal).
-
-Exactness: the same operations as the reference per element (bitwise, every direction;
-RHT within the tile kernel's bound, ``kernels.nvfp4``), with the block-scale domain of
-``_jit_common.nvfp4_block_scale``. Stochastic rounding of both directions stays with
-``nvfp4_tiles`` (note "SR"; written this way with the 32-bit uniforms SR then drew it
-measured 1.34 against 0.68 ms, and with the 8-bit draws it was no faster, note "RHT").
+Guarantee: bitwise the reference in every direction for a tensor amax ≥ ``2**-80`` (RHT
+within the tile kernel's bound, ``kernels.nvfp4``; SR bitwise the reference fed the same
+stream). Why it is built this way: ``docs/design.md`` §8.
 """
 
 from __future__ import annotations

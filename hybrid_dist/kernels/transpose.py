@@ -2,12 +2,11 @@
 byte elements, as one tiled Triton kernel (bitwise a copy: bytes are moved, never
 converted).
 
-Why: PyTorch's elementwise copy of a transposed FP8 view runs far below the copy
-bandwidth on Hopper (measured in an FSDP2 step on an H200: 373 us for a 4096×14336 FP8
-weight, ~0.16 TB/s). The FSDP2 columnwise transport (shard ``[K, M/w]`` → ``[M/w, K]``
-and back after the gather) and the columnwise write of fp32-input FP8 quantization are
-such transposes. Tiles of ``[64, 64]`` are read row-major and written transposed, so
-both sides are coalesced.
+Why: PyTorch's elementwise copy of a transposed FP8 view runs far below the copy bandwidth
+on Hopper (a small fraction of it for an FSDP2 weight). The FSDP2 columnwise transport
+(shard ``[K, M/w]`` → ``[M/w, K]`` and back after the gather) and the columnwise write of
+fp32-input FP8 quantization are such transposes. Tiles of ``[64, 64]`` are read row-major
+and written transposed, so both sides are coalesced.
 
 ``src`` may be any 2D view (strides are honoured); ``dst`` must be contiguous with
 ``dst.shape == src.shape[::-1]`` and the same element size.

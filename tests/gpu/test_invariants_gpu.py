@@ -1,4 +1,4 @@
-"""DESIGN §4 invariants 1–3 with the CUDA kernels (Linear fwd+bwd on the GPU)."""
+"""docs/design.md §4 invariants 1–3 with the CUDA kernels (Linear fwd+bwd on the GPU)."""
 
 from __future__ import annotations
 
