@@ -57,6 +57,7 @@ class TrainConfig:
     timing_warmup: int = 2          # first steps left out of the summary's tokens/s (allocator, JIT, compile)
     run_name: str | None = None
     quiet: bool = False
+    profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -147,6 +148,7 @@ _HELP = {
     "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
     "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",
     "metrics": "metrics JSONL path (rank 0 appends)",
+    "profile_step": "profile this step (torch.profiler) and print its top kernels and host regions on rank 0",
 }
 
 

@@ -7,6 +7,8 @@ summary dict, with every step's data-parallel-mean loss under ``"losses"``.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import os
 import time
@@ -14,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.profiler import record_function
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -151,17 +154,55 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
                after_step=None) -> torch.Tensor:
     """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss.
     ``after_step()`` runs after ``optimizer.step()`` (torchao's scale precompute)."""
-    logits, aux = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
-    if cfg.grad_clip > 0:
-        experts = [p for m in expert_modules(model) for p in m.parameters()]
-        clip_grad_norm_(model.parameters(), cfg.grad_clip, expert_params=experts, ep_group=ep_group)
-    optimizer.step()
-    if after_step is not None:
-        after_step()
-    optimizer.zero_grad(set_to_none=True)
+    with record_function("hd::forward"):
+        logits, aux = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    with record_function("hd::backward"):
+        (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
+    with record_function("hd::optimizer"):
+        if cfg.grad_clip > 0:
+            experts = [p for m in expert_modules(model) for p in m.parameters()]
+            clip_grad_norm_(model.parameters(), cfg.grad_clip, expert_params=experts, ep_group=ep_group)
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+        optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+@contextlib.contextmanager
+def profile_if(enabled: bool, *, rank: int):
+    """Profile the enclosed step on rank 0 when ``enabled``; print its top kernels and the
+    host time of the launcher's regions (``hd::forward`` / ``backward`` / ``optimizer``)."""
+    if not enabled or rank != 0:
+        yield
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    kernels = sorted((e for e in ev if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
+                     key=lambda e: -e.self_device_time_total)
+    gpu = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"profile: step wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms (all streams), "
+          f"{sum(e.count for e in kernels)} launches", flush=True)
+    regions: dict[str, list[float]] = {}  # FSDP's per-module labels summed over modules
+    for e in ev:
+        if e.key.startswith(("hd::", "FSDP::")):
+            r = regions.setdefault(e.key.split(" (")[0], [0, 0.0])
+            r[0] += e.count
+            r[1] += e.cpu_time_total / 1e3
+    for key, (count, ms) in regions.items():
+        print(f"  host {key:<40s} x{count:<4d} {ms:9.2f} ms", flush=True)
+    for e in kernels[:25]:
+        print(f"  gpu  x{e.count:<5d} {e.self_device_time_total / 1e3:8.2f} ms  {e.key[:120]}", flush=True)
 
 
 def compile_stats() -> dict:
@@ -211,8 +252,9 @@ def train(cfg: TrainConfig) -> dict:
             t_data = time.perf_counter()
             tokens = data.batch(step).to(device)
             meter.exclude(time.perf_counter() - t_data)
-            loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
-                              after_step=after_step)
+            with profile_if(step == cfg.profile_step, rank=dist.get_rank()):
+                loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
+                                  after_step=after_step)
             losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))
             if measured:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
