@@ -1,0 +1,78 @@
+"""Compiled blocks under FSDP2 on 2 gloo ranks, weights from ``hd.quantized_model_init``.
+
+The launcher's Transformer (3 tiny blocks, the last not resharded after forward) is built
+twice on each rank: once with every block ``torch.compile(fullgraph=True)``d (``aot_eager``)
+before ``fully_shard``, once eager. Four optimizer steps of each through
+``hd.MasterWeightOptimizer``: no graph break, one graph for all blocks (the unsharded
+QuantizedTensor parameters FSDP2 installs put no per-block constant in it, and the last
+block's both-directions gather compiles to the same graph), and losses bitwise the eager
+run's on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hybrid_dist as hd
+from tests._tiers import by_recipe
+from tests_distributed._harness import run_ranks
+
+STEPS = 4
+
+
+def _train(recipe_name: str, compiled: bool):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from hybrid_dist.launch.model import Transformer, apply_recipe
+    from hybrid_dist.launch.presets import preset
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg, recipe = preset("tiny", layers=3), hd.recipe_from_name(recipe_name)
+    torch.manual_seed(0)
+    with hd.quantized_model_init(recipe, keep_high_precision_init=False):
+        model = Transformer(cfg)
+    model.init_weights()
+    apply_recipe(model, recipe, share_quantized_inputs=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    if compiled:
+        for name, block in list(model.layers.items()):
+            model.layers[name] = torch.compile(block, backend=counter, fullgraph=True)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=g)
+        logits, _ = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, counter.frame_count, sum(counters["graph_break"].values())
+
+
+def _compiled_and_eager(rank: int, world_size: int, recipe_name: str):
+    compiled = _train(recipe_name, compiled=True)
+    eager = _train(recipe_name, compiled=False)
+    return compiled, eager
+
+
+@pytest.mark.parametrize("name", by_recipe(fast=("fp8_current", "mxfp8_fwd_nvfp4_bwd")))
+def test_compiled_fsdp2_quantized_init_one_graph_bitwise_eager(name):
+    for rank, ((losses, frames, breaks), (ref, _, _)) in enumerate(run_ranks(_compiled_and_eager, 2, name)):
+        where = f"{name}, FSDP2 on 2 gloo ranks, quantized init, rank {rank}"
+        assert breaks == 0, f"{where}: {breaks} graph breaks"
+        assert frames == 1, f"{where}: {frames} graphs for 3 blocks x {STEPS} steps (expected 1)"
+        assert losses == ref, f"{where}: compiled losses {losses} != eager {ref}"
