@@ -15,7 +15,7 @@ import torch
 
 from hybrid_dist._amax_sync import all_reduce_amaxes
 from hybrid_dist._tensor_ops import requantize_
-from hybrid_dist.formats._quantizer import tensor_amax
+from hybrid_dist.formats._quantizer import tensor_amaxes
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 
@@ -85,7 +85,7 @@ def _global_amaxes(pairs) -> list[torch.Tensor]:
     for (_, dims), idx in by_group.items():
         mesh = pairs[idx[0]][0].device_mesh
         # one all-reduce per sharded mesh dim, for all parameters at once
-        amax = all_reduce_amaxes([tensor_amax(_local(pairs[i][1])) for i in idx],
+        amax = all_reduce_amaxes(tensor_amaxes([_local(pairs[i][1]) for i in idx]),
                                  [mesh.get_group(dim) for dim in dims])
         for j, i in enumerate(idx):
             out[i] = amax[j]

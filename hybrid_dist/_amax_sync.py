@@ -17,13 +17,17 @@ import torch
 import torch.distributed as dist
 
 
-def all_reduce_amaxes(amaxes: Sequence[torch.Tensor], groups: Sequence) -> torch.Tensor:
+def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Sequence) -> torch.Tensor:
     """``[n]`` fp32: the MAX of each 0-dim (or 1-element) ``amaxes[i]`` over every group in
     ``groups`` (one collective per group for all ``n`` values; none for no groups). An
-    empty ``amaxes`` returns an empty vector without communicating."""
-    if not amaxes:
+    ``[n]`` fp32 tensor is reduced in place. An empty ``amaxes`` returns an empty vector
+    without communicating."""
+    if len(amaxes) == 0:
         return torch.zeros(0, dtype=torch.float32)
-    buf = torch.stack([a.float().reshape(()) for a in amaxes])
+    if isinstance(amaxes, torch.Tensor):
+        buf = amaxes.float().reshape(-1)
+    else:
+        buf = torch.stack([a.float().reshape(()) for a in amaxes])
     for group in groups:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     return buf

@@ -86,14 +86,14 @@ def load_state_tensors(state: Any, saved: dict, where: str) -> None:
         load_state_tensors(children[key], sub, f"{where}.{k}")
 
 
-def _make_kernel_keys(state: Any, device: torch.device) -> None:
-    """Create the stochastic-rounding states' CUDA Philox keys on ``device`` now (they are
-    made on first use otherwise). A key first made while a CUDA-graph tree runs
-    (``torch.compile(mode="reduce-overhead")`` of a module that never ran eagerly) would be
-    an allocation of the graph's pool that no graph output tracks, which the trees refuse.
-    Not covered: a plan first built while compiling (a recipe that only ``hd.autocast``
-    gives, at a first forward that is compiled); run one eager step first there."""
-    _map_leaves(state, lambda s: s.kernel_key(device) if isinstance(s, NVFP4State) else None)
+def _place_states(state: Any, device: torch.device) -> None:
+    """Put a plan's states on ``device`` now rather than at first use: delayed-scaling
+    histories move there, stochastic-rounding states create their CUDA Philox keys. A move
+    or a key made inside a compiled forward would be a side effect Dynamo cannot trace (and,
+    while a CUDA-graph tree runs, an allocation no graph output tracks). Not covered: a plan
+    first built while compiling (a recipe that only ``hd.autocast`` gives, at a first
+    forward that is compiled); run one eager step first there."""
+    _map_leaves(state, lambda s: s.kernel_key(device) if isinstance(s, NVFP4State) else s.to(device))
 
 
 def in_backward() -> bool:
@@ -126,13 +126,13 @@ class RecipeModuleMixin:
         return plan
 
     def _make_plan_kernel_keys(self, plans) -> None:
-        """``_make_kernel_keys`` for ``plans`` on the weight's device, if it is a CUDA device
+        """``_place_states`` for ``plans`` on the weight's device, if it is a CUDA device
         (eager only): when a plan is built and when the module moves (``_apply``)."""
         weight = self.__dict__.get("_parameters", {}).get("weight")
         if weight is not None and weight.is_cuda and not torch.compiler.is_compiling():
             for plan in plans:
                 for state in plan.states.values():
-                    _make_kernel_keys(state, weight.device)
+                    _place_states(state, weight.device)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)  # .to / .cuda / to_empty: keys for the new device

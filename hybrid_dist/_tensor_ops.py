@@ -222,7 +222,16 @@ def requantize_(dst: QuantizedTensor, hp: torch.Tensor, *, state=None, amax=None
     """Quantize ``hp`` with ``dst``'s quantizer into ``dst``'s buffers, in place."""
     directions = {d: dst.storage_of(d) is not None for d in DIRECTIONS}
     q = stateless(dst.quantizer) if state is None else dst.quantizer
-    new = q.quantize(hp.to(dst.device), state=state, amax=amax, **directions)
+    hp = hp.to(dst.device)
+    if state is None and not torch.compiler.is_compiling():  # eager: straight into dst's buffers
+        from hybrid_dist import kernels
+
+        into = kernels.quantize_into_impl_for(q, hp)
+        if into is not None and hp.dim() >= 2:
+            hp2d = hp.detach().reshape(-1, hp.shape[-1])
+            if into(q, hp2d, dst.storage_of("rowwise"), dst.storage_of("columnwise"), amax) is not NotImplemented:
+                return
+    new = q.quantize(hp, state=state, amax=amax, **directions)
     for d in DIRECTIONS:
         if directions[d]:
             dst.storage_of(d).copy_from(new.storage_of(d))

@@ -34,10 +34,12 @@ def clip_grad_norm_(params, max_norm: float, *, expert_params=(), ep_group=None)
             dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
             meshes[id(g.device_mesh)] = g.device_mesh
         key = (id(g.device_mesh) if isinstance(g, DTensor) else None, dims, id(p) in expert_ids)
-        groups[key].append(local.float().pow(2).sum())
+        groups[key].append(local)
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for (mesh_id, dims, is_expert), sqs in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        sq = torch.stack(sqs).sum()
+    for (mesh_id, dims, is_expert), locals_ in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        # one read of each gradient, few launches: per-tensor L2 norms (foreach), squared and summed
+        norms = torch._foreach_norm(locals_, 2.0)
+        sq = torch.stack([n.float() for n in norms]).square().sum()
         for d in dims:
             dist.all_reduce(sq, group=meshes[mesh_id].get_group(d))
         if is_expert and ep_group is not None:
@@ -45,6 +47,9 @@ def clip_grad_norm_(params, max_norm: float, *, expert_params=(), ep_group=None)
         total = total + sq
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        by_dtype[g.dtype].append(g)
+    for dtype, gs in by_dtype.items():
+        torch._foreach_mul_(gs, coef.to(dtype))
     return norm

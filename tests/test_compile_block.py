@@ -10,13 +10,16 @@ high-precision weights and with ``hd.quantized_model_init`` weights:
 * on the CPU backend (``aot_eager`` runs the traced aten graph) outputs, input gradients
   and every parameter gradient bitwise the eager steps.
 
-GPU: inductor on the CUDA kernels, one graph and no break for every recipe, outputs and
-gradients within SQNR 25 dB of eager. Not bitwise at the block level for any recipe, bf16
-included: inductor fuses and re-generates the block's own torch arithmetic (the RMSNorm
-reduction, RoPE in fp32, the SwiGLU product, the NVFP4 per-tensor scale's division), whose
-roundings differ from eager's kernels by an ulp, and a quantizer downstream can move a
-block scale by one step on that ulp. The hd layers themselves are bitwise under inductor
-for per-tensor FP8 (``tests/test_compile.py``, ``fp8_current`` and ``fp8_delayed``).
+GPU: inductor on the CUDA kernels, one graph and no break for every recipe, and compiled
+as accurate as eager: against the same blocks run in high precision (no recipe), each
+output and gradient of the compiled run has an SQNR at most 3 dB below the eager run's
+(capped at 40 dB). Not bitwise at the block level for any recipe, bf16 included: inductor
+fuses and re-generates the block's own torch arithmetic (the RMSNorm reduction, RoPE in
+fp32, the SwiGLU product, the NVFP4 per-tensor scale's division), whose roundings differ
+from eager's kernels by an ulp, and a quantizer downstream can then round a value or a
+block scale the other way, which is noise of the format's own size. The hd layers
+themselves are bitwise under inductor for per-tensor FP8 (``tests/test_compile.py``,
+``fp8_current`` and ``fp8_delayed``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,15 @@ def _steps(cfg, blocks, fns, device: str, steps: int = 3):
     return out
 
 
+def _high_precision(name: str, qinit: bool, device: str):
+    """The same blocks and steps with every hd layer's recipe removed (dequantized weights)."""
+    cfg, blocks = _blocks(name, qinit, device)
+    for m in blocks.modules():
+        if isinstance(m, hd.Linear):
+            m.recipe = None
+    return _steps(cfg, blocks, list(blocks), device)
+
+
 def _compiled_vs_eager(name: str, qinit: bool, device: str, backend):
     torch._dynamo.reset()
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -105,10 +117,13 @@ def test_compiled_blocks_inductor_gpu(name, qinit):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     ref, got, frames, breaks = _compiled_vs_eager(name, qinit, "cuda", "inductor")
+    exact = _high_precision(name, qinit, "cuda")
     where = f"{name} {'quantized-init' if qinit else 'high-precision'} weights (inductor)"
     assert breaks == 0 and frames == 1, f"{where}: {frames} graphs, {breaks} graph breaks"
-    for step, (r, c) in enumerate(zip(ref, got)):
-        for i, (a, b) in enumerate(zip(r, c)):
+    for step, (r, c, h) in enumerate(zip(ref, got, exact)):
+        for i, (a, b, e) in enumerate(zip(r, c, h)):
             what = ("y", "dx")[i] if i < 2 else f"grad of parameter #{i - 2}"
-            s = sqnr_db(a.float(), b.float())
-            assert s >= 25, f"{where}, step {step}, {what}: SQNR {s:.1f} dB vs eager"
+            eager_db, compiled_db = sqnr_db(e.float(), a.float()), sqnr_db(e.float(), b.float())
+            assert compiled_db >= min(eager_db, 40.0) - 3.0, (
+                f"{where}, step {step}, {what}: SQNR vs high precision {compiled_db:.1f} dB compiled, "
+                f"{eager_db:.1f} dB eager")

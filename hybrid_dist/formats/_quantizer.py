@@ -174,3 +174,18 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.abs().amax().float()
+
+
+def tensor_amaxes(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``[n]`` fp32: ``tensor_amax`` of each of ``xs`` (bitwise: a max is exact). On CUDA
+    each is one read by the amax kernel into its slot of one buffer (no ``|x|`` temporary,
+    no stacking); elsewhere torch ops."""
+    impl = _kernels().amax_into_impl_for(xs[0]) if xs and not torch.compiler.is_compiling() else None
+    if impl is None:
+        return torch.stack([tensor_amax(x) for x in xs]) if xs else torch.zeros(0, dtype=torch.float32)
+    out = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)
+    for i, x in enumerate(xs):
+        if x.numel():
+            x2d = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+            impl(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), out[i])
+    return out

@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 
 _QUANTIZE: dict[type, Callable] = {}
+_QUANTIZE_INTO: dict[type, Callable] = {}
+_AMAX_INTO: list[Callable] = []  # at most one: impl(x2d, out_scalar)
 _FUSED: dict[tuple[str, type], Callable] = {}  # (producer op, quantizer class) -> impl
 _GEMM: list[Callable] = []
 
@@ -20,6 +22,18 @@ def register_quantize(quantizer_cls: type, impl: Callable) -> None:
     """``impl(quantizer, x2d, *, rowwise, columnwise, state, amax) -> (row, col)`` or
     ``NotImplemented`` to defer to the reference for that call."""
     _QUANTIZE[quantizer_cls] = impl
+
+
+def register_quantize_into(quantizer_cls: type, impl: Callable) -> None:
+    """``impl(quantizer, x2d, row_storage, col_storage, amax)`` writes the quantization of
+    ``x2d`` into existing storages (either may be None) bitwise as quantize-then-copy, or
+    returns ``NotImplemented`` (the caller quantizes and copies)."""
+    _QUANTIZE_INTO[quantizer_cls] = impl
+
+
+def register_amax_into(impl: Callable) -> None:
+    """``impl(x2d, out)``: max-reduce ``max|x2d|`` (fp32) into the zeroed scalar ``out``."""
+    _AMAX_INTO[:] = [impl]
 
 
 def register_fused_quantize(op: str, quantizer_cls: type, impl: Callable) -> None:
@@ -39,6 +53,18 @@ def quantize_impl_for(quantizer, x: torch.Tensor):
     if x.device.type != "cuda":
         return None
     return _QUANTIZE.get(type(quantizer))
+
+
+def quantize_into_impl_for(quantizer, x: torch.Tensor):
+    if x.device.type != "cuda":
+        return None
+    return _QUANTIZE_INTO.get(type(quantizer))
+
+
+def amax_into_impl_for(x: torch.Tensor):
+    if x.device.type != "cuda" or not _AMAX_INTO:
+        return None
+    return _AMAX_INTO[0]
 
 
 def fused_quantize_impl_for(op: str, quantizer, x: torch.Tensor):
@@ -71,5 +97,6 @@ if _cuda_kernels_available():  # CPU-only installs (CI) never import Triton
 
     _register.register_all()
 
-__all__ = ["fused_quantize_impl_for", "gemm_impls_for", "quantize_impl_for", "register_fused_quantize", "register_gemm",
-           "register_quantize", "registered_quantizers"]
+__all__ = ["amax_into_impl_for", "fused_quantize_impl_for", "gemm_impls_for", "quantize_impl_for",
+           "quantize_into_impl_for", "register_amax_into", "register_fused_quantize", "register_gemm",
+           "register_quantize", "register_quantize_into", "registered_quantizers"]

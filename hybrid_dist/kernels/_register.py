@@ -15,7 +15,7 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 def register_all() -> None:
     from hybrid_dist import kernels
     from hybrid_dist.kernels.fp8_block import quantize_fp8_block
-    from hybrid_dist.kernels.fp8_tensor import quantize_fp8_tensor
+    from hybrid_dist.kernels.fp8_tensor import _amax_2d, quantize_fp8_tensor, quantize_fp8_tensor_into
     from hybrid_dist.kernels.gemm import gemm_nt_cuda
     from hybrid_dist.kernels.mxfp8 import quantize_mxfp8
     from hybrid_dist.kernels.swiglu_fp8 import swiglu_quantize_fp8
@@ -23,6 +23,8 @@ def register_all() -> None:
 
     kernels.register_quantize(Float8Quantizer, quantize_fp8_tensor)
     kernels.register_quantize(Float8BlockQuantizer, quantize_fp8_block)
+    kernels.register_quantize_into(Float8Quantizer, quantize_fp8_tensor_into)
+    kernels.register_amax_into(_amax_2d)
     kernels.register_quantize(MXFP8Quantizer, quantize_mxfp8)
     kernels.register_quantize(NVFP4Quantizer, quantize_nvfp4)
     kernels.register_fused_quantize("swiglu", Float8Quantizer, swiglu_quantize_fp8)

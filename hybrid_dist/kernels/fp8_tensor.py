@@ -35,7 +35,7 @@ from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Flo
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
-from hybrid_dist.kernels.transpose import transposed
+from hybrid_dist.kernels.transpose import transpose_into, transposed
 
 _BM, _BK = 64, 128
 
@@ -119,14 +119,54 @@ def _fp8_cast_transpose(
     row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    _cast_transpose_into(x, amax, scale, amax_out, scale_from_amax, eps, pow2, record_amax,
+                         row=row if rowwise else None, col=col if columnwise else None, scale_inv=scale_inv)
+    return row, col, scale_inv
+
+
+def _cast_transpose_into(x, amax, scale, amax_out, scale_from_amax: bool, eps: float, pow2: bool,
+                         record_amax: bool, *, row, col, scale_inv) -> None:
+    """The cast-transpose launch into given buffers: ``row [M, K]`` and/or ``col [K, M]``
+    (contiguous, the fp8 dtype; ``None`` skips that direction) and ``scale_inv []``."""
+    m, k = x.shape
+    rowwise, columnwise = row is not None, col is not None
+    dtype = (row if rowwise else col).dtype
     grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1))
     launch(
         _cast_transpose_kernel, grid,
-        x, amax, scale, scale_inv, row, col, amax_out, m, k, max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype],
+        x, amax, scale, scale_inv, row if rowwise else col, col if columnwise else row, amax_out, m, k,
+        max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype],
         EPS=eps, POW2=pow2, SCALE_FROM_AMAX=scale_from_amax, ROW=rowwise, COL=columnwise,
         AMAX_OUT=record_amax, BM=_BM, BK=_BK, num_warps=8,
     )
-    return row, col, scale_inv
+
+
+def quantize_fp8_tensor_into(q: Float8Quantizer, x2d: torch.Tensor, row_st, col_st, amax) -> object:
+    """Current-scaling FP8 of ``x2d`` written straight into existing storages (``row_st``
+    ``[M, K]`` and/or ``col_st`` ``[K, M]``, contiguous, ``q.dtype``; the optimizer's
+    write-back of a quantized weight), bitwise ``quantize_fp8_tensor`` then ``copy_from``.
+    ``NotImplemented`` for any other case (the caller quantizes and copies)."""
+    st = row_st if row_st is not None else col_st
+    m, k = x2d.shape
+    if (q.scaling != "current" or st is None or x2d.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or any(s is not None and (s.data.dtype != q.dtype or not s.data.is_contiguous()
+                                      or tuple(s.data.shape) != ((k, m) if s.transposed else (m, k)))
+                   for s in (row_st, col_st))):
+        return NotImplemented
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    dev = x2d.device
+    amax = _amax_2d(x2d) if amax is None else amax.float().to(dev).reshape(())
+    fp32_col = col_st is not None and x2d.dtype == torch.float32  # the module note on fp32 inputs
+    row = row_st.data if row_st is not None else (torch.empty((m, k), dtype=q.dtype, device=dev) if fp32_col else None)
+    col = None if fp32_col or col_st is None else col_st.data
+    _cast_transpose_into(x2d, amax, amax, _unused(dev, False), True, float(q.amax_epsilon), q.power_of_2_scales,
+                         False, row=row, col=col, scale_inv=st.scale_inv)
+    if fp32_col:
+        transpose_into(col_st.data, row)
+    if row_st is not None and col_st is not None and col_st.scale_inv is not row_st.scale_inv:
+        col_st.scale_inv.copy_(row_st.scale_inv)
+    return None
 
 
 def _cast_fake(x, amax, scale, amax_out, dtype, scale_from_amax, eps, pow2, rowwise, columnwise, record_amax):
