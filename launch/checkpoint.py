@@ -8,12 +8,24 @@ local to each rank: the quantizer states of every ``hd.Linear`` (delayed-scaling
 histories; stochastic rounding's generator and CUDA-kernel Philox key), so a resumed run reproduces the uninterrupted
 run bitwise. The data is stateless (a function of the step), so only the step number is
 needed to continue it.
+
+[Note: complete, verified checkpoints]
+A step is written to ``step_<N>.partial/``; once every rank's files are there, rank 0
+writes ``COMPLETE`` (JSON: step, world size, the run's identity, and a CRC-32 and size of
+every file) and renames the directory to ``step_<N>/``. So a save killed half-way leaves
+only a ``.partial`` directory, which resume ignores: ``--resume DIR`` takes the newest step
+with a ``COMPLETE`` record. Before loading, every file is checked against its record and
+each rank file against its rank; a mismatch raises ``ValueError`` naming the file. Rank
+files hold only tensors, numbers and strings and load with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import zlib
 from typing import Any
 
 import torch
@@ -27,6 +39,7 @@ import hybrid_dist as hd
 from hybrid_dist._recipe_module import load_state_tensors, state_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+COMPLETE = "COMPLETE"  # the record that makes a step directory a checkpoint (module note)
 
 
 def _snapshot(state: Any, device: torch.device) -> Any:
@@ -128,29 +141,102 @@ def _state(model: nn.Module, optimizer) -> dict:
     return {"model": _rename(model, model_sd, to_disk=True), "optim": optim_sd}
 
 
-def save(directory: str, step: int, model: nn.Module, optimizer, device: torch.device) -> str:
-    """Write ``directory/step_<step>`` and return its path."""
-    path = os.path.join(directory, f"step_{step:06d}")
-    dcp.save(_state(model, optimizer), checkpoint_id=path)
-    torch.save({"step": step, "quantizer_states": quantizer_states(model, device)},
-               os.path.join(path, f"rank{dist.get_rank()}.pt"))
+def save(directory: str, step: int, model: nn.Module, optimizer, device: torch.device, *,
+         run: dict | None = None) -> str:
+    """Write ``directory/step_<step>`` atomically (module note) and return its path. ``run``:
+    what identifies the run (JSON-serialisable), kept in the ``COMPLETE`` record."""
+    final = os.path.join(directory, f"step_{step:06d}")
+    partial = final + ".partial"
+    rank = dist.get_rank()
+    if rank == 0 and os.path.exists(partial):
+        shutil.rmtree(partial)  # left by a save that was killed
     dist.barrier()
-    return path
+    dcp.save(_state(model, optimizer), checkpoint_id=partial)
+    torch.save({"step": step, "rank": rank, "world_size": dist.get_world_size(),
+                "quantizer_states": quantizer_states(model, device)}, os.path.join(partial, f"rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        files = {f: _file_record(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
+        with open(os.path.join(partial, COMPLETE), "w") as fh:
+            json.dump({"step": step, "world_size": dist.get_world_size(), "run": run or {}, "files": files}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(partial, final)
+    dist.barrier()
+    return final
+
+
+def _file_record(path: str) -> dict:
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"crc32": crc, "size": size}
+
+
+def complete_record(step_dir: str) -> dict | None:
+    """The ``COMPLETE`` record of a step directory, or None (not a finished checkpoint)."""
+    try:
+        with open(os.path.join(step_dir, COMPLETE)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def complete_steps(directory: str) -> list[str]:
+    """The finished ``step_<N>`` directories in ``directory``, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    steps = sorted(d for d in os.listdir(directory) if _STEP_DIR.match(d))
+    return [os.path.join(directory, d) for d in steps if complete_record(os.path.join(directory, d)) is not None]
 
 
 def resolve(path: str) -> str:
-    """A step directory as given, or the latest ``step_<N>`` inside a checkpoint directory."""
-    if os.path.exists(os.path.join(path, ".metadata")):
+    """A finished step directory as given, or the newest finished ``step_<N>`` inside a
+    checkpoint directory (unfinished ``.partial`` saves are skipped)."""
+    if os.path.exists(os.path.join(path, ".metadata")) or os.path.exists(os.path.join(path, COMPLETE)):
+        if complete_record(path) is None:
+            raise ValueError(f"--resume {path!r}: this step has no {COMPLETE} record (its save did not finish); "
+                             f"resume from its checkpoint directory to take the newest finished step")
         return path
-    steps = sorted(d for d in os.listdir(path) if _STEP_DIR.match(d)) if os.path.isdir(path) else []
-    if not steps:
-        raise ValueError(f"--resume {path!r}: no DCP checkpoint there (expected .metadata or step_<N>/ dirs)")
-    return os.path.join(path, steps[-1])
+    done = complete_steps(path)
+    if not done:
+        raise ValueError(f"--resume {path!r}: no finished checkpoint there (expected step_<N>/ directories "
+                         f"with a {COMPLETE} record)")
+    return done[-1]
+
+
+def verify(step_dir: str) -> dict:
+    """Check every file of a finished step against its record; return the record."""
+    record = complete_record(step_dir)
+    if record is None:
+        raise ValueError(f"checkpoint {step_dir!r}: no {COMPLETE} record")
+    for name, want in record["files"].items():
+        path = os.path.join(step_dir, name)
+        if not os.path.exists(path):
+            raise ValueError(f"checkpoint {step_dir!r}: {name} is missing")
+        got = _file_record(path)
+        if got != want:
+            raise ValueError(f"checkpoint {step_dir!r}: {name} is corrupted (size {got['size']}, CRC-32 "
+                             f"{got['crc32']:#010x}; written as size {want['size']}, CRC-32 {want['crc32']:#010x})")
+    return record
 
 
 def load(path: str, model: nn.Module, optimizer, device: torch.device) -> int:
     """Restore model, optimizer and quantizer states; return the step the checkpoint was taken at."""
     path = resolve(path)
+    problem = [None]
+    if dist.get_rank() == 0:  # one rank reads every file; all ranks raise the same error
+        try:
+            verify(path)
+        except ValueError as e:
+            problem[0] = str(e)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise ValueError(problem[0])
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # in place into the tensors of ``state``
     if isinstance(optimizer, hd.MasterWeightOptimizer):
@@ -161,6 +247,12 @@ def load(path: str, model: nn.Module, optimizer, device: torch.device) -> int:
         state["optim"]["state"] = _rename(model, state["optim"]["state"], to_disk=False)
         set_state_dict(model, optimizer, model_state_dict=_rename(model, state["model"], to_disk=False),
                        optim_state_dict=state["optim"])
-    local = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
+    # another world size: rank r takes the quantizer states of rank r mod the saved world size
+    src = dist.get_rank() % int(complete_record(path)["world_size"])
+    rank_file = os.path.join(path, f"rank{src}.pt")
+    local = torch.load(rank_file, weights_only=True)
+    if local.get("rank", src) != src:
+        raise ValueError(f"checkpoint {path!r}: rank{src}.pt holds the state of rank {local.get('rank')} "
+                         "(rank files swapped or copied between checkpoints)")
     load_quantizer_states(model, local["quantizer_states"], device)
     return int(local["step"])

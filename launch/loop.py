@@ -225,6 +225,41 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
+class NonFiniteLoss(RuntimeError):
+    """A step's loss was NaN or inf: the job stops before saving anything from that state."""
+
+
+def run_identity(cfg: TrainConfig) -> dict:
+    """What must match for a checkpoint to continue this run (kept in its COMPLETE record)."""
+    return {"preset": cfg.preset, "layers": cfg.layers, "recipe": cfg.recipe, "baseline": cfg.baseline,
+            "moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k, "quantized_init": cfg.quantized_init,
+            "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
+
+
+def resume_source(cfg: TrainConfig) -> str | None:
+    """Where this run resumes from: ``--resume``; or, when ``torchrun`` restarted the job
+    (``TORCHELASTIC_RESTART_COUNT`` > 0), the newest finished step in ``--checkpoint-dir``.
+    A checkpoint directory that already holds steps of another run, or of this run without
+    ``--resume`` on a first start, is refused (its steps would be overwritten or mixed)."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resume = cfg.resume
+    done = checkpoint.complete_steps(cfg.checkpoint_dir) if cfg.checkpoint_dir else []
+    if done:
+        record = checkpoint.complete_record(done[-1])
+        if record.get("run") != run_identity(cfg):
+            raise ValueError(
+                f"--checkpoint-dir {cfg.checkpoint_dir!r} holds checkpoints of another run ({record.get('run')}); "
+                "use a new directory for this configuration")
+        if resume is None and restarted:
+            resume = cfg.checkpoint_dir
+        elif resume is None:
+            raise ValueError(
+                f"--checkpoint-dir {cfg.checkpoint_dir!r} already holds this run's checkpoints (newest "
+                f"{os.path.basename(done[-1])}); pass --resume {cfg.checkpoint_dir} to continue it, or use an "
+                "empty directory")
+    return resume
+
+
 def train(cfg: TrainConfig) -> dict:
     device = init_distributed()
     dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
@@ -233,7 +268,8 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = make_optimizer(model, cfg)
     data = make_data(cfg.data, vocab_size=mcfg.vocab_size, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                      seed=cfg.seed, dp_rank=meshes.dp.get_local_rank(), dtype=cfg.data_dtype)
-    start = checkpoint.load(cfg.resume, model, optimizer, device) if cfg.resume else 0
+    resume = resume_source(cfg)
+    start = checkpoint.load(resume, model, optimizer, device) if resume else 0
     measured = _has_sharded_quantized_params(model)  # hybrid_dist.fsdp2 counts quantized all-gathers
     hp_ag_bytes = all_gather_bytes_per_step(model, dims, 2 if compute_dtype(cfg, device) == torch.bfloat16 else 4,
                                             skip_quantized=measured)
@@ -260,8 +296,13 @@ def train(cfg: TrainConfig) -> dict:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
                 acct.reset()
             meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
+            if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
+                raise NonFiniteLoss(
+                    f"step {step}: the loss is {losses[-1]} (every rank stops; no checkpoint is written from "
+                    f"this state). Resume from the last checkpoint with a lower --lr or --grad-clip, or check "
+                    f"the data.")
             if cfg.save_every and step % cfg.save_every == 0:
-                checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device)
+                checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device, run=run_identity(cfg))
     extra = {"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
     if cfg.compile:
         extra["compile_stats"] = compile_stats()
