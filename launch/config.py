@@ -71,6 +71,9 @@ class TrainConfig:
             raise ValueError(f"--timing-warmup must be >= 0, got {self.timing_warmup}")
         if self.baseline not in BASELINES:
             raise ValueError(f"--baseline {self.baseline!r} is unknown; choose one of {', '.join(BASELINES)}")
+        if self.recipe not in hd.RECIPE_NAMES and ":" not in self.recipe:
+            raise ValueError(f"--recipe {self.recipe!r} is unknown; choose one of {', '.join(hd.RECIPE_NAMES)} "
+                             "or give package.module:attr")
         if self.baseline != "none":
             self._check_baseline()
         if self.fsdp != -1 and self.fsdp < 1:

@@ -44,7 +44,11 @@ def init_distributed() -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ:  # under torchrun
+            dist.init_process_group(backend)
+        else:  # run as one process: a one-rank group over an in-memory store
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
 
 

@@ -15,6 +15,7 @@ Example (2 CPU ranks, < 2 min)::
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import torch.distributed as dist
@@ -23,7 +24,12 @@ from hybrid_dist.launch.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, ns = parse_args(argv)
+    try:
+        cfg, ns = parse_args(argv)
+    except (ValueError, NotImplementedError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"hybrid_dist.launch.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
     if ns.dry_run:
         from hybrid_dist.launch.dry_run import dry_run, format_report
 
@@ -31,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--dry-run needs --world-size N (the number of ranks to validate for)")
         print(format_report(dry_run(cfg, world_size=ns.world_size)))
         return 0
-    from hybrid_dist.launch.loop import train
+    from hybrid_dist.launch.loop import NonFiniteLoss, train
 
     try:
         train(cfg)
+    except (ValueError, NotImplementedError, ImportError, NonFiniteLoss) as e:
+        # bad input or a stopped run: one line on rank 0 (every rank raises the same), no traceback
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"hybrid_dist.launch.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         # the model and optimizer are in reference cycles (FSDP2's hooks): free them, and the
         # collectives' work objects they hold, while the interpreter is alive; left to its

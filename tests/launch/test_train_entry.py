@@ -1,0 +1,33 @@
+"""``python -m hybrid_dist.launch.train``: bad flags give one line on stderr and exit code 2
+before anything is built; without ``torchrun`` the job runs as one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybrid_dist.launch.train import main
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--recipe", "nope"], "--recipe 'nope' is unknown"),
+    (["--preset", "huge"], "--preset 'huge' is unknown"),
+    (["--save-every", "2"], "--save-every needs --checkpoint-dir"),
+])
+def test_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hybrid_dist.launch.train: error: ") and says in err[0], err
+
+
+def test_runs_as_one_process_without_torchrun():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "hybrid_dist.launch.train", "--preset", "tiny", "--steps", "2",
+                          "--recipe", "fp8_current"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "summary: 2 steps" in out.stdout, out.stdout[-2000:]
