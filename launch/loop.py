@@ -8,7 +8,6 @@ summary dict, with every step's data-parallel-mean loss under ``"losses"``.
 from __future__ import annotations
 
 import contextlib
-
 import math
 import os
 import time
@@ -16,8 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.profiler import record_function
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd

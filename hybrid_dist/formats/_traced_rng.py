@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-_LIVE: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # uid -> state
+_LIVE: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()  # uid -> state
 _NEXT = itertools.count()
 
 

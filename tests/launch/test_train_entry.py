@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from hybrid_dist.launch.train import main
 
 
@@ -28,6 +27,6 @@ def test_runs_as_one_process_without_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     out = subprocess.run([sys.executable, "-m", "hybrid_dist.launch.train", "--preset", "tiny", "--steps", "2",
-                          "--recipe", "fp8_current"], env=env, capture_output=True, text=True, timeout=300)
+                          "--recipe", "fp8_current"], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "summary: 2 steps" in out.stdout, out.stdout[-2000:]
