@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from hybrid_dist.launch.train import main
 
 
