@@ -8,7 +8,7 @@ import torch as _torch
 from hybrid_dist import _tensor_ops  # noqa: F401  (fills the QuantizedTensor op table)
 from hybrid_dist.activation import SwiGLU
 from hybrid_dist.autocast import autocast, quantized_model_init
-from hybrid_dist.convert import convert_to_hybrid
+from hybrid_dist.convert import convert_to_hybrid, set_recipe
 from hybrid_dist.formats import (
     DelayedScalingState,
     Float8BlockQuantizer,
@@ -47,5 +47,5 @@ __all__ = [
     "CustomRecipe", "DelayedScalingState", "Float8BlockQuantizer", "Float8Quantizer", "GemmConfig",
     "HybridQuantizer", "IdentityQuantizer", "Linear", "MXFP8Quantizer", "MasterWeightOptimizer",
     "NVFP4Quantizer", "QuantizedTensor", "Quantizer", "RECIPE_NAMES", "RMSNorm", "Recipe", "Role", "SwiGLU",
-    "autocast", "convert_to_hybrid", "link_quantized_input", "quantized_model_init", "recipe_from_name",
+    "autocast", "convert_to_hybrid", "link_quantized_input", "quantized_model_init", "recipe_from_name", "set_recipe",
 ]

@@ -184,6 +184,16 @@ class RecipeModuleMixin:
                                  f"recipe {plan.recipe.name!r} (expected one of {sorted(plan.states)})")
             load_state_tensors(plan.states[t], saved, f"{plan.recipe.name}.{t}")
 
+    def use_recipe(self, recipe: Recipe | None, *, name: str | None = None) -> None:
+        """Run under ``recipe`` (None: ``hd.autocast``'s, else high precision), named ``name``
+        in ``Role.name`` when given; the plan is built now, not inside a first (possibly
+        compiled) forward, so its states exist before tracing."""
+        self.recipe = recipe
+        if name is not None:
+            self.name = name
+        if recipe is not None:
+            self._plan(recipe)
+
     def active_recipe(self) -> Recipe | None:
         return self._active_recipe(in_backward())
 

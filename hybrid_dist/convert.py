@@ -1,4 +1,5 @@
-"""``convert_to_hybrid``: swap ``nn.Linear`` modules for ``hd.Linear`` in place."""
+"""``convert_to_hybrid``: swap ``nn.Linear`` modules for ``hd.Linear`` in place;
+``set_recipe``: give every recipe-aware module of a model its recipe."""
 
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ def convert_to_hybrid(
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             return mod
         if isinstance(mod, Linear):
-            mod.recipe, mod.name = recipe, fqn
+            mod.use_recipe(recipe, name=fqn)
             return mod
         new = Linear.__new__(Linear)
         nn.Module.__init__(new)
         new.in_features, new.out_features = mod.in_features, mod.out_features
-        new.recipe, new.name = recipe, fqn
         new._plans, new._last_recipe = {}, None
         new.weight, new.bias = mod.weight, mod.bias
+        new.use_recipe(recipe, name=fqn)  # plans (and their states) now, before any compile
         return new
 
     def walk(parent: nn.Module, prefix: str) -> None:
@@ -53,3 +54,18 @@ def convert_to_hybrid(
     if root is model:
         walk(model, "")
     return root
+
+
+def set_recipe(model: nn.Module, recipe: Recipe | None, *,
+               module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Set ``recipe`` on every recipe-aware module of ``model`` (``hd.Linear``,
+    ``moe.GroupedLinear``, ``moe.MoE``: each module with a ``use_recipe`` method) for which
+    ``module_filter_fn(module, fqn)`` is true, naming each by its qualified name and
+    building its quantizers and states now. ``nn.Linear`` modules are not swapped (that is
+    ``convert_to_hybrid``). Returns ``model``."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(f"set_recipe: recipe must be an hd.Recipe or None, got {type(recipe).__name__}")
+    for fqn, mod in model.named_modules():
+        if callable(getattr(mod, "use_recipe", None)) and (module_filter_fn is None or module_filter_fn(mod, fqn)):
+            mod.use_recipe(recipe, name=fqn)
+    return model

@@ -199,18 +199,9 @@ def apply_recipe(model: nn.Module, recipe: hd.Recipe, *, share_quantized_inputs:
     (:func:`link_shared_inputs`). Pass False for ``torch.compile``d blocks (a
     ``QuantizedTensor`` passed between modules breaks the graph) and for tensor-parallel
     layouts (the TP styles' input hooks expect high-precision inputs)."""
-    hd.convert_to_hybrid(model, recipe=recipe, module_filter_fn=hybrid_filter)
-    for mod in model.modules():
-        if isinstance(mod, hd.Linear) and mod.recipe is not None:
-            mod._plan(recipe)  # build quantizers now, not on the first (maybe compiled) forward
+    hd.convert_to_hybrid(model, recipe=recipe, module_filter_fn=hybrid_filter)  # plans built now
     if share_quantized_inputs:
         link_shared_inputs(model)
-    if model.cfg.moe_experts:
-        from hybrid_dist.moe import MoE, GroupedLinear
-
-        for fqn, mod in model.named_modules():
-            if isinstance(mod, GroupedLinear):
-                mod.recipe, mod.name = recipe, fqn
-            elif isinstance(mod, MoE):
-                mod.recipe = recipe
+    if model.cfg.moe_experts:  # the experts' GroupedLinear layers and each MoE's token exchange
+        hd.set_recipe(model, recipe, module_filter_fn=lambda mod, fqn: not isinstance(mod, hd.Linear))
     return model

@@ -75,6 +75,11 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(hidden, shared_ffn, name=f"{name}.shared_expert", **kw) if shared_ffn else None
         self.wire = ep.WireStats()  # bytes sent to other EP ranks, by exchange
 
+    def use_recipe(self, recipe: Recipe | None, *, name: str | None = None) -> None:
+        """The recipe of the token exchange (the expert layers get theirs from ``hd.set_recipe``
+        as modules of their own)."""
+        self.recipe = recipe
+
     def forward(self, x: torch.Tensor):
         if x.shape[-1] != self.hidden:
             raise ValueError(f"MoE expects x [..., {self.hidden}], got {tuple(x.shape)}")
