@@ -58,6 +58,7 @@ class TrainConfig:
     run_name: str | None = None
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
+    collective_timeout: float = 600.0  # seconds a collective may wait for the other ranks before the job fails
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -67,6 +68,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.layers < 0:
             raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
+        if self.collective_timeout <= 0:
+            raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
         if self.timing_warmup < 0:
             raise ValueError(f"--timing-warmup must be >= 0, got {self.timing_warmup}")
         if self.baseline not in BASELINES:
@@ -151,6 +154,8 @@ _HELP = {
     "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
     "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",
     "metrics": "metrics JSONL path (rank 0 appends)",
+    "collective_timeout": "seconds a collective waits for the other ranks (a frozen or lost rank) before "
+                          "the job fails",
     "profile_step": "profile this step (torch.profiler) and print its top kernels and host regions on rank 0",
 }
 

@@ -8,6 +8,7 @@ summary dict, with every step's data-parallel-mean loss under ``"losses"``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import time
@@ -29,14 +30,16 @@ from hybrid_dist.launch.mesh import ParallelDims
 from hybrid_dist.launch.metrics import Meter
 from hybrid_dist.launch.model import Transformer, apply_recipe
 from hybrid_dist.launch.grad_clip import clip_grad_norm_
+from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.quantized_init import check_quantized_init
 from hybrid_dist.launch.torchao_baseline import TORCHAO_FLOAT8
 
 
-def init_distributed() -> torch.device:
-    """The process group (joined if already up) and this rank's device."""
+def init_distributed(timeout_s: float = 600.0) -> torch.device:
+    """The process group (joined if already up) and this rank's device; a collective that
+    waits longer than ``timeout_s`` for the other ranks fails the job."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -44,10 +47,11 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:  # under torchrun
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:  # run as one process: a one-rank group over an in-memory store
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device
 
 
@@ -228,8 +232,13 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
-class NonFiniteLoss(RuntimeError):
-    """A step's loss was NaN or inf: the job stops before saving anything from that state."""
+def report_nonfinite_amaxes(model, step: int, reported: set) -> None:
+    """Warn on rank 0, once per slot, of delayed-scaling amaxes that were NaN or inf."""
+    bad = [b for b in nonfinite_amaxes(model) if b not in reported]
+    if bad and dist.get_rank() == 0:
+        print(f"warning: step {step}: non-finite amax recorded by {', '.join(bad)} (their inputs or gradients held "
+              "NaN or inf; delayed scaling keeps the last finite scale)", flush=True)
+    reported.update(bad)
 
 
 def run_identity(cfg: TrainConfig) -> dict:
@@ -264,7 +273,7 @@ def resume_source(cfg: TrainConfig) -> str | None:
 
 
 def train(cfg: TrainConfig) -> dict:
-    device = init_distributed()
+    device = init_distributed(cfg.collective_timeout)
     dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
     meshes = dims.build_meshes(device.type)
     model, mcfg, recipe = build_model(cfg, dims, meshes, device)
@@ -282,7 +291,7 @@ def train(cfg: TrainConfig) -> dict:
                   ag_bytes_per_step=hp_ag_bytes, timing_warmup=cfg.timing_warmup,
                   run=_run_info(cfg, dims, mcfg, recipe, start, data))
     after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
-    losses = []
+    losses, reported = [], set()
     with track_all_gather() as acct:
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(cfg, step)
@@ -304,6 +313,8 @@ def train(cfg: TrainConfig) -> dict:
                     f"step {step}: the loss is {losses[-1]} (every rank stops; no checkpoint is written from "
                     f"this state). Resume from the last checkpoint with a lower --lr or --grad-clip, or check "
                     f"the data.")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                report_nonfinite_amaxes(model, step, reported)
             if cfg.save_every and step % cfg.save_every == 0:
                 checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device, run=run_identity(cfg))
     extra = {"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}

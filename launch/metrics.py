@@ -13,6 +13,7 @@ quantized gathers + the high-precision parameters' unsharded bytes.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import resource
@@ -73,6 +74,12 @@ class Meter:
         if jsonl_path and self.is_main:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._file = open(jsonl_path, "a")  # appended: plot reads the last fresh run
+            try:  # one writer per file: two jobs' lines would interleave (released at close or exit)
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._file.close()
+                raise ValueError(f"--metrics {jsonl_path}: another job is writing this file; give each job its "
+                                 "own metrics path") from None
         if device.type == "cuda":  # peak of training, not of building (a quantized init is unsharded first)
             torch.cuda.reset_peak_memory_stats(device)
         self._t0 = self._t_last = time.perf_counter()

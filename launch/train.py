@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--dry-run needs --world-size N (the number of ranks to validate for)")
         print(format_report(dry_run(cfg, world_size=ns.world_size)))
         return 0
-    from hybrid_dist.launch.loop import NonFiniteLoss, train
+    from hybrid_dist.launch.guards import NonFiniteLoss
+    from hybrid_dist.launch.loop import train
 
     try:
         train(cfg)

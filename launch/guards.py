@@ -1,0 +1,43 @@
+"""What the training loop checks so that a bad step is reported, not trained on or saved.
+
+* ``NonFiniteLoss``: a step's (data-parallel mean) loss was NaN or inf; every rank raises
+  it at that step, before anything is saved from that state.
+* ``nonfinite_amaxes(model)``: the quantizer slots whose delayed-scaling amax history
+  holds a NaN or inf. Delayed scaling keeps its last finite scale when an amax is not
+  finite, so the loss stays finite while the input was not: this is where it shows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid_dist.formats.float8 import DelayedScalingState
+from hybrid_dist.hybrid import HybridState
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step's loss was NaN or inf: the job stops before saving anything from that state."""
+
+
+def _delayed_states(state, where: str):
+    if isinstance(state, DelayedScalingState):
+        yield where, state
+    elif isinstance(state, HybridState):
+        for d in ("rowwise", "columnwise"):
+            yield from _delayed_states(getattr(state, d), f"{where}.{d}")
+    elif isinstance(state, (list, tuple)):
+        for i, s in enumerate(state):
+            yield from _delayed_states(s, f"{where}[{i}]")
+
+
+def nonfinite_amaxes(model: nn.Module) -> list[str]:
+    """``"<module>/<tensor type>"`` of every delayed-scaling slot with a non-finite amax in
+    its history (one device sync for the whole model)."""
+    slots = [(f"{name}/{t}{where}", s.amax_history)
+             for name, mod in model.named_modules() for plan in getattr(mod, "_plans", {}).values()
+             for t, state in plan.states.items() for where, s in _delayed_states(state, "")]
+    if not slots:
+        return []
+    bad = torch.stack([~torch.isfinite(h).all() for _, h in slots]).tolist()
+    return [name for (name, _), b in zip(slots, bad) if b]
