@@ -10,11 +10,12 @@ run bitwise. The data is stateless (a function of the step), so only the step nu
 needed to continue it.
 
 [Note: complete, verified checkpoints]
-A step is written to ``step_<N>.partial/``; once every rank's files are there, rank 0
-writes ``COMPLETE`` (JSON: step, world size, the run's identity, and a CRC-32 and size of
-every file) and renames the directory to ``step_<N>/``. So a save killed half-way leaves
+A step is written to ``step_<N>.partial/``; once every rank's files are there, the ranks
+checksum a share of the files each, and rank 0 writes ``COMPLETE`` (JSON: step, world size,
+the run's identity, and a CRC-32 and size of every file) and renames the directory to
+``step_<N>/``. So a save killed half-way leaves
 only a ``.partial`` directory, which resume ignores: ``--resume DIR`` takes the newest step
-with a ``COMPLETE`` record. Before loading, every file is checked against its record and
+with a ``COMPLETE`` record. Before loading, every file is checked against its record (a share per rank) and
 each rank file against its rank; a mismatch raises ``ValueError`` naming the file. Rank
 files hold only tensors, numbers and strings and load with ``weights_only=True``.
 """
@@ -155,8 +156,11 @@ def save(directory: str, step: int, model: nn.Module, optimizer, device: torch.d
     torch.save({"step": step, "rank": rank, "world_size": dist.get_world_size(),
                 "quantizer_states": quantizer_states(model, device)}, os.path.join(partial, f"rank{rank}.pt"))
     dist.barrier()
+    # each rank checksums its share of the files (every file once); rank 0 writes the record
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, {f: _file_record(os.path.join(partial, f)) for f in _my_share(partial)})
     if rank == 0:
-        files = {f: _file_record(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
+        files = {f: r for share in shares for f, r in share.items()}
         with open(os.path.join(partial, COMPLETE), "w") as fh:
             json.dump({"step": step, "world_size": dist.get_world_size(), "run": run or {}, "files": files}, fh)
             fh.flush()
@@ -166,6 +170,13 @@ def save(directory: str, step: int, model: nn.Module, optimizer, device: torch.d
         os.replace(partial, final)
     dist.barrier()
     return final
+
+
+def _my_share(step_dir: str, names=None) -> list[str]:
+    """This rank's share of a step's files (``names``, default all in the directory but the
+    record): every ``world``-th file in sorted order, so the ranks read each file once."""
+    names = sorted(f for f in os.listdir(step_dir) if f != COMPLETE) if names is None else sorted(names)
+    return names[dist.get_rank()::dist.get_world_size()]
 
 
 def _file_record(path: str) -> dict:
@@ -209,12 +220,14 @@ def resolve(path: str) -> str:
     return done[-1]
 
 
-def verify(step_dir: str) -> dict:
-    """Check every file of a finished step against its record; return the record."""
+def verify(step_dir: str, names=None) -> dict:
+    """Check the files ``names`` (default: all) of a finished step against its record;
+    return the record."""
     record = complete_record(step_dir)
     if record is None:
         raise ValueError(f"checkpoint {step_dir!r}: no {COMPLETE} record")
-    for name, want in record["files"].items():
+    for name in record["files"] if names is None else names:
+        want = record["files"][name]
         path = os.path.join(step_dir, name)
         if not os.path.exists(path):
             raise ValueError(f"checkpoint {step_dir!r}: {name} is missing")
@@ -228,15 +241,15 @@ def verify(step_dir: str) -> dict:
 def load(path: str, model: nn.Module, optimizer, device: torch.device) -> int:
     """Restore model, optimizer and quantizer states; return the step the checkpoint was taken at."""
     path = resolve(path)
-    problem = [None]
-    if dist.get_rank() == 0:  # one rank reads every file; all ranks raise the same error
-        try:
-            verify(path)
-        except ValueError as e:
-            problem[0] = str(e)
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise ValueError(problem[0])
+    problem = None
+    try:  # each rank checks its share of the files; all ranks raise the first problem found
+        verify(path, _my_share(path, complete_record(path)["files"]))
+    except ValueError as e:
+        problem = str(e)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise ValueError(next(p for p in problems if p))
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # in place into the tensors of ``state``
     if isinstance(optimizer, hd.MasterWeightOptimizer):

@@ -33,11 +33,10 @@ def _delayed_states(state, where: str):
 
 def nonfinite_amaxes(model: nn.Module) -> list[str]:
     """``"<module>/<tensor type>"`` of every delayed-scaling slot with a non-finite amax in
-    its history (one device sync for the whole model)."""
+    its history (one device sync for the whole model when every amax is finite)."""
     slots = [(f"{name}/{t}{where}", s.amax_history)
              for name, mod in model.named_modules() for plan in getattr(mod, "_plans", {}).values()
              for t, state in plan.states.items() for where, s in _delayed_states(state, "")]
-    if not slots:
+    if not slots or bool(torch.isfinite(torch.cat([h.reshape(-1) for _, h in slots])).all()):
         return []
-    bad = torch.stack([~torch.isfinite(h).all() for _, h in slots]).tolist()
-    return [name for (name, _), b in zip(slots, bad) if b]
+    return [name for name, h in slots if not bool(torch.isfinite(h).all())]
