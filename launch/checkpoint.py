@@ -13,11 +13,11 @@ needed to continue it.
 A step is written to ``step_<N>.partial/``; once every rank's files are there, the ranks
 checksum a share of the files each, and rank 0 writes ``COMPLETE`` (JSON: step, world size,
 the run's identity, and a CRC-32 and size of every file) and renames the directory to
-``step_<N>/``. So a save killed half-way leaves
-only a ``.partial`` directory, which resume ignores: ``--resume DIR`` takes the newest step
-with a ``COMPLETE`` record. Before loading, every file is checked against its record (a share per rank) and
-each rank file against its rank; a mismatch raises ``ValueError`` naming the file. Rank
-files hold only tensors, numbers and strings and load with ``weights_only=True``.
+``step_<N>/``. So a save killed half-way leaves only a ``.partial`` directory, which resume
+ignores: ``--resume DIR`` takes the newest step with a ``COMPLETE`` record. Before loading,
+every file is checked against its record (a share per rank) and each rank file against its
+rank; a mismatch raises ``ValueError`` naming the file. Rank files hold only tensors,
+numbers and strings and load with ``weights_only=True``.
 """
 
 from __future__ import annotations
