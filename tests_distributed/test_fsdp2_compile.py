@@ -69,7 +69,12 @@ def _compiled_and_eager(rank: int, world_size: int, recipe_name: str):
     return compiled, eager
 
 
-@pytest.mark.parametrize("name", by_recipe(fast=("fp8_current", "mxfp8_fwd_nvfp4_bwd")))
+# fp8_block's 128x128 weight blocks do not shard the tiny preset's 128-row k/v projections over
+# 2 ranks (FSDP2 refuses it: test_fsdp2_numerics); its compiled blocks are in test_compile_block
+SHARDABLE = [n for n in hd.RECIPE_NAMES if n != "fp8_block"]
+
+
+@pytest.mark.parametrize("name", by_recipe(SHARDABLE, fast=("fp8_current", "mxfp8_fwd_nvfp4_bwd")))
 def test_compiled_fsdp2_quantized_init_one_graph_bitwise_eager(name):
     for rank, ((losses, frames, breaks), (ref, _, _)) in enumerate(run_ranks(_compiled_and_eager, 2, name)):
         where = f"{name}, FSDP2 on 2 gloo ranks, quantized init, rank {rank}"
