@@ -46,31 +46,18 @@ QI="--recipe fp8_current --quantized-init"
 QD="--recipe fp8_delayed --quantized-init"
 TAO="--baseline torchao-float8 --compile"
 # name | time cap (s) | needs torchao | launcher options   (priority order)
+end_to_end_rows() {  # end_to_end_rows PREFIX "MODEL OPTIONS" CAP: the eight rows of one model
+  local p=$1 m=$2 c=$3
+  printf '%s\n' "${p}_bf16_compile|$c|0|$m --recipe bf16 --compile" "${p}_torchao_float8_compile|$c|1|$m $TAO" \
+    "${p}_fp8_current_qinit_compile|$c|0|$m $QI --compile" "${p}_fp8_current_qinit|$c|0|$m $QI" \
+    "${p}_mxfp8_fwd_nvfp4_bwd_compile|$c|0|$m --recipe mxfp8_fwd_nvfp4_bwd --compile" \
+    "${p}_fp8_delayed_qinit_compile|$c|0|$m $QD --compile" "${p}_bf16|$c|0|$m --recipe bf16" \
+    "${p}_fp8_delayed_qinit|$c|0|$m $QD"
+}
 PLAN="
-8b_bf16_compile|150|0|$M8B --recipe bf16 --compile
-8b_torchao_float8_compile|150|1|$M8B $TAO
-8b_fp8_current_qinit_compile|150|0|$M8B $QI --compile
-8b_fp8_current_qinit|120|0|$M8B $QI
-8b_mxfp8_fwd_nvfp4_bwd_compile|150|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd --compile
-8b_fp8_delayed_qinit_compile|150|0|$M8B $QD --compile
-8b_bf16|100|0|$M8B --recipe bf16
-8b_fp8_delayed_qinit|120|0|$M8B $QD
-1b_bf16_compile|120|0|$M1B --recipe bf16 --compile
-1b_torchao_float8_compile|120|1|$M1B $TAO
-1b_fp8_current_qinit_compile|120|0|$M1B $QI --compile
-1b_fp8_current_qinit|90|0|$M1B $QI
-1b_mxfp8_fwd_nvfp4_bwd_compile|120|0|$M1B --recipe mxfp8_fwd_nvfp4_bwd --compile
-1b_fp8_delayed_qinit_compile|120|0|$M1B $QD --compile
-1b_bf16|90|0|$M1B --recipe bf16
-1b_fp8_delayed_qinit|90|0|$M1B $QD
-8b4k_bf16_compile|150|0|$M8B4K --recipe bf16 --compile
-8b4k_torchao_float8_compile|150|1|$M8B4K $TAO
-8b4k_fp8_current_qinit_compile|150|0|$M8B4K $QI --compile
-8b4k_fp8_current_qinit|120|0|$M8B4K $QI
-8b4k_mxfp8_fwd_nvfp4_bwd_compile|150|0|$M8B4K --recipe mxfp8_fwd_nvfp4_bwd --compile
-8b4k_fp8_delayed_qinit_compile|150|0|$M8B4K $QD --compile
-8b4k_bf16|100|0|$M8B4K --recipe bf16
-8b4k_fp8_delayed_qinit|120|0|$M8B4K $QD
+$(end_to_end_rows 8b "$M8B" 150)
+$(end_to_end_rows 1b "$M1B" 120)
+$(end_to_end_rows 8b4k "$M8B4K" 150)
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
 8b_mxfp8_fwd_nvfp4_bwd|120|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
@@ -79,6 +66,7 @@ PLAN="
 8b_L4_moe8_bf16|75|0|$MOE8B --recipe bf16
 8b_L4_moe8_fp8_current|75|0|$MOE8B --recipe fp8_current
 "
+
 
 stub() {  # stub NAME STATUS OPTIONS: a start record, so the table shows a run that never started
   python3 - "$OUT/thr_$1.jsonl" "$1" "$2" $3 <<'EOF'
