@@ -185,7 +185,12 @@ class Linear(RecipeModuleMixin, nn.Module):
         plan = self._plan(recipe)
         if not recompute:
             plan.start_forward_pass()
-        return _LinearFn.apply(x, self.weight, self.bias, plan, torch.is_grad_enabled())
+        if torch.compiler.is_compiling():
+            return _LinearFn.apply(x, self.weight, self.bias, plan, torch.is_grad_enabled())
+        try:
+            return _LinearFn.apply(x, self.weight, self.bias, plan, torch.is_grad_enabled())
+        except ValueError as e:  # e.g. a dim that does not fit a format's block: say which layer
+            raise ValueError(f"hd.Linear {self.name or '(unnamed)'!r} under recipe {recipe.name!r}: {e}") from None
 
     def _check_shared_input(self, x: QuantizedTensor, recipe: Recipe | None) -> None:
         """A producer's QuantizedTensor must be what this layer would have made itself."""

@@ -1,7 +1,8 @@
 """``hd.convert_to_hybrid`` and ``hd.set_recipe`` build each module's plan at once, so a
 model converted and then compiled traces whole, stochastic-rounding recipes included (one
 graph, no graph break, bitwise eager on CPU); ``set_recipe`` reaches every recipe-aware
-module (``hd.Linear``, ``moe.GroupedLinear``, ``moe.MoE``) and names it by its path."""
+module (``hd.Linear``, ``moe.GroupedLinear``, ``moe.MoE``) and names it by its path; a
+shape that does not fit a block names the layer in its error."""
 
 from __future__ import annotations
 
@@ -55,3 +56,14 @@ def test_set_recipe_reaches_every_recipe_aware_module():
             assert mod.name == name and mod._plans, name
     hd.set_recipe(model, None, module_filter_fn=lambda mod, fqn: fqn == "proj")
     assert model["proj"].recipe is None and model["moe"].recipe is recipe
+
+
+def test_block_misfit_error_names_the_layer():
+    """A shape that does not fit a format's block fails at the first forward with the
+    layer's qualified name and the recipe in the message."""
+    import pytest
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 48))
+    hd.convert_to_hybrid(model, recipe=hd.recipe_from_name("mxfp8"))
+    with pytest.raises(ValueError, match=r"hd.Linear '0' under recipe 'mxfp8': MXFP8Quantizer columnwise: dim M"):
+        model(torch.randn(40, 64))
