@@ -59,6 +59,7 @@ class TrainConfig:
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
     collective_timeout: float = 600.0  # seconds a collective may wait for the other ranks before the job fails
+    on_nonfinite: str = "stop"      # a NaN/inf loss: stop the job, or skip that step on every rank
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -68,6 +69,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.layers < 0:
             raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"--on-nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         if self.collective_timeout <= 0:
             raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
         if self.timing_warmup < 0:
@@ -154,6 +157,8 @@ _HELP = {
     "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
     "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",
     "metrics": "metrics JSONL path (rank 0 appends)",
+    "on_nonfinite": "a NaN/inf loss: stop (every rank, nothing saved from that state) or skip (that step's "
+                    "update is dropped on every rank; costs one all-reduce and a sync per step)",
     "collective_timeout": "seconds a collective waits for the other ranks (a frozen or lost rank) before "
                           "the job fails",
     "profile_step": "profile this step (torch.profiler) and print its top kernels and host regions on rank 0",

@@ -30,7 +30,7 @@ from hybrid_dist.launch.mesh import ParallelDims
 from hybrid_dist.launch.metrics import Meter
 from hybrid_dist.launch.model import Transformer, apply_recipe
 from hybrid_dist.launch.grad_clip import clip_grad_norm_
-from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes
+from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.quantized_init import check_quantized_init
@@ -166,6 +166,9 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     with record_function("hd::backward"):
         (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
+    if cfg.on_nonfinite == "skip" and nonfinite_anywhere(loss):
+        optimizer.zero_grad(set_to_none=True)  # no update from this batch on any rank
+        return loss
     with record_function("hd::optimizer"):
         if cfg.grad_clip > 0:
             experts = [p for m in expert_modules(model) for p in m.parameters()]
@@ -308,7 +311,11 @@ def train(cfg: TrainConfig) -> dict:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
                 acct.reset()
             meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
-            if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
+            if not math.isfinite(losses[-1]) and cfg.on_nonfinite == "skip":
+                if dist.get_rank() == 0:
+                    print(f"warning: step {step}: the loss is {losses[-1]} on some rank; the step was skipped "
+                          "(--on-nonfinite skip)", flush=True)
+            elif not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
                 raise NonFiniteLoss(
                     f"step {step}: the loss is {losses[-1]} (every rank stops; no checkpoint is written from "
                     f"this state). Resume from the last checkpoint with a lower --lr or --grad-clip, or check "

@@ -142,3 +142,45 @@ def test_resume_at_a_larger_world_size(tmp_path, recipe):
     r0, _ = run_ranks(_two_rank_resume, 2, str(tmp_path), timeout=300)
     assert len(r0) == STEPS - 3 and all(math.isfinite(x) for x in r0), f"1 -> 2 ranks resumed losses {r0}"
     assert abs(r0[0] - full[3]) < 0.5, f"1 -> 2 ranks: first resumed loss {r0[0]} far from {full[3]}"
+
+
+def _skip_step(rank, world_size):
+    import torch.nn as nn
+
+    from hybrid_dist.launch.loop import make_optimizer, train_step
+    from hybrid_dist.launch.model import Transformer
+    from hybrid_dist.launch.presets import preset
+
+    class PoisonOnRank1(nn.Module):
+        """The tiny model, whose logits are NaN on rank 1 while ``poison`` is set."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inner = Transformer(preset("tiny", layers=1))
+            self.cfg, self.poison = self.inner.cfg, False
+
+        def forward(self, tokens):
+            logits, aux = self.inner(tokens)
+            return (logits * float("nan") if self.poison and rank == 1 else logits), aux
+
+    cfg = _cfg(recipe="bf16", on_nonfinite="skip")
+    model = PoisonOnRank1()
+    opt = make_optimizer(model, cfg)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(rank))
+    before = [p.detach().clone() for p in model.parameters()]
+    model.poison = True
+    train_step(model, opt, tokens, cfg)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    model.poison = False
+    train_step(model, opt, tokens, cfg)
+    changed = not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return unchanged, changed
+
+
+def test_on_nonfinite_skip_drops_the_step_on_every_rank():
+    """Rank 1's loss is NaN at one step: with ``--on-nonfinite skip`` neither rank updates
+    (the flag is all-reduced), and the next finite step updates both."""
+    for rank, (unchanged, changed) in enumerate(run_ranks(_skip_step, 2, timeout=300)):
+        assert unchanged, f"rank {rank}: parameters moved on a step whose loss was NaN on rank 1"
+        assert changed, f"rank {rank}: parameters did not move on the next (finite) step"
