@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
-from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.launch.presets import ModelConfig
 
 
@@ -154,10 +153,7 @@ class Transformer(nn.Module):
                 n = p.shape[0] * (ep_size if is_expert else 1)
                 w = torch.empty((n, *p.shape[1:]), dtype=torch.float32, device=p.device).normal_(std=std)
                 w = w[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]] if is_expert else w
-                if isinstance(p, hd.QuantizedTensor):
-                    requantize_(p, w)  # (fp32 masters start from the dequantized values)
-                else:
-                    p.copy_(w)
+                p.copy_(w)  # a QuantizedTensor re-quantizes (fp32 masters start from its dequantized values)
             else:
                 nn.init.normal_(p, std=std)
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
