@@ -23,13 +23,18 @@ import torch.distributed as dist
 from hybrid_dist.launch.config import parse_args
 
 
+def _error(e: Exception) -> int:
+    """Bad input or a stopped run: one line on rank 0 (every rank raises the same), exit 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"hybrid_dist.launch.train: error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, ns = parse_args(argv)
     except (ValueError, NotImplementedError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"hybrid_dist.launch.train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _error(e)
     if ns.dry_run:
         from hybrid_dist.launch.dry_run import dry_run, format_report
 
@@ -43,10 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg)
     except (ValueError, NotImplementedError, ImportError, NonFiniteLoss) as e:
-        # bad input or a stopped run: one line on rank 0 (every rank raises the same), no traceback
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"hybrid_dist.launch.train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _error(e)
     finally:
         # the model and optimizer are in reference cycles (FSDP2's hooks): free them, and the
         # collectives' work objects they hold, while the interpreter is alive; left to its
