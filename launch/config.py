@@ -58,6 +58,7 @@ class TrainConfig:
     run_name: str | None = None
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
+    profile_trace: str | None = None  # also write that step's Chrome trace here (gzipped if it ends in .gz)
     collective_timeout: float = 600.0  # seconds a collective may wait for the other ranks before the job fails
     on_nonfinite: str = "stop"      # a NaN/inf loss: stop the job, or skip that step on every rank
 
@@ -162,6 +163,8 @@ _HELP = {
     "collective_timeout": "seconds a collective waits for the other ranks (a frozen or lost rank) before "
                           "the job fails",
     "profile_step": "profile this step (torch.profiler) and print its top kernels and host regions on rank 0",
+    "profile_trace": "write the --profile-step step's Chrome trace to this path (gzipped when it ends in .gz; "
+                     "python -m benchmarks.trace_summary reads it)",
 }
 
 

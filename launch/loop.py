@@ -181,9 +181,10 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
 
 
 @contextlib.contextmanager
-def profile_if(enabled: bool, *, rank: int):
+def profile_if(enabled: bool, *, rank: int, trace: str | None = None):
     """Profile the enclosed step on rank 0 when ``enabled``; print its top kernels and the
-    host time of the launcher's regions (``hd::forward`` / ``backward`` / ``optimizer``)."""
+    host time of the launcher's regions (``hd::forward`` / ``backward`` / ``optimizer``);
+    with ``trace``, also write the step's Chrome trace there (gzipped for ``.gz``)."""
     if not enabled or rank != 0:
         yield
         return
@@ -197,6 +198,8 @@ def profile_if(enabled: bool, *, rank: int):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if trace:
+        _export_trace(prof, trace)
     ev = prof.key_averages()
     kernels = sorted((e for e in ev if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
                      key=lambda e: -e.self_device_time_total)
@@ -213,6 +216,24 @@ def profile_if(enabled: bool, *, rank: int):
         print(f"  host {key:<40s} x{count:<4d} {ms:9.2f} ms", flush=True)
     for e in kernels[:25]:
         print(f"  gpu  x{e.count:<5d} {e.self_device_time_total / 1e3:8.2f} ms  {e.key[:120]}", flush=True)
+    ops = sorted((e for e in ev if e.self_cpu_time_total > 0 and not e.key.startswith(("hd::", "FSDP::"))),
+                 key=lambda e: -e.self_cpu_time_total)
+    for e in ops[:20]:  # where the host's own time went (profiler overhead included)
+        print(f"  cpu  x{e.count:<5d} {e.self_cpu_time_total / 1e3:8.2f} ms  {e.key[:120]}", flush=True)
+
+
+def _export_trace(prof, path: str) -> None:
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+        return
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def compile_stats() -> dict:
@@ -303,7 +324,7 @@ def train(cfg: TrainConfig) -> dict:
             t_data = time.perf_counter()
             tokens = data.batch(step).to(device)
             meter.exclude(time.perf_counter() - t_data)
-            with profile_if(step == cfg.profile_step, rank=dist.get_rank()):
+            with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace):
                 loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
                                   after_step=after_step)
             losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))

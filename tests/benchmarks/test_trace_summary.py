@@ -1,0 +1,40 @@
+"""``benchmarks.trace_summary`` on a hand-made Kineto trace: stream busy time, the compute
+stream's idle time per launcher region, and kernel categories."""
+
+import gzip
+import json
+
+from benchmarks import trace_summary
+
+
+def _kernel(name, ts, dur, stream):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_union_and_gaps():
+    assert trace_summary.union_ms([(0, 1000), (500, 2000), (3000, 4000)]) == 3.0
+    assert trace_summary.gaps([(10, 20), (15, 30), (50, 60)], 0, 100) == [(0, 10), (30, 50), (60, 100)]
+
+
+def test_categories():
+    assert trace_summary.category("nvjet_sm90_qqtst_128x256") == "gemm"
+    assert trace_summary.category("ncclDevKernel_AllGather_RING_LL") == "nccl"
+    assert trace_summary.category("_cast_transpose_kernel") == "quantize"
+    assert trace_summary.category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert trace_summary.category("triton_per_fused__fused_rms_norm_mul") == "norm/act (fused)"
+
+
+def test_summary_of_a_trace(tmp_path, capsys):
+    events = [_kernel("nvjet_gemm", 0, 1000, 7), _kernel("nvjet_gemm", 3000, 1000, 7),
+              _kernel("ncclDevKernel_AllGather", 0, 4000, 20),
+              {"ph": "X", "cat": "gpu_user_annotation", "name": "hd::forward", "ts": 0, "dur": 4000,
+               "args": {}}]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace_summary.summarize(str(path), n_gaps=2)
+    out = capsys.readouterr().out
+    assert "GPU window 4.0 ms" in out
+    assert "compute stream 7: busy 2.0 ms, idle 2.0 ms" in out
+    assert "hd::forward         4.0 ms on the GPU timeline, compute idle     2.0 ms" in out
+    assert "gemm               x2          2.0 ms" in out
