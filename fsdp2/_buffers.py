@@ -9,7 +9,7 @@ columnwise storage is stored transposed (``[K, M]``, logical dim 0 = its columns
 fields are transposed for transport (``[M_shard, ...]``) and back after the gather (one
 copy into an owned buffer). Per-tensor fields (no dim-0 axis, e.g. the FP8 ``scale_inv``
 or the NVFP4 ``global_scale``) are not gathered: they are equal on every shard (see
-``_amax``) and travel in the metadata.
+``hybrid_dist.sharded_params``) and travel in the metadata.
 
 All functions here work through ``field_axes()``, so a new format needs no FSDP code.
 """
@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from hybrid_dist.formats._storage import DirectionStorage, storage_meta_fields
+from hybrid_dist.formats import DirectionStorage, storage_meta_fields
 from hybrid_dist.formats.identity import IdentityStorage
 
 

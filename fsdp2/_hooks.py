@@ -42,6 +42,7 @@ from hybrid_dist.fsdp2._buffers import (
     fsdp_transport_buffers,
 )
 from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both
+from hybrid_dist.quantized_tensor import QuantizedTensor
 
 ROW, COL = "rowwise", "columnwise"
 
@@ -130,8 +131,6 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast) -> tuple[Ga
 def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
     """First call: ``(unsharded QuantizedTensor, owned inner tensors)``; later calls
     refresh ``out`` in place (FSDP re-allocated the inner tensors before calling)."""
-    from hybrid_dist.quantized_tensor import QuantizedTensor
-
     _claim_scalars_for_current_stream(meta)
     views = _gathered_views(outputs, meta)
     if out is None:

@@ -4,14 +4,16 @@ A thin wrapper subclass around an fp32/bf16 tensor ``_data`` plus the quantizer 
 uses for weights. Every op runs on ``_data`` (the optimizer steps it in place); the ops
 FSDP2 uses to shard and pad (split/chunk, slice/narrow, new_zeros, copy_, view, detach,
 clone, device moves) keep the wrapper so the shard still carries the FSDP2 hooks. The
-hooks (``_quantize_on_gather``) quantize the shard per direction on all-gather, or gather
+hooks (``_hp_gather``) quantize the shard per direction on all-gather, or gather
 high precision and quantize the full tensor when a shard does not align with the blocks.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from hybrid_dist.fsdp2._hp_gather import hp_post_all_gather, hp_pre_all_gather
 
 aten = torch.ops.aten
 
@@ -73,17 +75,11 @@ class HighPrecisionParam(torch.Tensor):
 
     # --- FSDP2 all-gather extension ------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        from hybrid_dist.fsdp2._quantize_on_gather import hp_pre_all_gather
-
         return hp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        from hybrid_dist.fsdp2._quantize_on_gather import hp_post_all_gather
-
         return hp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
 
 
 def _flat(args, kwargs):
-    from torch.utils._pytree import tree_leaves
-
     return tree_leaves((args, kwargs))

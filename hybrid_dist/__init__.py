@@ -30,9 +30,9 @@ from hybrid_dist.quantized_tensor import QuantizedTensor, _rebuild_quantized_ten
 from hybrid_dist.recipes import RECIPE_NAMES, CustomRecipe, Recipe, Role, recipe_from_name
 from hybrid_dist.shared_input import link_quantized_input
 
-# Resolve the kernel registry now, in eager code: resolving it lazily inside a
-# torch.compile trace would mutate module state there and force a recompile.
-_quantizer_mod._kernels()
+# The kernels fill the registry that the formats consult (CUDA + Triton only); importing
+# them here, in eager code, means no trace ever meets an unfilled registry.
+from hybrid_dist import kernels as _kernels  # noqa: E402,F401
 
 # torch.load(weights_only=True) may rebuild our tensors and configs (allowlist, additive).
 _torch.serialization.add_safe_globals([
@@ -42,6 +42,11 @@ _torch.serialization.add_safe_globals([
     _id.IdentityQuantizer, _id.IdentityStorage,
 ])
 del _storage_mod, _quantizer_mod
+
+# Last, once the core is complete: hybrid_dist.fsdp2 registers QuantizedTensor's FSDP2
+# all-gather hooks, so fully_shard works on quantized parameters without importing it.
+if _torch.distributed.is_available():
+    from hybrid_dist import fsdp2 as _fsdp2  # noqa: E402,F401
 
 __all__ = [
     "CustomRecipe", "DelayedScalingState", "Float8BlockQuantizer", "Float8Quantizer", "GemmConfig",

@@ -10,19 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_dist.quantized_tensor import DIRECTIONS, QuantizedTensor
+from hybrid_dist import _kernel_registry
+from hybrid_dist.hybrid import stateless
+from hybrid_dist.quantized_tensor import DIRECTIONS, QuantizedTensor, implements
 
 aten = torch.ops.aten
-OPS: dict = {}
-
-
-def implements(ops):
-    def register(fn):
-        for op in ops:
-            OPS[op] = fn
-        return fn
-
-    return register
 
 
 def _rewrap(t: QuantizedTensor, fn, shape=None) -> QuantizedTensor:
@@ -224,9 +216,7 @@ def requantize_(dst: QuantizedTensor, hp: torch.Tensor, *, state=None, amax=None
     q = stateless(dst.quantizer) if state is None else dst.quantizer
     hp = hp.to(dst.device)
     if state is None and not torch.compiler.is_compiling():  # eager: straight into dst's buffers
-        from hybrid_dist import kernels
-
-        into = kernels.quantize_into_impl_for(q, hp)
+        into = _kernel_registry.quantize_into_impl_for(q, hp)
         if into is not None and hp.dim() >= 2:
             hp2d = hp.detach().reshape(-1, hp.shape[-1])
             if into(q, hp2d, dst.storage_of("rowwise"), dst.storage_of("columnwise"), amax) is not NotImplemented:
@@ -236,16 +226,3 @@ def requantize_(dst: QuantizedTensor, hp: torch.Tensor, *, state=None, amax=None
         if directions[d]:
             dst.storage_of(d).copy_from(new.storage_of(d))
 
-
-def stateless(q):
-    """A quantizer that needs no state: delayed FP8 scaling becomes current scaling."""
-    import dataclasses
-
-    from hybrid_dist.formats.float8 import Float8Quantizer
-    from hybrid_dist.hybrid import HybridQuantizer
-
-    if isinstance(q, HybridQuantizer):
-        return HybridQuantizer(rowwise=stateless(q.rowwise), columnwise=stateless(q.columnwise))
-    if isinstance(q, Float8Quantizer) and q.scaling == "delayed":
-        return dataclasses.replace(q, scaling="current")
-    return q

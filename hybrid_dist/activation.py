@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_dist import kernels
+from hybrid_dist import _kernel_registry
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.shared_input import QuantizedOutputProducer
 
@@ -26,7 +26,7 @@ def _swiglu_storages(a, b, quantizer, columnwise):
     """``(row, col, dtype)``: the fused kernel if one serves ``quantizer`` here, else the
     formula then one ``quantize_storages``."""
     k = a.shape[-1]
-    impl = kernels.fused_quantize_impl_for("swiglu", quantizer, a)
+    impl = _kernel_registry.fused_quantize_impl_for("swiglu", quantizer, a)
     if impl is not None:
         out = impl(quantizer, a.reshape(-1, k), b.reshape(-1, k), rowwise=True, columnwise=columnwise)
         if out is not NotImplemented:

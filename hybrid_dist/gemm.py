@@ -21,8 +21,8 @@ import dataclasses
 
 import torch
 
-from hybrid_dist import kernels
-from hybrid_dist._warn import warn_once
+from hybrid_dist import _kernel_registry
+from hybrid_dist.warn import warn_once
 from hybrid_dist.formats._storage import DirectionStorage
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -59,7 +59,7 @@ def gemm_nt(a: DirectionStorage, b: DirectionStorage, *, out_dtype: torch.dtype,
     device = a.device
     if device != b.device:
         raise ValueError(f"gemm_nt: operands on different devices: {device} and {b.device}")
-    for impl in kernels.gemm_impls_for(device):
+    for impl in _kernel_registry.gemm_impls_for(device):
         out = impl(a, b, out_dtype=out_dtype, config=config)
         if out is not NotImplemented:
             return out
@@ -69,7 +69,9 @@ def gemm_nt(a: DirectionStorage, b: DirectionStorage, *, out_dtype: torch.dtype,
     return reference_gemm_nt(a, b, out_dtype=out_dtype)
 
 
-def _operand(t: QuantizedTensor, direction: str, role: str, gemm: str) -> DirectionStorage:
+def operand(t: QuantizedTensor, direction: str, role: str, gemm: str) -> DirectionStorage:
+    """``t``'s ``direction`` storage as the ``role`` operand of ``gemm`` (``ValueError`` naming
+    them where ``t`` lacks it); an attribute read, so Dynamo traces it."""
     st = t._rowwise if direction == "rowwise" else t._columnwise  # attribute reads: traceable
     if st is None:
         raise ValueError(
@@ -81,17 +83,17 @@ def _operand(t: QuantizedTensor, direction: str, role: str, gemm: str) -> Direct
 
 def fprop(x: QuantizedTensor, w: QuantizedTensor, *, out_dtype, config: GemmConfig) -> torch.Tensor:
     """``y [M, N] = x [M, K] · W [N, K]ᵀ``."""
-    return gemm_nt(_operand(x, "rowwise", "input", "fprop"), _operand(w, "rowwise", "weight", "fprop"),
+    return gemm_nt(operand(x, "rowwise", "input", "fprop"), operand(w, "rowwise", "weight", "fprop"),
                    out_dtype=out_dtype, config=config)
 
 
 def dgrad(dy: QuantizedTensor, w: QuantizedTensor, *, out_dtype, config: GemmConfig) -> torch.Tensor:
     """``dx [M, K] = dy [M, N] · W [N, K]``."""
-    return gemm_nt(_operand(dy, "rowwise", "grad_output", "dgrad"), _operand(w, "columnwise", "weight", "dgrad"),
+    return gemm_nt(operand(dy, "rowwise", "grad_output", "dgrad"), operand(w, "columnwise", "weight", "dgrad"),
                    out_dtype=out_dtype, config=config)
 
 
 def wgrad(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype, config: GemmConfig) -> torch.Tensor:
     """``dW [N, K] = dyᵀ [N, M] · x [M, K]``."""
-    return gemm_nt(_operand(dy, "columnwise", "grad_output", "wgrad"), _operand(x, "columnwise", "input", "wgrad"),
+    return gemm_nt(operand(dy, "columnwise", "grad_output", "wgrad"), operand(x, "columnwise", "input", "wgrad"),
                    out_dtype=out_dtype, config=config)

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from hybrid_dist.formats._quantizer import Quantizer, _check_direction
+from hybrid_dist.formats.float8 import Float8Quantizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,3 +102,12 @@ class HybridQuantizer(Quantizer):
     def _quantize_2d(self, x, *, rowwise, columnwise, state, amax):  # pragma: no cover
         raise AssertionError("HybridQuantizer dispatches per direction")
 
+
+def stateless(q: Quantizer) -> Quantizer:
+    """A quantizer that needs no state: delayed FP8 scaling becomes current scaling (in
+    each direction of a hybrid)."""
+    if isinstance(q, HybridQuantizer):
+        return HybridQuantizer(rowwise=stateless(q.rowwise), columnwise=stateless(q.columnwise))
+    if isinstance(q, Float8Quantizer) and q.scaling == "delayed":
+        return dataclasses.replace(q, scaling="current")
+    return q

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_dist import _saved, gemm
-from hybrid_dist._recipe_module import QUANTIZER_STATE_KEY, RecipeModuleMixin, in_backward  # noqa: F401 (re-export)
+from hybrid_dist import gemm, saved_storages
+from hybrid_dist.recipe_module import QUANTIZER_STATE_KEY, RecipeModuleMixin, in_backward  # noqa: F401 (re-export)
 from hybrid_dist.formats._quantizer import Quantizer
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe, Role
@@ -55,12 +55,12 @@ class LinearPlan:
         self.weight.advance_state(self.states["weight"])
 
 
-def _weight_operands(weight, plan: LinearPlan, need_dgrad: bool):
+def weight_operands(weight, plan: LinearPlan, need_dgrad: bool):
     """(rowwise, columnwise or None) storages of the weight: taken from a quantized
     parameter (error naming a missing direction), else quantized now."""
     if isinstance(weight, QuantizedTensor):
-        w_col = gemm._operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
-        return gemm._operand(weight, "rowwise", "weight", "fprop"), w_col
+        w_col = gemm.operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
+        return gemm.operand(weight, "rowwise", "weight", "fprop"), w_col
     return plan.weight.quantize_storages(weight, rowwise=True, columnwise=need_dgrad,
                                          state=plan.states["weight"])
 
@@ -69,8 +69,8 @@ def _input_operands(x, plan: LinearPlan, need_wgrad: bool):
     """(rowwise, columnwise or None) storages of the input: taken from a shared
     QuantizedTensor (error naming a missing direction), else quantized now."""
     if isinstance(x, QuantizedTensor):
-        x_col = gemm._operand(x, "columnwise", "input", "wgrad") if need_wgrad else None
-        return gemm._operand(x, "rowwise", "input", "fprop"), x_col
+        x_col = gemm.operand(x, "columnwise", "input", "wgrad") if need_wgrad else None
+        return gemm.operand(x, "rowwise", "input", "fprop"), x_col
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return plan.input.quantize_storages(x2d, rowwise=True, columnwise=need_wgrad, state=plan.states["input"])
 
@@ -84,12 +84,12 @@ class _LinearFn(torch.autograd.Function):
         # under no_grad no backward runs: the columnwise directions are not made
         need_dgrad, need_wgrad = (grad_enabled and n for n in ctx.needs_input_grad[:2])
         x_row, x_col = _input_operands(x, plan, need_wgrad)
-        w_row, w_col = _weight_operands(weight, plan, need_dgrad)
+        w_row, w_col = weight_operands(weight, plan, need_dgrad)
         # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        _saved.pack(ctx, x_col, w_col)
+        saved_storages.pack(ctx, x_col, w_col)
         ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
@@ -98,7 +98,7 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         plan = ctx.plan
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, w_col = _saved.unpack(ctx)
+        x_col, w_col = saved_storages.unpack(ctx)
         dy2d = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         plan.grad_output.advance_state(plan.states["grad_output"])
         dy_row, dy_col = plan.grad_output.quantize_storages(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
@@ -119,7 +119,7 @@ class _LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-class _DequantizeFn(torch.autograd.Function):
+class DequantizeFn(torch.autograd.Function):
     """Straight-through dequantize: the gradient passes to the quantized tensor unchanged."""
 
     @staticmethod
@@ -154,7 +154,7 @@ class Linear(RecipeModuleMixin, nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self._init_weights(w)
         if recipe is not None:  # built now, not inside a first (possibly compiled) forward
-            self._plan(recipe)
+            self.plan_for(recipe)
 
     def _init_weights(self, w: torch.Tensor) -> None:
         nn.init.kaiming_uniform_(w, a=math.sqrt(5))
@@ -180,9 +180,9 @@ class Linear(RecipeModuleMixin, nn.Module):
         if recipe is None:
             w = self.weight
             if isinstance(w, QuantizedTensor):
-                w = _DequantizeFn.apply(w, x.dtype)
+                w = DequantizeFn.apply(w, x.dtype)
             return F.linear(x, w, self.bias)
-        plan = self._plan(recipe)
+        plan = self.plan_for(recipe)
         if not recompute:
             plan.start_forward_pass()
         if torch.compiler.is_compiling():
@@ -198,13 +198,13 @@ class Linear(RecipeModuleMixin, nn.Module):
             raise ValueError(
                 f"hd.Linear {self.name!r} runs without a recipe but got a QuantizedTensor input (quantizer "
                 f"{x.quantizer!r}); give it a recipe or pass a high-precision input")
-        quantizer = self._plan(recipe).input
+        quantizer = self.plan_for(recipe).input
         if x.quantizer != quantizer:
             raise ValueError(
                 f"hd.Linear {self.name!r}: the QuantizedTensor input was made by {x.quantizer!r}, but recipe "
                 f"{recipe.name!r} quantizes this layer's input with {quantizer!r}; quantize it with that "
                 "quantizer, pass a high-precision input, or unlink the producer (hd.link_quantized_input)")
-        if self._plan(recipe).states["input"] is not None:
+        if self.plan_for(recipe).states["input"] is not None:
             raise ValueError(
                 f"hd.Linear {self.name!r}: its input quantizer {quantizer!r} keeps state (e.g. a delayed-scaling "
                 "amax history) that must see the high-precision input; pass that instead of a QuantizedTensor")

@@ -14,17 +14,11 @@ import torch
 
 from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.quantized_tensor import QuantizedTensor
-
-
-def _is_sharded_quantized(p: torch.Tensor) -> bool:
-    # FSDP2 parameter: a DTensor whose local shard is a QuantizedTensor (hybrid_dist.fsdp2)
-    return isinstance(getattr(p, "_local_tensor", None), QuantizedTensor)
+from hybrid_dist.sharded_params import is_sharded_quantized, master_shard, sync_amax_and_requantize
 
 
 def _master_of(p: torch.Tensor) -> torch.Tensor:
-    if _is_sharded_quantized(p):
-        from hybrid_dist.fsdp2._amax import master_shard
-
+    if is_sharded_quantized(p):
         return master_shard(p)  # fp32 master shard (a DTensor like p)
     hp = getattr(p, "_hd_hp_init", None)
     if hp is not None:
@@ -52,7 +46,7 @@ class MasterWeightOptimizer:
             masters = []
             for p in g["params"]:
                 plain_fp32 = p.dtype == torch.float32 and not isinstance(p, QuantizedTensor)
-                m = p if (plain_fp32 and not _is_sharded_quantized(p)) else _master_of(p)
+                m = p if (plain_fp32 and not is_sharded_quantized(p)) else _master_of(p)
                 m.requires_grad_(p.requires_grad)
                 self._pairs.append((p, m))
                 masters.append(m)
@@ -89,13 +83,11 @@ class MasterWeightOptimizer:
 
     @staticmethod
     def _write_back(pairs) -> None:
-        sharded = [(p, m) for p, m in pairs if m is not p and _is_sharded_quantized(p)]
+        sharded = [(p, m) for p, m in pairs if m is not p and is_sharded_quantized(p)]
         if sharded:  # one amax all-reduce for all per-tensor shards, then in-place requantize
-            from hybrid_dist.fsdp2._amax import sync_amax_and_requantize
-
             sync_amax_and_requantize(sharded)
         for p, m in pairs:
-            if m is p or _is_sharded_quantized(p):
+            if m is p or is_sharded_quantized(p):
                 continue
             if isinstance(p, QuantizedTensor):
                 requantize_(p, m)

@@ -2,8 +2,13 @@
 
 The wrapper has the logical shape and high-precision dtype of the tensor it quantizes;
 its data lives in per-direction storages (``t.rowwise``, ``t.columnwise``; see
-``formats/_storage`` for the stored layouts). ``__torch_dispatch__`` is a lookup in the op
-table of ``_tensor_ops``; an op not in the table raises ``NotImplementedError`` naming it.
+``formats/_storage`` for the stored layouts). ``__torch_dispatch__`` is a lookup in
+``OPS``, which ``_tensor_ops`` fills through ``implements``; an op not in the table raises
+``NotImplementedError`` naming it.
+
+FSDP2 finds ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the class; their
+implementations live in ``hybrid_dist.fsdp2``, which hands them over with
+``register_fsdp_hooks`` when imported (``hybrid_dist/__init__`` imports it last).
 
 Inner tensors are flattened as ``"<direction>__<field>"`` (e.g. ``rowwise__data``), which
 is also how they are reachable as attributes, so ``torch.compile`` and FSDP2 can see them.
@@ -13,13 +18,41 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from hybrid_dist.formats._storage import DirectionStorage, storage_meta_fields
 
 DIRECTIONS = ("rowwise", "columnwise")
+OPS: dict = {}  # aten op (or overload packet) -> impl(func, args, kwargs); filled by _tensor_ops
+_FSDP_HOOKS: dict[str, Callable] = {}  # "pre" / "post" -> implementation (register_fsdp_hooks)
+
+
+def implements(ops):
+    """Decorator: ``fn(func, args, kwargs)`` handles each of ``ops`` on a QuantizedTensor."""
+    def register(fn):
+        for op in ops:
+            OPS[op] = fn
+        return fn
+
+    return register
+
+
+def register_fsdp_hooks(pre_all_gather: Callable, post_all_gather: Callable) -> None:
+    """Install the implementations behind ``QuantizedTensor.fsdp_pre_all_gather`` (called as
+    ``pre_all_gather(tensor, mesh, outer_size, outer_stride, module, mp_policy)``) and
+    ``fsdp_post_all_gather`` (``post_all_gather(tensor, outputs, metadata, param_dtype, out=)``)."""
+    _FSDP_HOOKS.update(pre=pre_all_gather, post=post_all_gather)
+
+
+def _fsdp_hook(which: str) -> Callable:
+    hook = _FSDP_HOOKS.get(which)
+    if hook is None:
+        raise RuntimeError(
+            "QuantizedTensor's FSDP2 hooks are not registered: hybrid_dist.fsdp2 registers them "
+            "when imported (import hybrid_dist does, where torch.distributed is available)")
+    return hook
 
 
 class QuantizedTensor(torch.Tensor):
@@ -91,15 +124,11 @@ class QuantizedTensor(torch.Tensor):
     # --- FSDP2 all-gather extension (implemented in hybrid_dist.fsdp2) ----------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2 hook: this shard's buffers of the direction(s) the pass needs."""
-        from hybrid_dist.fsdp2._hooks import pre_all_gather
-
-        return pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        return _fsdp_hook("pre")(self, mesh, outer_size, outer_stride, module, mp_policy)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """FSDP2 hook: build (or refresh ``out``) the unsharded QuantizedTensor."""
-        from hybrid_dist.fsdp2._hooks import post_all_gather
-
-        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+        return _fsdp_hook("post")(self, all_gather_outputs, metadata, param_dtype, out=out)
 
     # --- flatten / unflatten ------------------------------------------------------
     def __tensor_flatten__(self):
@@ -134,8 +163,6 @@ class QuantizedTensor(torch.Tensor):
     # --- dispatch -----------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from hybrid_dist._tensor_ops import OPS
-
         impl = OPS.get(func) or OPS.get(func.overloadpacket)
         if impl is None:
             raise NotImplementedError(

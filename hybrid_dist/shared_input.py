@@ -44,9 +44,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hybrid_dist._recipe_module import in_backward
-from hybrid_dist._warn import warn_once
+from hybrid_dist.recipe_module import in_backward
+from hybrid_dist.warn import warn_once
 from hybrid_dist.formats._quantizer import Quantizer
+from hybrid_dist.linear import Linear
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 
@@ -91,8 +92,6 @@ def link_quantized_input(producer: nn.Module, *, consumers: Sequence[nn.Module])
     that all read that output). ``consumers=[]`` unlinks. The link holds no state: state
     dicts are unchanged. The producer fuses only when the consumers' recipes allow it (see
     the note above); otherwise it returns its plain output."""
-    from hybrid_dist.linear import Linear
-
     if not isinstance(producer, QuantizedOutputProducer):
         raise ValueError(
             f"link_quantized_input: producer must be an hd.RMSNorm or hd.SwiGLU (a module that can "
@@ -130,7 +129,7 @@ def shared_target(producer, consumers: tuple) -> tuple[Quantizer, bool] | None:
     if any(r is None for r in recipes):
         why = "some consumers run without a recipe"
     else:
-        plans = [c._plan(r) for c, r in zip(consumers, recipes)]
+        plans = [c.plan_for(r) for c, r in zip(consumers, recipes)]
         quantizer = plans[0].input
         if any(p.input != quantizer for p in plans[1:]):
             why = f"their input quantizers differ ({', '.join(sorted({repr(p.input) for p in plans}))})"

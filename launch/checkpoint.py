@@ -37,14 +37,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.utils._pytree import tree_map
 
 import hybrid_dist as hd
-from hybrid_dist._recipe_module import load_state_tensors, state_tensors
+from hybrid_dist.recipe_module import load_state_tensors, state_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE = "COMPLETE"  # the record that makes a step directory a checkpoint (module note)
 
 
 def _snapshot(state: Any, device: torch.device) -> Any:
-    """A CPU copy of a plan state's tensors (``_recipe_module.state_tensors``: the module
+    """A CPU copy of a plan state's tensors (``recipe_module.state_tensors``: the module
     state dict's form), or None without state."""
     tensors = state_tensors(state, device)
     return None if tensors is None else tree_map(lambda t: t.to("cpu", copy=True), tensors)
@@ -74,7 +74,7 @@ def _states(model: nn.Module):
 
     for name, mod in model.named_modules():
         if isinstance(mod, hd.Linear) and mod.recipe is not None:
-            yield name, mod._plan(mod.recipe).states
+            yield name, mod.plan_for(mod.recipe).states
         elif isinstance(mod, GroupedLinear) and mod.recipe is not None:
             yield name, mod.plan(mod.recipe).states
 

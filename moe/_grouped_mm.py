@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_dist.formats.identity import IdentityQuantizer
-from hybrid_dist.linear import _DequantizeFn
+from hybrid_dist.linear import DequantizeFn
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 
@@ -78,7 +78,7 @@ def high_precision(x, weight, tokens_per_expert) -> torch.Tensor:
     """No recipe: plain math (``_grouped_mm`` on CUDA bf16, else a per-expert loop that
     reads the split sizes on the host)."""
     if isinstance(weight, QuantizedTensor):
-        weight = _DequantizeFn.apply(weight, x.dtype)
+        weight = DequantizeFn.apply(weight, x.dtype)
     if available() and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
         return grouped_mm_linear(x, weight, tokens_per_expert)
     splits = tokens_per_expert.tolist()

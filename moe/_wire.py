@@ -25,7 +25,7 @@ import torch
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
-from hybrid_dist.formats._storage import DirectionStorage
+from hybrid_dist.formats import DirectionStorage
 
 
 def unsupported_reason(q, *, need_columnwise: bool) -> str | None:

@@ -26,7 +26,7 @@ NVFP4 stochastic rounding draws ONE uniform tensor over the packed buffer (per d
 from expert 0's state generator; ``split_quantize`` draws per expert for its padded
 shape, which needs the sizes on the host). Same rounding law, other random numbers: SR
 results are statistically, not bitwise, those of ``split_quantize``; without SR the two
-are bitwise equal. The encode builds no tensor on the host (``_numerics.e2m1_encode``).
+are bitwise equal. The encode builds no tensor on the host (``numerics.e2m1_encode``).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from typing import Any, Sequence
 import torch
 
 from hybrid_dist.moe._checks import check_token_counts
-from hybrid_dist.formats._numerics import cast_to_fp8
+from hybrid_dist.formats.numerics import cast_to_fp8
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, stacked_delayed_states
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
-from hybrid_dist.formats import _traced_rng
+from hybrid_dist.formats import traced_rng
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, nvfp4_global_scale, nvfp4_quantize_rows
-from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16
+from hybrid_dist.formats.numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
 __all__ = ["PackedSplit", "packed_fp8_rows", "split_quantize_packed", "unsupported_reason"]
@@ -97,7 +97,7 @@ class _Layout:
 
 
 def _fp8_kernel_fits(x) -> bool:
-    """Per-tensor FP8 through the Triton ``_fp8_rows`` kernel (else the torch form)."""
+    """Per-tensor FP8 through the Triton ``kernels.fp8_rows`` kernel (else the torch form)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1) or torch.compiler.is_compiling():
         return False
     return importlib.util.find_spec("triton") is not None
@@ -109,7 +109,7 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     x, e = lay.x, lay.num_experts
     on_triton = _fp8_kernel_fits(x)
     if on_triton:  # one Triton pass: tiles max-reduce per expert (exact)
-        from hybrid_dist.moe._fp8_rows import expert_amax, fp8_rows
+        from hybrid_dist.kernels.fp8_rows import expert_amax, fp8_rows
 
         amax = expert_amax(x, lay.eid, e)
     else:  # max |x| per row in one pass, then per expert (exact: a max of representable values)
@@ -152,7 +152,7 @@ def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, state, *, directi
     gs_b = gs_tok[:, None] if direction == "rowwise" else gs_tok[::NV_BLOCK][None, :]
     rand = None
     if q.stochastic_rounding:
-        rand = _traced_rng.state_rand(state, v, v.shape, draw=int(direction == "columnwise")) \
+        rand = traced_rng.state_rand(state, v, v.shape, draw=int(direction == "columnwise")) \
             if isinstance(state, NVFP4State) else torch.rand(v.shape, device=v.device)
     data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=rand)
     return {"data": data, "block_scale": bs, "global_scale": gs}

@@ -43,9 +43,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from hybrid_dist._amax_sync import all_reduce_amaxes
-from hybrid_dist._warn import warn_once
-from hybrid_dist.formats._quantizer import tensor_amax
+from hybrid_dist.amax_sync import global_amaxes
+from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
 
@@ -157,7 +156,7 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     e_l = e // route.world
     chunks = list(torch.split(x_perm.detach(), route.counts_global))
     per_tensor = quantizer.direction_quantizer("rowwise").is_per_tensor
-    amax = all_reduce_amaxes([tensor_amax(c) for c in chunks], [route.group] if per_tensor else [])
+    amax = global_amaxes(chunks, [route.group] if per_tensor else [])
     if per_tensor:
         if stats is not None:
             stats.add(key + "_amax", amax.numel() * amax.element_size())  # all-reduce payload

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybrid_dist import _saved, gemm
-from hybrid_dist._recipe_module import RecipeModuleMixin, in_backward
+from hybrid_dist import gemm, saved_storages
+from hybrid_dist.recipe_module import RecipeModuleMixin, in_backward
 from hybrid_dist.formats.float8 import DelayedScalingState, advance_stacked
 from hybrid_dist.linear import LinearPlan
 from hybrid_dist.recipes import Recipe
@@ -93,7 +93,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         y = _grouped_gemm_rows(x_q.rowwise, w_rows, x_q.splits, out_dtype=plan.recipe.fprop.out_dtype or x.dtype,
                                config=plan.recipe.fprop, width=n, like=x)
         x_cols = x_q.columnwise if need_wgrad else [None] * e
-        _saved.pack(ctx, *x_cols, *(w_cols if need_dgrad else [None] * e))
+        saved_storages.pack(ctx, *x_cols, *(w_cols if need_dgrad else [None] * e))
         ctx.plan, ctx.io, ctx.num_experts = plan, io, e
         ctx.splits, ctx.padded = x_q.splits, x_q.padded_splits
         ctx.x_dtype, ctx.w_dtype, ctx.k = x.dtype, weight.dtype, x.shape[1]
@@ -104,7 +104,7 @@ class _GroupedLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         plan, e = ctx.plan, ctx.num_experts
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        saved = _saved.unpack(ctx)
+        saved = saved_storages.unpack(ctx)
         x_cols, w_cols = saved[:e], saved[e:]
         dy_q = ctx.io.get("dy_quantized") if ctx.io else None
         if dy_q is None:
@@ -154,7 +154,7 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
 
     def plan(self, recipe: Recipe) -> GroupedPlan:
         """This module's quantizers and per-expert states under ``recipe``."""
-        return self._plan(recipe)
+        return self.plan_for(recipe)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, *, io: dict[str, Any] | None = None):
         """``io`` (expert-parallel hook): ``{"x_quantized": GroupedQuantized}`` replaces the

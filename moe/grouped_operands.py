@@ -32,7 +32,7 @@ import importlib.util
 import torch
 
 from hybrid_dist import gemm
-from hybrid_dist.formats._storage import DirectionStorage
+from hybrid_dist.formats import DirectionStorage
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer, Float8BlockStorage
 from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
@@ -102,8 +102,8 @@ def expert_weight_storages(weight, plan, *, need_dgrad: bool):
     (``grouped_linear`` note: expert weights); ``plan`` a ``GroupedPlan``."""
     e, n, _ = weight.shape
     if isinstance(weight, QuantizedTensor):
-        row = gemm._operand(weight, "rowwise", "weight", "fprop")
-        col = gemm._operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
+        row = gemm.operand(weight, "rowwise", "weight", "fprop")
+        col = gemm.operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
         rows = [row.narrow_dim0(i * n, n) for i in range(e)]
         cols = [col.narrow_dim0(i * n, n) if need_dgrad else None for i in range(e)]
         return rows, cols

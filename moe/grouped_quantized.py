@@ -46,11 +46,11 @@ import os
 
 import torch
 
-from hybrid_dist import _saved
-from hybrid_dist.formats.float8 import Float8Storage
+from hybrid_dist import saved_storages
+from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
-from hybrid_dist.moe import device_split
+from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.grouped_operands import (
     BF16, TokenOperand, WeightOperand, batched_fp8_weights, bf16_values, expert_weight_storages, fold_columns,
     fold_experts, fold_rows, fold_source, row_scales, stack_experts, token_operand,
@@ -205,7 +205,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         y = rows_gemm(_token(plan.input, xs.rowwise, "rowwise"), w_row, offs, xs.row_expert, plan.recipe.fprop,
                       xs.dest, tok_offs)
         x_col = _token(plan.input, xs.columnwise, "columnwise").storage if need_wgrad else None
-        _saved.pack(ctx, x_col, w_col.storage if need_dgrad else None)
+        saved_storages.pack(ctx, x_col, w_col.storage if need_dgrad else None)
         ctx.plan, ctx.mult, ctx.num_experts = plan, mult, weight.shape[0]
         ctx.io = io if io and "packed" in io else None  # only dy_packed is read back (not the x rows)
         ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
@@ -215,7 +215,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
     def backward(ctx, dy):
         plan = ctx.plan
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, w_col = _saved.unpack(ctx)
+        x_col, w_col = saved_storages.unpack(ctx)
         plan.advance("grad_output")
         dys = ctx.io.get("dy_packed") if ctx.io else None  # expert parallel: filled by the combine's backward
         if dys is None:
@@ -245,9 +245,6 @@ def grouped_linear(x, weight, tokens_per_expert, plan, io: dict | None = None) -
 def exchange_packable(plan, tensor_type: str) -> bool:
     """An expert-parallel exchange can hand this path ``tensor_type``'s rows packed: per-tensor
     FP8 current scaling with columnwise = rowwise transposed (``device_split.packed_fp8_rows``)."""
-    from hybrid_dist.formats.float8 import Float8Quantizer
-    from hybrid_dist.moe import _wire
-
     q = getattr(plan, tensor_type)
     row = q.direction_quantizer("rowwise")
     return isinstance(row, Float8Quantizer) and row.scaling == "current" and _wire.derivable_columnwise(q)

@@ -39,8 +39,8 @@ from typing import Any, Sequence
 
 import torch
 
-from hybrid_dist.formats._quantizer import Quantizer
-from hybrid_dist.formats._storage import DirectionStorage
+from hybrid_dist.formats import Quantizer
+from hybrid_dist.formats import DirectionStorage
 
 __all__ = ["GroupedQuantized", "split_quantize", "token_multiple", "padded_offsets"]
 

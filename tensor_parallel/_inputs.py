@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_dist.formats._storage import DirectionStorage
+from hybrid_dist.formats import DirectionStorage
 from hybrid_dist.formats.identity import IdentityStorage
 from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel.gather import (

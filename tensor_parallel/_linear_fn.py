@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from hybrid_dist import _saved, gemm
-from hybrid_dist.linear import _weight_operands
+from hybrid_dist import gemm, saved_storages
+from hybrid_dist.linear import weight_operands
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel._inputs import WgradInput, gather_input
@@ -66,8 +66,6 @@ def _register_prepared(key: torch.Tensor, holder: "SharedWgradInput") -> None:
 
 def prepared_holder(x) -> "SharedWgradInput | None":
     """The shared wgrad operand if ``x`` came out of ``PreparedGatherFn``, else None."""
-    from hybrid_dist.quantized_tensor import QuantizedTensor
-
     if not isinstance(x, QuantizedTensor) or x.rowwise is None:
         return None
     key = next(iter(x.rowwise.tensors().values()))
@@ -107,7 +105,7 @@ def _weight_pair(weight, plan, w_req, requests_out, *, need_dgrad: bool):
     """``(rowwise, columnwise)`` weight storages: from ``requests_out`` (the quantized
     request's result) or, for a quantized weight, its stored directions."""
     if w_req is None:
-        return _weight_operands(weight, plan, need_dgrad)
+        return weight_operands(weight, plan, need_dgrad)
     return requests_out[-1]
 
 
@@ -155,7 +153,7 @@ class ColumnParallelFn(torch.autograd.Function):
         ctx.shared = shared if need_wgrad else None
         wgrad_st = wgrad_in.storage if isinstance(wgrad_in, WgradInput) else None
         ctx.wgrad_meta = wgrad_in.meta() if isinstance(wgrad_in, WgradInput) else None
-        _saved.pack(ctx, w_col if need_dgrad else None, wgrad_st)
+        saved_storages.pack(ctx, w_col if need_dgrad else None, wgrad_st)
         ctx.plan, ctx.cfg, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, cfg, x.shape, x.dtype, weight.dtype
         ctx.has_bias, ctx.prepared = bias is not None, shared is not None
         return y.reshape(*lead, y.shape[-1])
@@ -164,7 +162,7 @@ class ColumnParallelFn(torch.autograd.Function):
     def backward(ctx, dy):
         plan, cfg = ctx.plan, ctx.cfg
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w_col, wgrad_st = _saved.unpack(ctx)
+        w_col, wgrad_st = saved_storages.unpack(ctx)
         dy2d = dy.reshape(-1, dy.shape[-1])
         plan.grad_output.advance_state(plan.states["grad_output"])
         # dy [M, N/tp]: N is sharded, so a per-tensor scale needs the group amax
@@ -210,7 +208,7 @@ class RowParallelFn(torch.autograd.Function):
         y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        _saved.pack(ctx, w_col if need_dgrad else None, x_col if need_wgrad else None)
+        saved_storages.pack(ctx, w_col if need_dgrad else None, x_col if need_wgrad else None)
         ctx.plan, ctx.cfg, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, cfg, x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         return y
@@ -219,7 +217,7 @@ class RowParallelFn(torch.autograd.Function):
     def backward(ctx, dy):
         plan, cfg = ctx.plan, ctx.cfg
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w_col, x_col = _saved.unpack(ctx)
+        w_col, x_col = saved_storages.unpack(ctx)
         dy2d = dy.reshape(-1, dy.shape[-1])
         plan.grad_output.advance_state(plan.states["grad_output"])
         db = None
@@ -262,8 +260,6 @@ class PreparedGatherFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, quantizer, state, group, uses: int, path: str, need_wgrad: bool):
-        from hybrid_dist.quantized_tensor import QuantizedTensor
-
         k = x.shape[-1]
         world = _comm.group_size(group)
         row, wgrad_in, _ = gather_input(x.reshape(-1, k), group, quantizer, state, need_wgrad=need_wgrad,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_dist.formats._storage import DirectionStorage
+from hybrid_dist.formats import DirectionStorage
 from hybrid_dist.quantized_tensor import DIRECTIONS, QuantizedTensor
 
 

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from hybrid_dist._amax_sync import all_reduce_amaxes
-from hybrid_dist._warn import warn_once
+from hybrid_dist.amax_sync import all_reduce_amaxes
+from hybrid_dist.warn import warn_once
 
-from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
+from hybrid_dist.formats import Quantizer, tensor_amax
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 from hybrid_dist.quantized_tensor import QuantizedTensor

@@ -53,7 +53,7 @@ class _TensorParallelLinear:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self.active_recipe() or _HP_RECIPE
-        plan = self._plan(recipe)
+        plan = self.plan_for(recipe)
         if not in_backward():
             if prepared_holder(x) is not None:  # its input state was advanced by the preparing hook
                 plan.weight.advance_state(plan.states["weight"])
@@ -177,7 +177,7 @@ class PrepareHybridModuleInput(ParallelStyle):
         layers = [module.get_submodule(c) for c in self.consumers]
         plans = []
         for layer in layers:
-            plan = layer._plan(layer.active_recipe() or _HP_RECIPE)
+            plan = layer.plan_for(layer.active_recipe() or _HP_RECIPE)
             plans.append(plan)
         first = plans[0]
         for c, plan in zip(self.consumers, plans):

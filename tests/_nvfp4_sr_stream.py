@@ -5,7 +5,7 @@ the kernels are compared with bitwise.
   Triton's ``tl.randint4x(seed, c)`` is counter ``(c, 0, 0, 0)`` and key ``(seed & M32,
   seed >> 32)``.
 * ``kernel_sr_rand``: per element of one direction, the uniform ``rand`` for which
-  ``_numerics.e2m1_encode(v, rand)`` rounds up exactly when the kernel does: the kernel
+  ``numerics.e2m1_encode(v, rand)`` rounds up exactly when the kernel does: the kernel
   rounds up when ``(u - lo) / gap >= 1 - n`` with ``n = (r8 + 1/2) / 256`` (``_e2m1.
   e2m1_sr_mad``), the reference when ``rand < (u - lo) / gap``, so ``rand`` is the fp32 just
   below ``1 - n``. Element ``(m, k)`` of ``x [M, K]`` takes byte ``m % 4`` of word

@@ -137,7 +137,7 @@ def test_autocast_recipe_compiles_without_graph_breaks_cpu():
     compiled = hd.Linear(64, 32, bias=False, dtype=torch.bfloat16)
     compiled.load_state_dict(eager.state_dict())
     for name in ("fp8_current", "mxfp8_fwd_nvfp4_bwd"):  # SR states exist before tracing
-        compiled._plan(hd.recipe_from_name(name))
+        compiled.plan_for(hd.recipe_from_name(name))
     fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
     xs, dys = _inputs(64, 64, 32, 1, "cpu", torch.bfloat16)
     for name in ("fp8_current", "mxfp8_fwd_nvfp4_bwd", "fp8_current"):

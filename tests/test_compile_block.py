@@ -53,7 +53,7 @@ def _blocks(name: str, qinit: bool, device: str, n_blocks: int = 2):
     hd.convert_to_hybrid(blocks, recipe=recipe)
     for m in blocks.modules():
         if isinstance(m, hd.Linear):
-            m._plan(recipe)  # as apply_recipe does: states exist before the first (compiled) forward
+            m.plan_for(recipe)  # as apply_recipe does: states exist before the first (compiled) forward
     return cfg, blocks
 
 

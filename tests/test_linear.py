@@ -207,7 +207,7 @@ def test_delayed_scaling_advances_once_per_pass_and_not_on_recompute():
     lin = hd.Linear(128, 128, bias=False, recipe=recipe)
     x = 3.0 * torch.randn(64, 128)
     lin(x).sum().backward()
-    state = lin._plan(recipe).states["input"]
+    state = lin.plan_for(recipe).states["input"]
     amax = x.abs().max()
     assert state.amax_history[0] == amax and state.scale == 1.0  # first pass: scale 1
     torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum().backward()
@@ -230,7 +230,7 @@ def test_named_recipe_is_one_object_so_delayed_state_survives_autocast_per_step(
         with hd.autocast(hd.recipe_from_name("fp8_delayed")):
             lin(x).sum().backward()
     assert len(lin._plans) == 1
-    assert lin._plan(hd.recipe_from_name("fp8_delayed")).states["input"].scale == torch.tensor(448.0) / x.abs().max()
+    assert lin.plan_for(hd.recipe_from_name("fp8_delayed")).states["input"].scale == torch.tensor(448.0) / x.abs().max()
 
 
 def test_device_mismatch_and_closure_errors():

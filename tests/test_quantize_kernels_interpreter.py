@@ -58,7 +58,7 @@ def nvfp4_rht_input(shape, seed, gen):
     """``x = Tᵀ y`` per 16-group along M with one non-zero ``y`` per group and column,
     ``|y| = 6 · E4M3`` and ``max |y| = 2688``: ``y`` (kernel and reference) is exact, the
     columnwise global scale is 1 and the rowwise one 1/4."""
-    from hybrid_dist.formats._numerics import hadamard16
+    from hybrid_dist.formats.numerics import hadamard16
 
     m, k = shape
     t = hadamard16(seed)
@@ -175,7 +175,7 @@ def _check_nvfp4_rht_words_vs_tile():
     inputs are left out: the interpreter's bf16 → fp32 cast flushes them, the GPU's does not),
     two tile configs, row+col and columnwise only, whole and partial tiles; with stochastic
     rounding of one direction too (the tile kernel's Philox stream)."""
-    from hybrid_dist.formats._numerics import hadamard16
+    from hybrid_dist.formats.numerics import hadamard16
     from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP, nvfp4_words_default
 
     gen = torch.Generator().manual_seed(3)

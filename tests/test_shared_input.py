@@ -165,7 +165,7 @@ def test_no_recipe_gives_plain_output_without_warning():
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget earlier one-time warnings (other tests in this process may have shown them)."""
-    from hybrid_dist import _warn
+    from hybrid_dist import warn as _warn
 
     monkeypatch.setattr(_warn, "_WARNED", set())
 

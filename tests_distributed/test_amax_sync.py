@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_dist._amax_sync import all_reduce_amaxes
+from hybrid_dist.amax_sync import all_reduce_amaxes
 from tests_distributed._harness import run_ranks
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hybrid_dist as hd
-from hybrid_dist._recipe_module import QUANTIZER_STATE_KEY
+from hybrid_dist.recipe_module import QUANTIZER_STATE_KEY
 
 
 def _run(lin, recipe, xs, *, autocast: bool):

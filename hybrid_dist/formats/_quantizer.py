@@ -4,7 +4,7 @@
 Subclasses implement ``_quantize_2d`` (reference, pure torch) on the 2D view ``[M, K]``
 and declare their block sizes; the base validates input, checks shapes against the
 blocks (``ValueError`` naming dim, size and multiple), picks the CUDA kernel when one is
-registered for the format (``hybrid_dist.kernels``) and wraps the result.
+registered for the format (``hybrid_dist._kernel_registry``) and wraps the result.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybrid_dist._warn import warn_once
+from hybrid_dist import _kernel_registry
+from hybrid_dist.warn import warn_once
 from hybrid_dist.formats._storage import DirectionStorage
+from hybrid_dist.quantized_tensor import QuantizedTensor
 
 _DIRECTIONS = ("rowwise", "columnwise")
 
@@ -78,8 +80,6 @@ class Quantizer:
         ``amax``: a precomputed per-tensor amax (e.g. reduced over a process group) for
         per-tensor formats; ignored by formats without a per-tensor scale.
         """
-        from hybrid_dist.quantized_tensor import QuantizedTensor
-
         m, k = self.check_input(x, rowwise=rowwise, columnwise=columnwise)
         x2d = x.detach().reshape(m, k)
         row, col = self._quantize_2d_dispatch(
@@ -141,7 +141,7 @@ class Quantizer:
                 )
 
     def _quantize_2d_dispatch(self, x2d, *, rowwise, columnwise, state, amax):
-        impl = _kernels().quantize_impl_for(self, x2d)
+        impl = _kernel_registry.quantize_impl_for(self, x2d)
         if impl is not None:
             out = impl(self, x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
             if out is not NotImplemented:
@@ -151,17 +151,6 @@ class Quantizer:
                       f"rowwise={rowwise}, columnwise={columnwise}); using the pure-torch reference "
                       "(same numbers, slower). bf16 inputs take the fused kernels.")
         return self._quantize_2d(x2d, rowwise=rowwise, columnwise=columnwise, state=state, amax=amax)
-
-
-_KERNELS = []  # the hybrid_dist.kernels module (import cycle); resolved by hybrid_dist/__init__
-
-
-def _kernels():
-    if not _KERNELS:
-        from hybrid_dist import kernels
-
-        _KERNELS.append(kernels)
-    return _KERNELS[0]
 
 
 def _check_direction(direction: str) -> None:
@@ -180,7 +169,7 @@ def tensor_amaxes(xs: list[torch.Tensor]) -> torch.Tensor:
     """``[n]`` fp32: ``tensor_amax`` of each of ``xs`` (bitwise: a max is exact). On CUDA
     each is one read by the amax kernel into its slot of one buffer (no ``|x|`` temporary,
     no stacking); elsewhere torch ops."""
-    impl = _kernels().amax_into_impl_for(xs[0]) if xs and not torch.compiler.is_compiling() else None
+    impl = _kernel_registry.amax_into_impl_for(xs[0]) if xs and not torch.compiler.is_compiling() else None
     if impl is None:
         return torch.stack([tensor_amax(x) for x in xs]) if xs else torch.zeros(0, dtype=torch.float32)
     out = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)

@@ -25,7 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from hybrid_dist.formats._numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
+from hybrid_dist._kernel_registry import delayed_advance_impl_for
+from hybrid_dist.formats.numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
 
@@ -66,10 +67,9 @@ class DelayedScalingState:
 
     def advance(self, quantizer: "Float8Quantizer") -> None:
         """Compute the scale for the next pass from the history, then open a new slot."""
-        if self.amax_history.is_cuda and not torch.compiler.is_compiling():
-            from hybrid_dist.kernels import fp8_delayed  # one launch, no host sync
-
-            fp8_delayed.advance_(self.amax_history, self.scale, quantizer)
+        impl = None if torch.compiler.is_compiling() else delayed_advance_impl_for(self.amax_history)
+        if impl is not None:
+            impl(self.amax_history, self.scale, quantizer)  # one launch, no host sync
         else:
             self.advance_reference(quantizer)
 
@@ -123,10 +123,9 @@ def stacked_delayed_states(states: "list[DelayedScalingState]", device) -> tuple
 def advance_stacked(states: "list[DelayedScalingState]", quantizer: "Float8Quantizer") -> None:
     """``advance`` every state: one launch on CUDA (``kernels.fp8_delayed``), else each in torch."""
     hist = states[0].amax_history
-    if hist.is_cuda and not torch.compiler.is_compiling():
-        from hybrid_dist.kernels import fp8_delayed
-
-        fp8_delayed.advance_(*stacked_delayed_states(states, hist.device), quantizer)
+    impl = None if torch.compiler.is_compiling() else delayed_advance_impl_for(hist)
+    if impl is not None:
+        impl(*stacked_delayed_states(states, hist.device), quantizer)
     else:
         for s in states:
             s.advance_reference(quantizer)

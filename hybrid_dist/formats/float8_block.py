@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from hybrid_dist.formats._numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
+from hybrid_dist.formats.numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
 from hybrid_dist.formats._quantizer import Quantizer
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
 

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from hybrid_dist.formats._numerics import (
+from hybrid_dist.formats.numerics import (
     FP8_MAX,
     cast_to_fp8,
     check_fp8_dtype,

@@ -17,7 +17,7 @@ is sign(bit 3) + E2M1 magnitude (see ``_numerics``). Scale rules (as TE):
     q            = e2m1( x / (block_scale · global_scale) )   (RNE, or stochastic)
     x            ≈ q · block_scale · global_scale
 
-Options: ``rht`` applies the 16×16 random Hadamard transform ``T`` (``_numerics.hadamard16``,
+Options: ``rht`` applies the 16×16 random Hadamard transform ``T`` (``numerics.hadamard16``,
 sign vector from ``rht_seed``) along the contraction dim of the **columnwise** direction
 only (the wgrad operand of inputs and gradients); ``stochastic_rounding`` rounds elements
 stochastically with the randomness of ``make_state()`` (seeded with ``seed``: a generator
@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from hybrid_dist.formats._numerics import (
+from hybrid_dist.formats.numerics import (
     E2M1_MAX,
     E4M3_MAX,
     apply_hadamard16,
@@ -45,7 +45,7 @@ from hybrid_dist.formats._numerics import (
     pack_fp4,
     unpack_fp4,
 )
-from hybrid_dist.formats import _traced_rng
+from hybrid_dist.formats import traced_rng
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
 
@@ -104,7 +104,7 @@ class NVFP4State:
       same keys, as their generators draw the same numbers.
 
     ``state_dict(device)`` / ``load_state_dict`` save and resume both streams (a module's
-    state dict holds them: ``_recipe_module``'s note on quantizer states).
+    state dict holds them: ``recipe_module``'s note on quantizer states).
     """
 
     def __init__(self, seed: int):
@@ -115,7 +115,7 @@ class NVFP4State:
         self._loaded_key: torch.Tensor | None = None
         self._loaded_generators: dict[str, torch.Tensor] = {}  # device type -> generator state
         # how a compiled graph finds this state: its id as a CPU tensor (none while tracing)
-        self.uid = None if torch.compiler.is_compiling() else _traced_rng.register(self)
+        self.uid = None if torch.compiler.is_compiling() else traced_rng.register(self)
 
     def generator(self, device: torch.device) -> torch.Generator:
         device = _indexed(device)
@@ -256,7 +256,7 @@ class NVFP4Quantizer(Quantizer):
         if not self.stochastic_rounding:
             return None
         if isinstance(state, NVFP4State) and like is not None:
-            return _traced_rng.state_rand(state, like, shape, draw=draw)
+            return traced_rng.state_rand(state, like, shape, draw=draw)
         gen = state.generator(device) if isinstance(state, NVFP4State) else None
         return torch.rand(shape, device=device, generator=gen)
 

@@ -1,85 +1,32 @@
-"""CUDA kernel registry: which fused kernel (if any) serves a format on a device.
+"""CUDA kernels: Triton quantize kernels, the fused SwiGLU → quantize kernel, the CUDA GEMM
+dispatch and the delayed-scaling update, each registered per quantizer class or operand pair.
 
 The reference backend (pure torch, ``hybrid_dist.formats``) is the ground truth and runs
-everywhere. GPU kernels register themselves here per quantizer class and per GEMM operand
-pair; on CPU tensors, or where no kernel is registered, callers use the reference.
+everywhere. Importing this package on a machine with CUDA and Triton fills the registry
+(``hybrid_dist._kernel_registry``), which the formats and the GEMM consult; on CPU tensors,
+or where no kernel is registered, callers use the reference. The registry's functions are
+re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-_QUANTIZE: dict[type, Callable] = {}
-_QUANTIZE_INTO: dict[type, Callable] = {}
-_AMAX_INTO: list[Callable] = []  # at most one: impl(x2d, out_scalar)
-_FUSED: dict[tuple[str, type], Callable] = {}  # (producer op, quantizer class) -> impl
-_GEMM: list[Callable] = []
-
-
-def register_quantize(quantizer_cls: type, impl: Callable) -> None:
-    """``impl(quantizer, x2d, *, rowwise, columnwise, state, amax) -> (row, col)`` or
-    ``NotImplemented`` to defer to the reference for that call."""
-    _QUANTIZE[quantizer_cls] = impl
-
-
-def register_quantize_into(quantizer_cls: type, impl: Callable) -> None:
-    """``impl(quantizer, x2d, row_storage, col_storage, amax)`` writes the quantization of
-    ``x2d`` into existing storages (either may be None) bitwise as quantize-then-copy, or
-    returns ``NotImplemented`` (the caller quantizes and copies)."""
-    _QUANTIZE_INTO[quantizer_cls] = impl
-
-
-def register_amax_into(impl: Callable) -> None:
-    """``impl(x2d, out)``: max-reduce ``max|x2d|`` (fp32) into the zeroed scalar ``out``."""
-    _AMAX_INTO[:] = [impl]
-
-
-def register_fused_quantize(op: str, quantizer_cls: type, impl: Callable) -> None:
-    """A kernel computing a producer's output (``op``: ``"swiglu"``) and
-    quantizing it in one go, never writing the high-precision output (``hd.SwiGLU``;
-    see ``hybrid_dist.shared_input``). ``impl(quantizer, *inputs2d, *,
-    rowwise, columnwise) -> (row, col)`` or ``NotImplemented`` to defer to the reference."""
-    _FUSED[(op, quantizer_cls)] = impl
-
-
-def register_gemm(impl: Callable) -> None:
-    """``impl(a, b, *, out_dtype, config) -> Tensor`` or ``NotImplemented``."""
-    _GEMM.append(impl)
-
-
-def quantize_impl_for(quantizer, x: torch.Tensor):
-    if x.device.type != "cuda":
-        return None
-    return _QUANTIZE.get(type(quantizer))
-
-
-def quantize_into_impl_for(quantizer, x: torch.Tensor):
-    if x.device.type != "cuda":
-        return None
-    return _QUANTIZE_INTO.get(type(quantizer))
-
-
-def amax_into_impl_for(x: torch.Tensor):
-    if x.device.type != "cuda" or not _AMAX_INTO:
-        return None
-    return _AMAX_INTO[0]
-
-
-def fused_quantize_impl_for(op: str, quantizer, x: torch.Tensor):
-    if x.device.type != "cuda":
-        return None
-    return _FUSED.get((op, type(quantizer)))
-
-
-def gemm_impls_for(a_device: torch.device) -> list[Callable]:
-    return _GEMM if a_device.type == "cuda" else []
-
-
-def registered_quantizers() -> tuple[type, ...]:
-    """Quantizer classes with a registered CUDA kernel (empty without CUDA + Triton)."""
-    return tuple(_QUANTIZE)
+from hybrid_dist._kernel_registry import (
+    amax_into_impl_for,
+    delayed_advance_impl_for,
+    fused_quantize_impl_for,
+    gemm_impls_for,
+    quantize_impl_for,
+    quantize_into_impl_for,
+    register_amax_into,
+    register_delayed_advance,
+    register_fused_quantize,
+    register_gemm,
+    register_quantize,
+    register_quantize_into,
+    registered_quantizers,
+)
 
 
 def _cuda_kernels_available() -> bool:
@@ -97,6 +44,7 @@ if _cuda_kernels_available():  # CPU-only installs (CI) never import Triton
 
     _register.register_all()
 
-__all__ = ["amax_into_impl_for", "fused_quantize_impl_for", "gemm_impls_for", "quantize_impl_for",
-           "quantize_into_impl_for", "register_amax_into", "register_fused_quantize", "register_gemm",
-           "register_quantize", "register_quantize_into", "registered_quantizers"]
+__all__ = ["amax_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for", "gemm_impls_for",
+           "quantize_impl_for", "quantize_into_impl_for", "register_amax_into", "register_delayed_advance",
+           "register_fused_quantize", "register_gemm", "register_quantize", "register_quantize_into",
+           "registered_quantizers"]

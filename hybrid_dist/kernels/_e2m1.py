@@ -1,4 +1,4 @@
-"""E2M1 (NVFP4 element) encoders for the Triton kernels, bitwise ``formats._numerics``:
+"""E2M1 (NVFP4 element) encoders for the Triton kernels, bitwise ``formats.numerics``:
 round to nearest even (``e2m1_rne_bits``; ``e2m1_rne_mad`` adds the code into a packed word;
 ``e2m1_mag_into`` adds only the magnitude, after ``e2m1_sign_nibbles8`` has placed eight signs)
 and stochastic rounding from 8 random bits per element (``e2m1_sr_mad`` with ``sr_noise``;
@@ -16,7 +16,7 @@ from hybrid_dist.kernels._jit_common import INTERPRET
 @triton.jit
 def e2m1_rne_ops(v):
     """E2M1 code (int32, sign in bit 3) of fp32 ``v``, magnitude clamped to 6, ties to even:
-    bitwise ``_numerics.e2m1_encode(v)`` (NaN aside) in ~12 integer/float ops instead of a
+    bitwise ``numerics.e2m1_encode(v)`` (NaN aside) in ~12 integer/float ops instead of a
     compare chain. ``u >= 1``: round the fp32 bits to one mantissa bit (code = biased
     exponent·2 + mantissa bit − 252); ``u < 1``: ``RNE(2u)`` by adding ``2**23``."""
     u = tl.minimum(tl.abs(v), 6.0)
@@ -184,7 +184,7 @@ def e2m1_sr_mad(v, f, acc, mult):
     E2M1's spacing in ``u``'s binade) by one ``fma.rz``, truncated to the grid by the magic
     add of ``e2m1_rne_bits`` in round-toward-zero. The truncation of a value ``>= hi`` is
     ``hi`` (grid points are fp32), so the code goes up exactly when ``(u - lo) / gap >= 1 - n``:
-    ``_numerics.e2m1_encode(v, rand)`` with ``rand`` the fp32 just below ``1 - n``
+    ``numerics.e2m1_encode(v, rand)`` with ``rand`` the fp32 just below ``1 - n``
     (``tests/formats/test_e2m1_magic.py``)."""
     if INTERPRET:
         return acc + e2m1_sr_ops(v, f) * mult

@@ -1,6 +1,6 @@
 """Bit-exact Triton building blocks shared by the quantize and dequantize kernels.
 
-Each helper mirrors one function of ``hybrid_dist.formats._numerics`` (same IEEE
+Each helper mirrors one function of ``hybrid_dist.formats.numerics`` (same IEEE
 operations in the same order), so the kernels reproduce the reference bitwise:
 
 * every fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate);
@@ -32,7 +32,7 @@ def div_rn(a, b):
 
 @triton.jit
 def cast_fp8(v, fmax: tl.constexpr, out_dtype: tl.constexpr):
-    """Saturating RNE cast of fp32 ``v`` (``_numerics.cast_to_fp8``: clamp to ``±fmax``, then cast).
+    """Saturating RNE cast of fp32 ``v`` (``numerics.cast_to_fp8``: clamp to ``±fmax``, then cast).
 
     On the GPU the cast alone is that function: Triton lowers it to ``cvt.rn.satfinite``
     (``F2FP.SATFINITE.E4M3`` / ``.E5M2`` in the sm_90 SASS), which saturates finite values and
@@ -56,7 +56,7 @@ def round_bf16(v):
 
 @triton.jit
 def exp2_int(k):
-    """Exact ``2.0**k`` (fp32) for int32 ``k`` in [-149, 127] (``_numerics.exp2_int``)."""
+    """Exact ``2.0**k`` (fp32) for int32 ``k`` in [-149, 127] (``numerics.exp2_int``)."""
     normal = tl.maximum(k + 127, 1) << 23
     subnormal = tl.full(k.shape, 1, tl.int32) << tl.minimum(tl.maximum(k + 149, 0), 22)
     bits = tl.where(k >= -126, normal, subnormal)
@@ -65,14 +65,14 @@ def exp2_int(k):
 
 @triton.jit
 def pow2_floor(x):
-    """Largest power of two <= positive normal fp32 ``x`` (``_numerics.pow2_floor``)."""
+    """Largest power of two <= positive normal fp32 ``x`` (``numerics.pow2_floor``)."""
     return (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def e8m0_rceil(amax, E5M2: tl.constexpr):
     """Biased E8M0 exponent (int32) of ``RCEIL(RN(amax / fmax))`` for ``fmax = 1.75 · 2**SHIFT``
-    (E4M3 448: 8, E5M2 57344: 15), with integer ops only: bitwise ``_numerics.e8m0_from_amax`` for
+    (E4M3 448: 8, E5M2 57344: 15), with integer ops only: bitwise ``numerics.e8m0_from_amax`` for
     every non-negative fp32 ``amax`` (checked over all 2**31 bit patterns, NaN/Inf → 255).
 
     ``RN(a/fmax) <= 2**p`` iff ``a <= fmax · 2**p · (1 + 2**-24)`` (ties go to the even

@@ -1,11 +1,12 @@
-"""Registers the Triton quantize kernels, the fused SwiGLU → quantize kernel and the
-CUDA GEMM with the registry.
+"""Registers the Triton quantize kernels, the fused SwiGLU → quantize kernel, the CUDA
+GEMM and the delayed-scaling update with the registry (``hybrid_dist._kernel_registry``).
 
 Imported by ``hybrid_dist.kernels`` only when CUDA and Triton are both available.
 """
 
 from __future__ import annotations
 
+from hybrid_dist import _kernel_registry as registry
 from hybrid_dist.formats.float8 import Float8Quantizer
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
@@ -13,20 +14,20 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 
 
 def register_all() -> None:
-    from hybrid_dist import kernels
     from hybrid_dist.kernels.fp8_block import quantize_fp8_block
+    from hybrid_dist.kernels.fp8_delayed import advance_
     from hybrid_dist.kernels.fp8_tensor import _amax_2d, quantize_fp8_tensor, quantize_fp8_tensor_into
     from hybrid_dist.kernels.gemm import gemm_nt_cuda
     from hybrid_dist.kernels.mxfp8 import quantize_mxfp8
     from hybrid_dist.kernels.swiglu_fp8 import swiglu_quantize_fp8
     from hybrid_dist.kernels.nvfp4 import quantize_nvfp4
 
-    kernels.register_quantize(Float8Quantizer, quantize_fp8_tensor)
-    kernels.register_quantize(Float8BlockQuantizer, quantize_fp8_block)
-    kernels.register_quantize_into(Float8Quantizer, quantize_fp8_tensor_into)
-    kernels.register_amax_into(_amax_2d)
-    kernels.register_quantize(MXFP8Quantizer, quantize_mxfp8)
-    kernels.register_quantize(NVFP4Quantizer, quantize_nvfp4)
-    kernels.register_fused_quantize("swiglu", Float8Quantizer, swiglu_quantize_fp8)
-    if gemm_nt_cuda not in kernels._GEMM:
-        kernels.register_gemm(gemm_nt_cuda)
+    registry.register_quantize(Float8Quantizer, quantize_fp8_tensor)
+    registry.register_quantize(Float8BlockQuantizer, quantize_fp8_block)
+    registry.register_quantize_into(Float8Quantizer, quantize_fp8_tensor_into)
+    registry.register_amax_into(_amax_2d)
+    registry.register_quantize(MXFP8Quantizer, quantize_mxfp8)
+    registry.register_quantize(NVFP4Quantizer, quantize_nvfp4)
+    registry.register_fused_quantize("swiglu", Float8Quantizer, swiglu_quantize_fp8)
+    registry.register_gemm(gemm_nt_cuda)
+    registry.register_delayed_advance(advance_)

@@ -3,7 +3,7 @@ applied while the words are unpacked, the Sylvester butterflies without the ``1/
 moves onto the block scale), the block amax taken from the last butterfly stage, and the codes
 encoded with their signs taken from the transformed values' bits.
 
-[Note: unscaled butterflies] ``T = H16 · diag(s) / 4`` (``formats._numerics.hadamard16``;
+[Note: unscaled butterflies] ``T = H16 · diag(s) / 4`` (``formats.numerics.hadamard16``;
 the kernel reads ``T[0, :] = s / 4``). The tile kernel (``nvfp4_tiles._rht16``) forms
 ``y = T x`` as ``x_q · T[0, q]`` and four stages of adds. Here ``s_q`` goes into ``x_q``'s sign
 bit as the word is unpacked and the butterflies run on ``z = H16 (s ∘ x)``. Then ``z = 4y``

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.float8_block import BLOCK, Float8BlockQuantizer, Float8BlockStorage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, div_rn, per_block_scale
 from hybrid_dist.kernels._launch import launch

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import FP32_MAX, div_rn, pow2_floor
 from hybrid_dist.kernels._launch import launch
 

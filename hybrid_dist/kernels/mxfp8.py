@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
 from hybrid_dist.kernels._jit_common import (cast_fp8, cdiv, e8m0_inv_bf16, e8m0_rceil, e8m0_rceil_bf16, eager_or_op,
                                              exp2_int)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK
 from hybrid_dist.kernels._jit_common import cdiv, cast_fp8, e8m0_rceil, exp2_int
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_dist.formats import _traced_rng
-from hybrid_dist.formats._numerics import hadamard16
+from hybrid_dist.formats import traced_rng
+from hybrid_dist.formats.numerics import hadamard16
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels._launch import launch
@@ -182,7 +182,7 @@ def _seed_tensor(q: NVFP4Quantizer, state, device, like: torch.Tensor) -> torch.
         return _NO_SEED[device]
     if isinstance(state, NVFP4State):
         if torch.compiler.is_compiling():
-            return _traced_rng.state_rand(state, like, (1,), draw=2, kind="key")
+            return traced_rng.state_rand(state, like, (1,), draw=2, kind="key")
         return state.kernel_key(device)
     return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 

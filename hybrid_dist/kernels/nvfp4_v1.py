@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats._numerics import hadamard16
+from hybrid_dist.formats.numerics import hadamard16
 from hybrid_dist.kernels._jit_common import cdiv, e2m1_rne, e2m1_stochastic, pack_pairs
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 

@@ -12,7 +12,7 @@ columnwise block amax is an unsigned 16×2 max of ``w_j & 0x7FFF7FFF`` over the 
 [Note: lane quads] ``QUAD`` (both directions, 64×128 tiles, 4 warps): the four lanes that
 hold one rowwise block share the scale work of four row sets (``_lane_quad``).
 [Note: signs] A code's sign bit is the input's sign bit (``-0.0`` encodes as ``0x8``, as in
-``_numerics.e2m1_encode``); magnitudes are added into their nibbles (``_e2m1``). An inf in a
+``numerics.e2m1_encode``); magnitudes are added into their nibbles (``_e2m1``). An inf in a
 block whose encode multiplier is 0 keeps its sign, where the tile kernel's NaN has none.
 [Note: row scales in place] Each lane stores its own rowwise scale byte (``_words.st8``).
 [Note: even tiles] ``EVEN`` (``M % BM == K % BK == 0``, chosen by the host): no masks.

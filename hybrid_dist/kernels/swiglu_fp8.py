@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8, cdiv, div_rn, eager_or_op, per_block_scale, round_bf16
 from hybrid_dist.kernels._launch import launch

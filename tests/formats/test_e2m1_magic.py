@@ -1,5 +1,5 @@
 """The arithmetic of ``kernels._e2m1``'s PTX E2M1 encoder, emulated with torch fp32 ops
-(IEEE round to nearest, subnormals kept), equals ``_numerics.e2m1_encode``.
+(IEEE round to nearest, subnormals kept), equals ``numerics.e2m1_encode``.
 
 The encoder rounds on the FMA pipe: ``u = min(|v|, 6)``, ``m = 1.5 · 2**(22+E)`` with
 ``E = max(floor(log2 u), 0)`` (the exponent bits of ``max(u, 1)``), ``r = (u + m) - m``,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_dist.formats._numerics import e2m1_encode
+from hybrid_dist.formats.numerics import e2m1_encode
 from tests._nvfp4_sr_stream import noise_rand
 
 GRID_AND_TIES = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0]

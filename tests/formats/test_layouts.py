@@ -20,7 +20,7 @@ from hybrid_dist.formats import (
     MXFP8Quantizer,
     NVFP4Quantizer,
 )
-from hybrid_dist.formats._numerics import unpack_fp4
+from hybrid_dist.formats.numerics import unpack_fp4
 from tests._helpers import assert_bitwise_equal, assert_storage_equal
 
 M, K = 128, 256

@@ -1,4 +1,4 @@
-"""Bit-exact encodings of ``formats/_numerics.py`` against hand-computed values.
+"""Bit-exact encodings of ``formats/numerics.py`` against hand-computed values.
 
 E8M0 (MXFP8 block exponents, RCEIL), saturating FP8 casts, E2M1 codes (every grid point,
 every tie under round-to-nearest-even, the sign bit), FP4 packing order, ``exp2_int``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_dist.formats import _numerics as N
+from hybrid_dist.formats import numerics as N
 
 # --- E8M0 ---------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_dist.formats import NVFP4Quantizer, NVFP4State, NVFP4Storage, _traced_rng
+from hybrid_dist.formats import NVFP4Quantizer, NVFP4State, NVFP4Storage, traced_rng
 from hybrid_dist.formats.nvfp4 import first_kernel_key
-from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16, unpack_fp4
+from hybrid_dist.formats.numerics import apply_hadamard16, hadamard16, unpack_fp4
 from tests._helpers import assert_bitwise_equal, assert_storage_equal, sqnr_db
 
 E4M3 = torch.float8_e4m3fn
@@ -162,7 +162,7 @@ def test_kernel_key_starts_at_splitmix64_of_the_seed_and_advances_in_place():
     assert key.dtype == torch.int64 and key.shape == (1,) and key.item() == first_kernel_key(7)
     st.advance_kernel_key(cpu)
     assert st.kernel_key(cpu) is key and key.item() == first_kernel_key(7) + 1
-    taken = _traced_rng.state_rand(st, torch.zeros(1), (1,), draw=2, kind="key")
+    taken = traced_rng.state_rand(st, torch.zeros(1), (1,), draw=2, kind="key")
     assert taken.item() == first_kernel_key(7) + 1 and key.item() == first_kernel_key(7) + 2
     taken += 100  # a copy, not the live key
     assert key.item() == first_kernel_key(7) + 2
@@ -175,7 +175,7 @@ def test_kernel_key_draw_through_the_traced_op_advances_per_call():
     each call of the compiled function returns the next key."""
     torch._dynamo.reset()
     st = NVFP4Quantizer(stochastic_rounding=True, seed=3).make_state()
-    fn = torch.compile(lambda x: _traced_rng.state_rand(st, x, (1,), draw=2, kind="key") + 0,
+    fn = torch.compile(lambda x: traced_rng.state_rand(st, x, (1,), draw=2, kind="key") + 0,
                        backend="aot_eager", fullgraph=True)
     got = [fn(torch.zeros(1)).item() for _ in range(3)]
     assert got == [first_kernel_key(3) + i for i in range(3)]

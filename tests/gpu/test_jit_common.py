@@ -12,7 +12,7 @@ import torch
 triton = pytest.importorskip("triton")  # absent on CPU-only installs (CI)
 import triton.language as tl  # noqa: E402
 
-from hybrid_dist.formats._numerics import cast_to_fp8  # noqa: E402
+from hybrid_dist.formats.numerics import cast_to_fp8  # noqa: E402
 from hybrid_dist.formats.nvfp4 import nvfp4_global_scale  # noqa: E402
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale  # noqa: E402
 

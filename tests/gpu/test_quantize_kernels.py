@@ -403,7 +403,7 @@ def test_non_bf16_inputs_take_the_kernels_in_every_direction(in_dtype):
 
 @pytest.mark.parametrize("shape", [(384, 640), (4096, 2048)], ids=str)
 def test_nvfp4_amax_pass(shape):
-    from hybrid_dist.formats._numerics import apply_hadamard16, hadamard16
+    from hybrid_dist.formats.numerics import apply_hadamard16, hadamard16
     from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles
 
     x = _x(shape)

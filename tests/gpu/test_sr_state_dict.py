@@ -1,6 +1,6 @@
 """Stochastic rounding resumes bitwise on the GPU through ``hd.Linear``'s state dict: the
 CUDA kernels' Philox key (advanced on the device every call) is saved and loaded in place
-(``NVFP4State.state_dict``, the note on quantizer states in ``_recipe_module``), also into a
+(``NVFP4State.state_dict``, the note on quantizer states in ``recipe_module``), also into a
 module that is on the CPU when it loads and moves to the GPU afterwards."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hybrid_dist as hd
-from hybrid_dist._recipe_module import QUANTIZER_STATE_KEY
+from hybrid_dist.recipe_module import QUANTIZER_STATE_KEY
 
 pytestmark = pytest.mark.gpu
 M, K, N = 256, 512, 384

@@ -17,7 +17,7 @@ def _sr_states(model):
     out = []
     for mod in model.modules():
         if isinstance(mod, hd.Linear):
-            for s in mod._plan(mod.recipe).states.values():
+            for s in mod.plan_for(mod.recipe).states.values():
                 out += [p for p in (s, getattr(s, "rowwise", None), getattr(s, "columnwise", None))
                         if isinstance(p, NVFP4State)]
     return out

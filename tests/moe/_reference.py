@@ -34,7 +34,7 @@ class LinearLoop:
             lin = hd.Linear(k, n, bias=False, recipe=recipe, dtype=weight.dtype, device=weight.device)
             lin.weight = expert_weight(weight, i)
             self.linears.append(lin)
-        plan = self.linears[0]._plan(recipe)
+        plan = self.linears[0].plan_for(recipe)
         self.multiple = token_multiple(plan.input, plan.grad_output)
 
     def run(self, x, splits, dy):

@@ -1,6 +1,9 @@
 """What ``hd.Linear`` and ``moe.GroupedLinear`` share: which recipe a forward uses, one
 plan (quantizers + states) per recipe, and weights created under ``quantized_model_init``.
 
+Public to the integrations: ``RecipeModuleMixin`` (``plan_for(recipe)``, ``active_recipe()``),
+``in_backward``, and ``state_tensors`` / ``load_state_tensors`` for checkpointing plan states.
+
 Recipe resolution: the module's own ``recipe``, else the enclosing ``hd.autocast``'s, else
 none (high precision). A recompute runs inside backward, where ``hd.autocast`` is no longer
 active, so it reuses the recipe of the module's last forward.
@@ -13,11 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybrid_dist._tensor_ops import stateless
 from hybrid_dist.autocast import current_recipe, model_init_recipe
 from hybrid_dist.formats.float8 import DelayedScalingState
 from hybrid_dist.formats.nvfp4 import NVFP4State
-from hybrid_dist.hybrid import HybridState
+from hybrid_dist.hybrid import HybridState, stateless
 from hybrid_dist.recipes import Recipe
 
 # [Note: quantizer states in the state dict]
@@ -114,7 +116,9 @@ class RecipeModuleMixin:
     def _build_plan(self, recipe: Recipe) -> Any:
         raise NotImplementedError
 
-    def _plan(self, recipe: Recipe) -> Any:
+    def plan_for(self, recipe: Recipe) -> Any:
+        """The plan this module runs under ``recipe``: its quantizers per tensor type
+        (``.weight``, ...) and their states (``.states``), built on first use and kept."""
         plan = self._plans.get(id(recipe))
         if plan is None or plan.recipe is not recipe:
             plan = self._build_plan(recipe)
@@ -192,7 +196,7 @@ class RecipeModuleMixin:
         if name is not None:
             self.name = name
         if recipe is not None:
-            self._plan(recipe)
+            self.plan_for(recipe)
 
     def active_recipe(self) -> Recipe | None:
         return self._active_recipe(in_backward())
@@ -214,7 +218,7 @@ class RecipeModuleMixin:
         if init is None:
             return nn.Parameter(w)
         recipe, keep_hp = init
-        q = stateless(self._plan(recipe).weight)  # delayed scaling has no history yet
+        q = stateless(self.plan_for(recipe).weight)  # delayed scaling has no history yet
         param = nn.Parameter(q.quantize(w, rowwise=True, columnwise=True))
         if keep_hp:
             param._hd_hp_init = w.float()

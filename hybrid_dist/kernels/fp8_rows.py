@@ -18,7 +18,7 @@ the per-column scales: the same bytes as transposing the codes, and faster) — 
 columnwise buffer costs no second pass and no buffer is zero-filled (padding rows are
 written as zero bytes). The product is one fp32
 multiply and the cast saturates and rounds to nearest even, as
-``_numerics.cast_to_fp8(x_pad · scale_rows)``: bitwise the torch form on the GPU
+``numerics.cast_to_fp8(x_pad · scale_rows)``: bitwise the torch form on the GPU
 (``tests/moe/test_device_split`` GPU case) and, under the Triton interpreter, on inputs
 whose casts are exact (``tests/moe/test_fp8_rows_interpreter``). bf16 inputs only (the
 in-register transpose is tested for bf16 tiles only; other dtypes use the torch form).
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats._numerics import FP8_MAX
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8
 from hybrid_dist.kernels._launch import launch
 

@@ -1,4 +1,5 @@
-"""Per-tensor scales under FSDP2: one global amax per parameter, one all-reduce per step.
+"""Quantized parameters sharded as DTensors (FSDP2, HSDP, a ``(dp, tp)`` mesh): their fp32
+master shards, and the write-back with one global amax per parameter, one all-reduce per step.
 
 A per-tensor format (FP8 per-tensor, NVFP4's global scale) is valid to all-gather only if
 every shard was quantized with the same scale. After the optimizer step each rank holds
@@ -13,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_dist._amax_sync import all_reduce_amaxes
 from hybrid_dist._tensor_ops import requantize_
-from hybrid_dist.formats._quantizer import tensor_amaxes
+from hybrid_dist.amax_sync import global_amaxes
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 
@@ -26,7 +26,7 @@ def is_sharded_quantized(p: torch.Tensor) -> bool:
 
 def master_shard(p: torch.Tensor) -> torch.Tensor:
     """fp32 DTensor master of a sharded quantized parameter (dequantized local shard)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # torch.distributed: only where a DTensor exists
 
     local = p._local_tensor.dequantize(dtype=torch.float32).detach().clone()
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
@@ -85,8 +85,10 @@ def _global_amaxes(pairs) -> list[torch.Tensor]:
     for (_, dims), idx in by_group.items():
         mesh = pairs[idx[0]][0].device_mesh
         # one all-reduce per sharded mesh dim, for all parameters at once
-        amax = all_reduce_amaxes(tensor_amaxes([_local(pairs[i][1]) for i in idx]),
-                                 [mesh.get_group(dim) for dim in dims])
+        amax = global_amaxes([_local(pairs[i][1]) for i in idx], [mesh.get_group(dim) for dim in dims])
         for j, i in enumerate(idx):
             out[i] = amax[j]
     return out
+
+
+__all__ = ["is_sharded_quantized", "master_shard", "sync_amax_and_requantize"]

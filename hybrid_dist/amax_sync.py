@@ -1,5 +1,10 @@
 """The one MAX all-reduce of per-tensor amaxes that every distributed path shares.
 
+``global_amaxes(tensors, groups)`` is what FSDP2 (``hybrid_dist.sharded_params``,
+``fsdp2`` quantize-on-gather), the tensor-parallel quantized gather and the expert-parallel
+exchange call; ``all_reduce_amaxes`` reduces amaxes already computed (e.g. the Hadamard-
+domain amaxes of NVFP4 with RHT next to plain ones).
+
 A per-tensor scale (FP8 ``scale_inv``, NVFP4 ``global_scale``) is valid across shards only
 when every shard computed it from the same amax. FSDP2 (masters after the optimizer step,
 high-precision shards quantized on the gather), tensor-parallel quantized gathers and the
@@ -16,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from hybrid_dist.formats import tensor_amaxes
+
 
 def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Sequence) -> torch.Tensor:
     """``[n]`` fp32: the MAX of each 0-dim (or 1-element) ``amaxes[i]`` over every group in
@@ -31,3 +38,13 @@ def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Seq
     for group in groups:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     return buf
+
+
+def global_amaxes(tensors: Sequence[torch.Tensor], groups: Sequence) -> torch.Tensor:
+    """``[n]`` fp32: ``max |tensors[i]|`` over every group in ``groups``: each tensor's local
+    amax (``tensor_amaxes``), stacked, one MAX all-reduce per group. Index the result
+    (``amaxes[i]``) for each tensor's 0-dim global amax."""
+    return all_reduce_amaxes(tensor_amaxes(list(tensors)), groups)
+
+
+__all__ = ["all_reduce_amaxes", "global_amaxes"]

@@ -1,0 +1,104 @@
+"""The kernel registry: which CUDA kernel (if any) serves a format, a fused producer, a
+GEMM or a delayed-scaling update on a device.
+
+The bottom of the core: it imports nothing of hybrid_dist. The formats and the GEMM consult
+it; ``hybrid_dist.kernels`` fills it when imported on a machine with CUDA and Triton
+(``hybrid_dist/__init__`` imports the kernels after the formats). On CPU tensors, or where
+nothing is registered, callers run the pure-torch reference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_QUANTIZE: dict[type, Callable] = {}
+_QUANTIZE_INTO: dict[type, Callable] = {}
+_AMAX_INTO: list[Callable] = []  # at most one: impl(x2d, out_scalar)
+_FUSED: dict[tuple[str, type], Callable] = {}  # (producer op, quantizer class) -> impl
+_GEMM: list[Callable] = []
+_DELAYED_ADVANCE: list[Callable] = []  # at most one: impl(history, scale, quantizer)
+
+
+def register_quantize(quantizer_cls: type, impl: Callable) -> None:
+    """``impl(quantizer, x2d, *, rowwise, columnwise, state, amax) -> (row, col)`` or
+    ``NotImplemented`` to defer to the reference for that call."""
+    _QUANTIZE[quantizer_cls] = impl
+
+
+def register_quantize_into(quantizer_cls: type, impl: Callable) -> None:
+    """``impl(quantizer, x2d, row_storage, col_storage, amax)`` writes the quantization of
+    ``x2d`` into existing storages (either may be None) bitwise as quantize-then-copy, or
+    returns ``NotImplemented`` (the caller quantizes and copies)."""
+    _QUANTIZE_INTO[quantizer_cls] = impl
+
+
+def register_amax_into(impl: Callable) -> None:
+    """``impl(x2d, out)``: max-reduce ``max|x2d|`` (fp32) into the zeroed scalar ``out``."""
+    _AMAX_INTO[:] = [impl]
+
+
+def register_fused_quantize(op: str, quantizer_cls: type, impl: Callable) -> None:
+    """A kernel computing a producer's output (``op``: ``"swiglu"``) and
+    quantizing it in one go, never writing the high-precision output (``hd.SwiGLU``;
+    see ``hybrid_dist.shared_input``). ``impl(quantizer, *inputs2d, *,
+    rowwise, columnwise) -> (row, col)`` or ``NotImplemented`` to defer to the reference."""
+    _FUSED[(op, quantizer_cls)] = impl
+
+
+def register_gemm(impl: Callable) -> None:
+    """``impl(a, b, *, out_dtype, config) -> Tensor`` or ``NotImplemented`` (registered once)."""
+    if impl not in _GEMM:
+        _GEMM.append(impl)
+
+
+def register_delayed_advance(impl: Callable) -> None:
+    """``impl(history, scale, quantizer)``: ``DelayedScalingState.advance`` in place for a
+    history ``[L]`` and scale ``[]``, or a stack ``[E, L]`` and ``[E]``."""
+    _DELAYED_ADVANCE[:] = [impl]
+
+
+def quantize_impl_for(quantizer, x: torch.Tensor):
+    if x.device.type != "cuda":
+        return None
+    return _QUANTIZE.get(type(quantizer))
+
+
+def quantize_into_impl_for(quantizer, x: torch.Tensor):
+    if x.device.type != "cuda":
+        return None
+    return _QUANTIZE_INTO.get(type(quantizer))
+
+
+def amax_into_impl_for(x: torch.Tensor):
+    if x.device.type != "cuda" or not _AMAX_INTO:
+        return None
+    return _AMAX_INTO[0]
+
+
+def fused_quantize_impl_for(op: str, quantizer, x: torch.Tensor):
+    if x.device.type != "cuda":
+        return None
+    return _FUSED.get((op, type(quantizer)))
+
+
+def gemm_impls_for(a_device: torch.device) -> list[Callable]:
+    return _GEMM if a_device.type == "cuda" else []
+
+
+def delayed_advance_impl_for(history: torch.Tensor):
+    if history.device.type != "cuda" or not _DELAYED_ADVANCE:
+        return None
+    return _DELAYED_ADVANCE[0]
+
+
+def registered_quantizers() -> tuple[type, ...]:
+    """Quantizer classes with a registered CUDA kernel (empty without CUDA + Triton)."""
+    return tuple(_QUANTIZE)
+
+
+__all__ = ["amax_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for", "gemm_impls_for",
+           "quantize_impl_for", "quantize_into_impl_for", "register_amax_into", "register_delayed_advance",
+           "register_fused_quantize", "register_gemm", "register_quantize", "register_quantize_into",
+           "registered_quantizers"]
