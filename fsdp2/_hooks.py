@@ -80,25 +80,34 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
 def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
     """All-gather inputs of the quantized shard ``t`` for ``pass_`` (see the note).
 
-    The plan of a gather (directions, metadata, mode) depends only on the shard's storage
-    objects and the pass, so it is built once and kept on ``t``; each call makes only the
-    transport buffers. The metadata holds the shard's live per-tensor scalars (updated in
-    place by the optimizer), which ``post_all_gather`` copies."""
+    The plan of a gather (directions, metadata, mode, input bytes) depends only on the
+    shard's storage objects and the pass, so it is built once per pass and kept on ``t``
+    (forward and backward alternate); each call makes only the transport buffers. The
+    metadata holds the shard's live per-tensor scalars (updated in place by the
+    optimizer), which ``post_all_gather`` copies."""
     key, storages = (pass_, world, shape, cast), (t.storage_of(ROW), t.storage_of(COL))
-    plan = t.__dict__.get("_hd_gather_plan")
-    if plan is None or plan[0] != key or any(a is not b for a, b in zip(plan[1], storages)):
-        plan = (key, storages, *_gather_plan(t, pass_, world, shape, cast))
-        t.__dict__["_hd_gather_plan"] = plan
-    meta, payload = plan[2], plan[3]
-    bufs = {d: fsdp_transport_buffers(t.storage_of(d), meta.dirs[d]) for d in meta.gathered}
-    if meta.mode == "packed":
-        inputs = [_pack([b for d in meta.gathered for b in bufs[d]], meta.capacity)]
-    else:
-        inputs = [b for d in meta.gathered for b in bufs[d]]
-    _check_stable(t, meta.mode, inputs)
-    record_all_gather(pass_, input_bytes=sum(b.numel() * b.element_size() for b in inputs),
-                      payload_bytes=payload, world_size=world)
+    plans = t.__dict__.setdefault("_hd_gather_plans", {})
+    plan = plans.get(key)
+    if plan is None or plan.storages[0] is not storages[0] or plan.storages[1] is not storages[1]:
+        plan = plans[key] = _Plan(storages, *_gather_plan(t, pass_, world, shape, cast))
+    meta = plan.meta
+    bufs = [b for d in meta.gathered for b in fsdp_transport_buffers(storages[d == COL], meta.dirs[d])]
+    inputs = [_pack(bufs, meta.capacity)] if meta.mode == "packed" else bufs
+    if plan.input_bytes is None:  # the plan's first gather: its signature must match every other pass's
+        _check_stable(t, meta.mode, inputs)
+        plan.input_bytes = sum(b.numel() * b.element_size() for b in inputs)
+    record_all_gather(pass_, input_bytes=plan.input_bytes, payload_bytes=plan.payload, world_size=world)
     return tuple(inputs), meta
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A cached gather plan of one shard and pass (``gather_inputs``)."""
+
+    storages: tuple  # the shard's (rowwise, columnwise) storage objects it was built for
+    meta: GatherMeta
+    payload: int  # bytes of data this pass carries (before padding)
+    input_bytes: int | None = None  # all-gather input bytes, set by the first gather
 
 
 def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast) -> tuple[GatherMeta, int]:
