@@ -320,7 +320,36 @@ def _check_nvfp4_empty():
                 _bits_equal(a.global_scale, b.global_scale.reshape(a.global_scale.shape), f"{what} global scale")
 
 
-CHECKS = ("nvfp4_empty", "fp8_batched", "fp8_batched_delayed", "mxfp8", "e8m0_bf16_helpers", "nvfp4_reference",
+def _check_fp8_current_compiled():
+    """The compiled current-scaling path (amax as traced torch ops, fused by inductor into the
+    producer; the non-mutating cast op) is bitwise the eager kernels' (both directions and
+    ``scale_inv``), with no graph break, under ``aot_eager`` and inductor."""
+    from torch._dynamo.utils import counters
+
+    from hybrid_dist.formats.float8 import Float8Quantizer
+    from hybrid_dist.kernels import fp8_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn((128, 256), generator=gen) * 3).bfloat16()
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q = Float8Quantizer(dtype=dtype)
+
+        def quantize(x):
+            y = -torch.nn.functional.silu(x.float()).bfloat16()  # a producer; its largest |y| is negative
+            row, col = fp8_tensor.quantize_fp8_tensor(q, y, rowwise=True, columnwise=True, state=None, amax=None)
+            return row.data, col.data, row.scale_inv
+
+        eager = quantize(x)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            counters.clear()
+            got = torch.compile(quantize, backend=backend, fullgraph=True)(x)
+            assert not counters["graph_break"], dict(counters["graph_break"])
+            for name, a, b in zip(("row", "col", "scale_inv"), got, eager):
+                _bits_equal(a, b, f"compiled ({backend}) fp8 current {dtype} {name}")
+
+
+CHECKS = ("fp8_current_compiled", "nvfp4_empty", "fp8_batched", "fp8_batched_delayed", "mxfp8", "e8m0_bf16_helpers", "nvfp4_reference",
           "nvfp4_sr_stream", "nvfp4_rht_words_vs_tile")
 
 

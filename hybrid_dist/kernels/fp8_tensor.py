@@ -13,10 +13,9 @@ Kernels (``torch.library`` ops in the ``hybrid_dist`` namespace):
   or read as given (delayed); program (0, 0) writes ``scale_inv = 1 / scale`` (IEEE).
   With an ``amax_out`` buffer it also max-reduces ``max|x|`` into it in the same pass
   (delayed scaling records straight into ``amax_history[0]``, a running max).
-* ``hybrid_dist::fp8_cast_transpose_current`` (a ``triton_op``): the same cast with the
-  scale from an amax and no ``amax_out``. Compiled graphs use it for current scaling:
-  inductor launches the kernel itself, and the amax is torch ops (``traced_amax``) that it
-  fuses into the producer.
+* ``hybrid_dist::fp8_cast_transpose_current``: the same cast with the scale from an amax
+  and no ``amax_out`` (mutates nothing). Compiled graphs use it for current scaling, with
+  the amax as torch ops (``traced_amax``) that inductor fuses into the producer.
 
 [Note: fp32 inputs] The columnwise tile is the rowwise fp8 tile transposed in registers
 (``tl.trans``). From bf16 and fp16 inputs both directions are bitwise the reference. From fp32
@@ -33,7 +32,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage, stacked_delayed_states
@@ -188,24 +186,18 @@ fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
 
 def _fp8_cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool,
                                 rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The cast-transpose with the scale from ``amax`` and nothing recorded, written as a
-    traceable launch (``wrap_triton``): inductor allocates the outputs and launches the
-    kernel from its own code, with no Python op call per launch."""
-    m, k = x.shape
-    row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
-    col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    never_written = torch.empty(1, dtype=torch.float32, device=x.device)  # amax_out (AMAX_OUT=False)
-    grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1))
-    wrap_triton(_cast_transpose_kernel)[grid](
-        x, amax, amax, scale_inv, row if rowwise else col, col if columnwise else row, never_written, m, k,
-        max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype], EPS=eps, POW2=pow2, SCALE_FROM_AMAX=True, ROW=rowwise,
-        COL=columnwise, AMAX_OUT=False, BM=_BM, BK=_BK, num_warps=8)
-    return row, col, scale_inv
+    """``_fp8_cast_transpose`` with the scale from ``amax`` and nothing recorded: an op that
+    mutates nothing, so a compiled graph passes it no placeholder ``amax_out`` buffer (and
+    functionalization clones none)."""
+    return _fp8_cast_transpose(x, amax, amax, _unused(x.device, False), dtype, True, eps, pow2, rowwise,
+                               columnwise, False)
 
 
-cast_current_op = torch.library.triton_op("hybrid_dist::fp8_cast_transpose_current", _fp8_cast_transpose_current,
-                                          mutates_args=())
+cast_current_op = torch.library.custom_op("hybrid_dist::fp8_cast_transpose_current",
+                                          mutates_args=())(_fp8_cast_transpose_current)
+cast_current_op.register_fake(
+    lambda x, amax, dtype, eps, pow2, rowwise, columnwise: _cast_fake(x, amax, amax, amax, dtype, True, eps, pow2,
+                                                                      rowwise, columnwise, False))
 
 
 def traced_amax(x2d: torch.Tensor) -> torch.Tensor:
