@@ -59,7 +59,8 @@ class TrainConfig:
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
     profile_trace: str | None = None  # also write that step's Chrome trace here (gzipped if it ends in .gz)
-    collective_timeout: float = 600.0  # seconds a collective may wait for the other ranks before the job fails
+    collective_timeout: float = 300.0  # seconds a collective may wait for the other ranks, after the first step
+    first_step_timeout: float = 600.0  # the same until the first step is done (setup, compilation, resume)
     on_nonfinite: str = "stop"      # a NaN/inf loss: stop the job, or skip that step on every rank
 
     def __post_init__(self):
@@ -72,8 +73,9 @@ class TrainConfig:
             raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"--on-nonfinite must be stop or skip, got {self.on_nonfinite!r}")
-        if self.collective_timeout <= 0:
-            raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
+        for name in ("collective_timeout", "first_step_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.timing_warmup < 0:
             raise ValueError(f"--timing-warmup must be >= 0, got {self.timing_warmup}")
         if self.baseline not in BASELINES:
@@ -161,7 +163,8 @@ _HELP = {
     "on_nonfinite": "a NaN/inf loss: stop (every rank, nothing saved from that state) or skip (that step's "
                     "update is dropped on every rank; costs one all-reduce and a sync per step)",
     "collective_timeout": "seconds a collective waits for the other ranks (a frozen or lost rank) before "
-                          "the job fails",
+                          "the job fails, once the first step is done; the error names the ranks behind",
+    "first_step_timeout": "the same until every rank finished its first step (setup, compilation, resume)",
     "profile_step": "profile this step (torch.profiler) and print its top kernels and host regions on rank 0",
     "profile_trace": "write the --profile-step step's Chrome trace to this path (gzipped when it ends in .gz; "
                      "python -m benchmarks.trace_summary reads it)",

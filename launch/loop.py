@@ -31,6 +31,7 @@ from hybrid_dist.launch.metrics import Meter
 from hybrid_dist.launch.model import Transformer, apply_recipe
 from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes, nonfinite_anywhere
+from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.quantized_init import check_quantized_init
@@ -296,8 +297,38 @@ def resume_source(cfg: TrainConfig) -> str | None:
     return resume
 
 
+def check_loss(loss: float, step: int, cfg: TrainConfig) -> None:
+    """A non-finite (data-parallel mean) loss: a warning with ``--on-nonfinite skip``, else
+    ``NonFiniteLoss`` on every rank."""
+    if math.isfinite(loss):
+        return
+    if cfg.on_nonfinite == "skip":
+        if dist.get_rank() == 0:
+            print(f"warning: step {step}: the loss is {loss} on some rank; the step was skipped "
+                  "(--on-nonfinite skip)", flush=True)
+        return
+    raise NonFiniteLoss(
+        f"step {step}: the loss is {loss} (every rank stops; no checkpoint is written from this state). Resume "
+        f"from the last checkpoint with a lower --lr or --grad-clip, or check the data.")
+
+
+@contextlib.contextmanager
+def named_laggards(heartbeat: Heartbeat, current_step, cfg: TrainConfig, start: int):
+    """A collective timeout inside the block becomes ``CollectiveTimeout`` naming the ranks
+    behind this one (``launch.heartbeat``)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_timeout(e):
+            raise
+        step = current_step()
+        first = step == start + 1
+        seconds = max(cfg.first_step_timeout, cfg.collective_timeout) if first else cfg.collective_timeout
+        raise CollectiveTimeout(timeout_message(heartbeat, step, seconds)) from e
+
+
 def train(cfg: TrainConfig) -> dict:
-    device = init_distributed(cfg.collective_timeout)
+    device = init_distributed(max(cfg.first_step_timeout, cfg.collective_timeout))
     dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
     meshes = dims.build_meshes(device.type)
     model, mcfg, recipe = build_model(cfg, dims, meshes, device)
@@ -316,7 +347,8 @@ def train(cfg: TrainConfig) -> dict:
                   run=_run_info(cfg, dims, mcfg, recipe, start, data))
     after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
     losses, reported = [], set()
-    with track_all_gather() as acct:
+    heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
+    with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start):
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(cfg, step)
             for group in optimizer.param_groups:
@@ -332,19 +364,14 @@ def train(cfg: TrainConfig) -> dict:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
                 acct.reset()
             meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
-            if not math.isfinite(losses[-1]) and cfg.on_nonfinite == "skip":
-                if dist.get_rank() == 0:
-                    print(f"warning: step {step}: the loss is {losses[-1]} on some rank; the step was skipped "
-                          "(--on-nonfinite skip)", flush=True)
-            elif not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
-                raise NonFiniteLoss(
-                    f"step {step}: the loss is {losses[-1]} (every rank stops; no checkpoint is written from "
-                    f"this state). Resume from the last checkpoint with a lower --lr or --grad-clip, or check "
-                    f"the data.")
+            check_loss(losses[-1], step, cfg)  # the same mean on every rank: all stop or skip together
             if step % cfg.log_every == 0 or step == cfg.steps:
                 report_nonfinite_amaxes(model, step, reported)
             if cfg.save_every and step % cfg.save_every == 0:
                 checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, device, run=run_identity(cfg))
+            heartbeat.beat(step)
+            if step == start + 1:  # setup, compilation and the first step are done on this rank
+                shorten_timeouts(cfg.collective_timeout)
     extra = {"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
     if cfg.compile:
         extra["compile_stats"] = compile_stats()

@@ -23,9 +23,10 @@ import torch.distributed as dist
 from hybrid_dist.launch.config import parse_args
 
 
-def _error(e: Exception) -> int:
-    """Bad input or a stopped run: one line on rank 0 (every rank raises the same), exit 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def _error(e: Exception, *, every_rank: bool = False) -> int:
+    """Bad input or a stopped run: one line on rank 0 (every rank raises the same), or on
+    each rank that raised it (``every_rank``: a collective timeout), exit 2."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"hybrid_dist.launch.train: error: {e}", file=sys.stderr, flush=True)
     return 2
 
@@ -43,12 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(dry_run(cfg, world_size=ns.world_size)))
         return 0
     from hybrid_dist.launch.guards import NonFiniteLoss
+    from hybrid_dist.launch.heartbeat import CollectiveTimeout
     from hybrid_dist.launch.loop import train
 
     try:
         train(cfg)
     except (ValueError, NotImplementedError, ImportError, NonFiniteLoss) as e:
         return _error(e)
+    except CollectiveTimeout as e:
+        return _error(e, every_rank=True)
     finally:
         # the model and optimizer are in reference cycles (FSDP2's hooks): free them, and the
         # collectives' work objects they hold, while the interpreter is alive; left to its

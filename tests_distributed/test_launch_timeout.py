@@ -2,7 +2,9 @@
 
 A real ``torchrun`` job of 2 gloo ranks; once rank 0 has logged step 2, rank 1 is stopped
 (SIGSTOP, as a hung process would be). Rank 0's next collective must give up after the
-timeout (5 s here) and the job must exit non-zero well before the default's 600 s.
+timeout (5 s here; the group starts with ``--first-step-timeout``'s 600 s and is shortened
+after the first step), the job must exit non-zero well before 600 s, and rank 0's error
+must name rank 1 as the rank behind.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def test_frozen_rank_fails_the_job_within_the_timeout():
         t0 = time.monotonic()
         rc = job.wait(timeout=120)
         waited = time.monotonic() - t0
+        rest = job.stdout.read()
     finally:
         for pid in stopped:
             try:
@@ -52,3 +55,4 @@ def test_frozen_rank_fails_the_job_within_the_timeout():
             job.kill()
     assert rc != 0, "the job finished although a rank was frozen"
     assert waited < 90, f"the job took {waited:.0f} s to fail with --collective-timeout 5"
+    assert "it is frozen or lost: rank 1 (" in rest, rest[-3000:]
