@@ -59,6 +59,8 @@ class GatherMeta:
     shape: torch.Size  # unsharded logical shape
     capacity: int  # "packed": bytes per rank
     quantizer: object  # the shard's quantizer (the unsharded tensor's)
+    temporary: bool = False  # a shard made for this gather: its scalars need record_stream
+    col_from_row: bool = False  # columnwise transport bytes are the rowwise data (see _col_from_row)
 
 
 def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
@@ -77,21 +79,24 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
     return gather_inputs(t, pass_, world, shape, getattr(mp_policy, "param_dtype", None))
 
 
-def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast):
+def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast, *, temporary: bool = False):
     """All-gather inputs of the quantized shard ``t`` for ``pass_`` (see the note).
 
     The plan of a gather (directions, metadata, mode, input bytes) depends only on the
     shard's storage objects and the pass, so it is built once per pass and kept on ``t``
     (forward and backward alternate); each call makes only the transport buffers. The
     metadata holds the shard's live per-tensor scalars (updated in place by the
-    optimizer), which ``post_all_gather`` copies."""
+    optimizer), which ``post_all_gather`` copies. ``temporary``: ``t`` was made for this
+    gather (quantized on FSDP's copy-in stream)."""
     key, storages = (pass_, world, shape, cast), (t.storage_of(ROW), t.storage_of(COL))
     plans = t.__dict__.setdefault("_hd_gather_plans", {})
     plan = plans.get(key)
     if plan is None or plan.storages[0] is not storages[0] or plan.storages[1] is not storages[1]:
-        plan = plans[key] = _Plan(storages, *_gather_plan(t, pass_, world, shape, cast))
+        plan = plans[key] = _Plan(storages, *_gather_plan(t, pass_, world, shape, cast, temporary))
     meta = plan.meta
-    bufs = [b for d in meta.gathered for b in fsdp_transport_buffers(storages[d == COL], meta.dirs[d])]
+    # the rowwise data is the columnwise transport layout when meta.col_from_row (no transpose)
+    src = {ROW: (storages[0], ROW), COL: (storages[0], ROW) if meta.col_from_row else (storages[1], COL)}
+    bufs = [b for d in meta.gathered for b in fsdp_transport_buffers(src[d][0], meta.dirs[src[d][1]])]
     inputs = [_pack(bufs, meta.capacity)] if meta.mode == "packed" else bufs
     if plan.input_bytes is None:  # the plan's first gather: its signature must match every other pass's
         _check_stable(t, meta.mode, inputs)
@@ -110,7 +115,22 @@ class _Plan:
     input_bytes: int | None = None  # all-gather input bytes, set by the first gather
 
 
-def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast) -> tuple[GatherMeta, int]:
+def _col_from_row(t) -> bool:
+    """True when the shard's columnwise data is its rowwise data transposed, byte for byte:
+    one per-tensor FP8 quantizer for both directions writes both from one scale (every
+    quantize, ``requantize_`` and the optimizer's write-back do), so the columnwise
+    transport layout (``[rows, K]``) is the rowwise data as it is."""
+    from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
+
+    row, col, q = t.storage_of(ROW), t.storage_of(COL), t.quantizer
+    rq = q.direction_quantizer(ROW)
+    return (isinstance(row, Float8Storage) and isinstance(col, Float8Storage) and isinstance(rq, Float8Quantizer)
+            and rq == q.direction_quantizer(COL) and not row.transposed and col.transposed
+            and row.data.dtype == col.data.dtype and row.data.shape == col.data.shape[::-1])
+
+
+def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
+                 temporary: bool = False) -> tuple[GatherMeta, int]:
     """``(GatherMeta, payload bytes)`` of ``t``'s gathers in ``pass_`` (see the note)."""
     present = tuple(d for d in (ROW, COL) if t.storage_of(d) is not None)
     both = gathers_both(pass_)
@@ -133,7 +153,8 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast) -> tuple[Ga
     else:
         capacity = max(m.nbytes() for m in metas.values())
         mode = "packed"
-    meta = GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer)
+    col_from_row = COL in wanted and ROW in present and _col_from_row(t)
+    meta = GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer, temporary, col_from_row)
     return meta, sum(metas[d].nbytes() for d in wanted)
 
 
@@ -160,12 +181,11 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
 def _claim_scalars_for_current_stream(meta: GatherMeta) -> None:
     """The per-tensor scalars travel in the metadata and are read here on the compute
     stream, after which FSDP drops the metadata. A persistent shard's scalars are its own
-    live fields, but ``quantize_on_all_gather`` quantizes a temporary shard on FSDP's
-    copy-in stream: without ``record_stream`` the caching allocator could hand those
-    blocks to the next parameter's gather before this stream's reads ran (seen on NCCL,
-    when every gather cloned its scalars there: one rank's FP8 ``scale_inv`` came from
-    another layer, step-0 loss 4x off)."""
-    if not torch.cuda.is_available():
+    live fields (never freed: nothing to do), but ``quantize_on_all_gather`` quantizes a
+    temporary shard on FSDP's copy-in stream: without ``record_stream`` the caching
+    allocator could hand those blocks to the next parameter's gather before this stream's
+    reads ran (one rank's FP8 ``scale_inv`` would come from another layer)."""
+    if not meta.temporary or not torch.cuda.is_available():
         return
     for dm in meta.dirs.values():
         for s in dm.scalars.values():

@@ -67,7 +67,7 @@ def hp_pre_all_gather(p, mesh, outer_size, outer_stride, module, mp_policy):
         if q.is_per_tensor:  # every shard must use the global scale
             amax = global_amaxes([p._data], [mesh.get_group()])[0]
         shard = q.quantize(p._data, rowwise=True, columnwise=True, amax=amax)
-        return gather_inputs(shard, pass_, world, shape, getattr(mp_policy, "param_dtype", None))
+        return gather_inputs(shard, pass_, world, shape, getattr(mp_policy, "param_dtype", None), temporary=True)
     rows = shard_rows(shape, world)
     local = p._data
     if local.shape[0] != rows:  # FSDP2 wants the padded shard size from every rank

@@ -64,3 +64,32 @@ def test_gather_plan_built_once_and_scalars_never_cloned(name, pass_):
         for f in st.TENSOR_FIELDS:
             if f not in fsdp_buffer_fields(st):
                 assert getattr(full, f) is getattr(st, f), f"{name} {pass_}: unsharded {f} is a copy"
+
+
+def test_plans_of_both_passes_are_kept():
+    """Forward and backward gathers alternate: each pass's plan is built once, not once per gather."""
+    q = hd.recipe_from_name("fp8_current").quantizer(hd.Role(tensor_type="weight"))
+    shard = q.quantize(torch.randn(128, 128), rowwise=True, columnwise=True)
+    metas = [gather_inputs(shard, p, 2, torch.Size([256, 128]), None)[1] for p in (FORWARD, BACKWARD) * 2]
+    assert metas[0] is metas[2] and metas[1] is metas[3] and metas[0] is not metas[1]
+
+
+@pytest.mark.parametrize("name, expected", [("fp8_current", True), ("fp8_delayed", True), ("mxfp8", False),
+                                            ("nvfp4", False), ("fp8_block", False)])
+def test_backward_transport_reads_the_rowwise_data(name, expected):
+    """Per-tensor FP8: the columnwise shard is the rowwise one transposed byte for byte, so the
+    backward gather sends the rowwise data as it is (no transpose on the shard) and the
+    unsharded columnwise data it rebuilds is bitwise the transpose-based result."""
+    from hybrid_dist.fsdp2._buffers import fsdp_transport_buffers
+
+    torch.manual_seed(0)
+    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
+    shard = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    inputs, meta = gather_inputs(shard, BACKWARD, 2, torch.Size([256, 256]), None)
+    assert meta.col_from_row is expected, f"{name}: col_from_row {meta.col_from_row}"
+    by_transpose = fsdp_transport_buffers(shard.columnwise, meta.dirs["columnwise"])
+    assert [b.shape for b in inputs] == [b.shape for b in by_transpose], name
+    for got, ref in zip(inputs, by_transpose):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), f"{name}: transport bytes differ"
+    if expected:
+        assert inputs[0].data_ptr() == shard.rowwise.data.data_ptr(), f"{name}: the rowwise data was copied"
