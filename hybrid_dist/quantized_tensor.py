@@ -132,17 +132,33 @@ class QuantizedTensor(torch.Tensor):
 
     # --- flatten / unflatten ------------------------------------------------------
     def __tensor_flatten__(self):
-        names, meta = [], {}
-        for d in DIRECTIONS:
-            st = self.storage_of(d)
-            if st is not None:
-                names += [f"{d}__{f}" for f in st.TENSOR_FIELDS]
-                meta[d] = _storage_meta(st)
-        return names, (meta, self._quantizer, self.dtype)
+        """Inner tensor names and ``(meta, quantizer, dtype, key)``; built once per set of
+        storage objects (frozen dataclasses) and kept on the tensor: Dynamo's guards call
+        this on every compiled call, for every quantized parameter."""
+        flat = self.__dict__.get("_hd_flat")
+        if (flat is None or flat[0] is not self._rowwise or flat[1] is not self._columnwise
+                or flat[2] is not self._quantizer):
+            names, meta = [], {}
+            for d in DIRECTIONS:
+                st = self.storage_of(d)
+                if st is not None:
+                    names += [f"{d}__{f}" for f in st.TENSOR_FIELDS]
+                    meta[d] = _storage_meta(st)
+            key = (tuple((d, cls, tuple(fields.items())) for d, (cls, fields) in meta.items()),
+                   encode_config(self._quantizer), self.dtype)
+            flat = (self._rowwise, self._columnwise, self._quantizer, names, (meta, self._quantizer, self.dtype, key))
+            self.__dict__["_hd_flat"] = flat
+        return list(flat[3]), flat[4]
+
+    @classmethod
+    def __metadata_guard__(cls, orig, other) -> bool:
+        """Dynamo's guard on the flatten context: the ``key`` of plain values (format
+        classes, storage metadata, the quantizer's configuration, dtype) compares in C."""
+        return orig[3] == other[3]
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        meta, quantizer, dtype = ctx
+        meta, quantizer, dtype, _ = ctx
         storages = {}
         for d, (cls, fields) in meta.items():
             tensors = {f: inner_tensors[f"{d}__{f}"] for f in cls.TENSOR_FIELDS}

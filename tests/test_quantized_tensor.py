@@ -6,6 +6,7 @@ and ``nn.Parameter`` wrapping."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -408,3 +409,33 @@ def test_save_load_of_a_dim0_shard(name):
     back = _save_load(shard)
     _assert_qt_equal(back, shard, f"{name} shard torch.load")
     assert_bitwise_equal(back.dequantize(), t.dequantize()[t.shape[0] // 2:], f"{name} shard values")
+
+
+def test_flatten_context_follows_the_storages():
+    """``__tensor_flatten__`` is kept per set of storage objects: hiding a direction (as the
+    FSDP2 backward gather does) changes the names and the guard key."""
+    t = _quantize("fp8")
+    names, ctx = t.__tensor_flatten__()
+    assert t.__tensor_flatten__()[1] is ctx  # kept, not rebuilt
+    hidden, t._rowwise = t._rowwise, None
+    names_1, ctx_1 = t.__tensor_flatten__()
+    assert names_1 == [n for n in names if n.startswith("columnwise__")]
+    assert not QuantizedTensor.__metadata_guard__(ctx, ctx_1)
+    t._rowwise = hidden
+    assert QuantizedTensor.__metadata_guard__(copy.deepcopy(ctx), t.__tensor_flatten__()[1])
+
+
+def test_compiled_guard_recompiles_only_for_a_new_configuration():
+    """Dynamo's metadata guard (``__metadata_guard__``): a tensor of the same format and
+    quantizer reuses the graph; another quantizer configuration compiles a second one."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    fn = torch.compile(lambda t: t.dequantize(dtype=torch.float32) * 2, backend=counter, fullgraph=True)
+    x = torch.randn(64, 64)
+    e4m3 = hd.Float8Quantizer(dtype=torch.float8_e4m3fn)
+    for t in (e4m3.quantize(x), e4m3.quantize(x * 3)):
+        torch.testing.assert_close(fn(t), t.dequantize(dtype=torch.float32) * 2, rtol=0, atol=0)
+    assert counter.frame_count == 1
+    fn(hd.Float8Quantizer(dtype=torch.float8_e5m2).quantize(x))
+    assert counter.frame_count == 2
