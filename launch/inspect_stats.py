@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 
 from hybrid_dist.inspection import StatsCollector
@@ -30,9 +31,9 @@ def is_inspect_step(step: int, *, every: int, start: int) -> bool:
 class StepInspector:
     """Captures and reads the statistics of inspect steps on rank 0."""
 
-    def __init__(self, model: nn.Module, *, every: int, start: int, rank: int):
+    def __init__(self, model: nn.Module, *, every: int, start: int, rank: int, device: torch.device):
         self.every, self.start = every, start
-        self.collector = StatsCollector(model) if every > 0 and rank == 0 else None
+        self.collector = StatsCollector(model, device=device) if every > 0 and rank == 0 else None
 
     def active(self, step: int) -> bool:
         return self.collector is not None and is_inspect_step(step, every=self.every, start=self.start)

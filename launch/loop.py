@@ -317,7 +317,7 @@ def train(cfg: TrainConfig) -> dict:
                   ag_bytes_per_step=hp_ag_bytes, timing_warmup=cfg.timing_warmup,
                   run=_run_info(cfg, dims, mcfg, recipe, start, data))
     after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
-    inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank())
+    inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank(), device=device)
     losses, reported = [], set()
     with track_all_gather() as acct:
         for step in range(start + 1, cfg.steps + 1):

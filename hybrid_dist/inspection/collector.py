@@ -36,19 +36,23 @@ def clean_fqn(fqn: str) -> str:
 class StatsCollector:
     """Statistics of every plan of every recipe module of ``model`` (those whose plans
     carry a ``stats`` slot: ``hd.Linear``, also under tensor parallelism).
-    ``candidates``: also measure the candidate formats."""
+    ``candidates``: also measure the candidate formats. ``device``: where the buffers live
+    (the compute device; default: each module's weight's, e.g. not CPU-offloaded ones)."""
 
-    def __init__(self, model: nn.Module, *, candidates: bool = True):
+    def __init__(self, model: nn.Module, *, candidates: bool = True, device: torch.device | None = None):
         self.modules: list[ModuleStats] = []
         for fqn, mod in model.named_modules():
             if not isinstance(mod, RecipeModuleMixin):
                 continue
             weight = mod.__dict__.get("_parameters", {}).get("weight")
-            device = weight.device if weight is not None and weight.device.type != "meta" else torch.device("cpu")
+            if device is not None:
+                where = device
+            else:
+                where = weight.device if weight is not None and weight.device.type != "meta" else torch.device("cpu")
             for plan in mod.plans():
                 if not hasattr(plan, "stats"):
                     continue
-                plan.stats = ModuleStats(name=clean_fqn(fqn), plan=plan, device=device, candidates=candidates)
+                plan.stats = ModuleStats(name=clean_fqn(fqn), plan=plan, device=where, candidates=candidates)
                 self.modules.append(plan.stats)
 
     @contextlib.contextmanager
