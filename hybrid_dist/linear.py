@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_dist import gemm, saved_storages
+from hybrid_dist.inspection.capture import active_stats
 from hybrid_dist.recipe_module import QUANTIZER_STATE_KEY, RecipeModuleMixin, in_backward  # noqa: F401 (re-export)
 from hybrid_dist.formats._quantizer import Quantizer
 from hybrid_dist.quantized_tensor import QuantizedTensor
@@ -43,6 +44,7 @@ class LinearPlan:
     weight: Quantizer
     grad_output: Quantizer
     states: dict[str, Any]  # tensor_type -> quantizer state (delayed history, SR RNG)
+    stats: Any = None  # an inspection.ModuleStats once a StatsCollector is attached (else nothing records)
 
     @classmethod
     def build(cls, recipe: Recipe, *, module_type: str, name: str) -> "LinearPlan":
@@ -85,6 +87,10 @@ class _LinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = (grad_enabled and n for n in ctx.needs_input_grad[:2])
         x_row, x_col = _input_operands(x, plan, need_wgrad)
         w_row, w_col = weight_operands(weight, plan, need_dgrad)
+        ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
+        if stats is not None:
+            stats.record("input", x, x_row, x_col)
+            stats.record("weight", weight, w_row, w_col)
         # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
@@ -103,6 +109,8 @@ class _LinearFn(torch.autograd.Function):
         plan.grad_output.advance_state(plan.states["grad_output"])
         dy_row, dy_col = plan.grad_output.quantize_storages(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
                                                             state=plan.states["grad_output"])
+        if ctx.stats is not None:
+            ctx.stats.record("grad_output", dy2d, dy_row, dy_col)
         dx = dw = db = None
         if need_dgrad:
             # dgrad: dx [M, K] = dy [M, N] · W [N, K]   (W columnwise stored [K, N])

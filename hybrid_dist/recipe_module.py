@@ -129,6 +129,10 @@ class RecipeModuleMixin:
                 self._load_plan_states(plan, pending.pop(recipe.name))
         return plan
 
+    def plans(self) -> list[Any]:
+        """Every plan built so far (one per recipe this module has run under)."""
+        return list(self._plans.values())
+
     def _make_plan_kernel_keys(self, plans) -> None:
         """``_place_states`` for ``plans`` on the weight's device, if it is a CUDA device
         (eager only): when a plan is built and when the module moves (``_apply``)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
+import os
 from typing import Sequence
 
 import hybrid_dist as hd
@@ -22,7 +24,7 @@ BASELINES = ("none", "torchao-float8")
 class TrainConfig:
     preset: str = "tiny"
     layers: int = 0                 # 0 = the preset's n_layers; N overrides it (e.g. a shorter 8b stack)
-    recipe: str = "bf16"            # a name in hd.RECIPE_NAMES or "package.module:attr"
+    recipe: str = "bf16"            # a name in hd.RECIPE_NAMES, "package.module:attr" or "file.py:attr"
     baseline: str = "none"          # none, or torchao-float8 (torchao's float8 tensorwise training)
     steps: int = 100
     batch_size: int = 4             # sequences per data-parallel rank
@@ -54,6 +56,7 @@ class TrainConfig:
     resume: str | None = None       # a checkpoint step dir, or a checkpoint_dir (latest step)
     metrics: str | None = None      # JSONL path (rank 0 writes)
     log_every: int = 1
+    inspect_every: int = 0          # quantization statistics every N steps into --metrics (0 = off)
     timing_warmup: int = 2          # first steps left out of the summary's tokens/s (allocator, JIT, compile)
     run_name: str | None = None
     quiet: bool = False
@@ -76,13 +79,17 @@ class TrainConfig:
         for name in ("collective_timeout", "first_step_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.inspect_every < 0:
+            raise ValueError(f"--inspect-every must be >= 0 (0 = off), got {self.inspect_every}")
+        if self.inspect_every and not self.metrics:
+            raise ValueError(f"--inspect-every {self.inspect_every} writes to the metrics file: pass --metrics PATH")
         if self.timing_warmup < 0:
             raise ValueError(f"--timing-warmup must be >= 0, got {self.timing_warmup}")
         if self.baseline not in BASELINES:
             raise ValueError(f"--baseline {self.baseline!r} is unknown; choose one of {', '.join(BASELINES)}")
         if self.recipe not in hd.RECIPE_NAMES and ":" not in self.recipe:
             raise ValueError(f"--recipe {self.recipe!r} is unknown; choose one of {', '.join(hd.RECIPE_NAMES)} "
-                             "or give package.module:attr")
+                             "or give package.module:attr or path/to/file.py:attr")
         if self.baseline != "none":
             self._check_baseline()
         if self.fsdp != -1 and self.fsdp < 1:
@@ -122,23 +129,49 @@ class TrainConfig:
 
 
 def load_recipe(spec: str) -> hd.Recipe:
-    """A named recipe, or ``package.module:attr`` naming an ``hd.Recipe`` or a function returning one."""
+    """A named recipe, or ``MODULE:ATTR`` where MODULE is a dotted module name
+    (``package.module``) or a Python file path (``runs/advised.py``) and ATTR names an
+    ``hd.Recipe`` or a function returning one."""
     if spec in hd.RECIPE_NAMES:
         return hd.recipe_from_name(spec)
     if ":" not in spec:
-        raise ValueError(f"--recipe {spec!r}: use one of {', '.join(hd.RECIPE_NAMES)} or 'package.module:attr'")
-    mod_name, attr = spec.split(":", 1)
-    obj = getattr(importlib.import_module(mod_name), attr)
-    recipe = obj if isinstance(obj, hd.Recipe) else obj()
+        raise ValueError(f"--recipe {spec!r}: use one of {', '.join(hd.RECIPE_NAMES)}, 'package.module:attr' "
+                         "or 'path/to/file.py:attr'")
+    where, attr = spec.rsplit(":", 1)
+    module = _recipe_module(where, spec)
+    if not hasattr(module, attr):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ValueError(f"--recipe {spec!r}: {where} has no attribute {attr!r} (it has: {', '.join(public)})")
+    obj = getattr(module, attr)
+    recipe = obj if isinstance(obj, hd.Recipe) else obj() if callable(obj) else obj
     if not isinstance(recipe, hd.Recipe):
         raise ValueError(f"--recipe {spec!r} gave {type(recipe).__name__}; it must be (or return) an hd.Recipe")
     return recipe
 
 
+def _recipe_module(where: str, spec: str):
+    """The module of a ``--recipe MODULE:ATTR``: a file when ``where`` ends in ``.py`` or
+    contains a path separator, else a dotted module name."""
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise ValueError(f"--recipe {spec!r}: no such file {where!r}")
+        name = "hd_recipe_" + os.path.splitext(os.path.basename(where))[0].replace("-", "_")
+        file_spec = importlib.util.spec_from_file_location(name, os.path.abspath(where))
+        module = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"--recipe {spec!r}: cannot import {where!r} ({e}); give a dotted module name on "
+                         "the Python path or a path to a .py file") from None
+
+
 _HELP = {
     "preset": "model shape: tiny (CPU), 125m, 1b, 8b (Llama-3-8B shaped)",
     "layers": "number of blocks (0 = the preset's), e.g. a shorter 8b stack that fits fewer GPUs",
-    "recipe": "a named recipe (bf16, fp8_current, mxfp8_fwd_nvfp4_bwd, ...) or package.module:attr",
+    "recipe": "a named recipe (bf16, fp8_current, mxfp8_fwd_nvfp4_bwd, ...), package.module:attr or "
+              "path/to/file.py:attr (e.g. a recipe written by hybrid_dist.launch.advise)",
     "baseline": "none, or torchao-float8: torchao float8 tensorwise training with float8 FSDP all-gather "
                 "(needs torchao; with --recipe bf16)",
     "timing_warmup": "first steps left out of the summary's tokens/s and MFU",
@@ -160,6 +193,9 @@ _HELP = {
     "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
     "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",
     "metrics": "metrics JSONL path (rank 0 appends)",
+    "inspect_every": "every N steps (and the first), write per-layer quantization statistics (amax, SQNR, "
+                     "underflow, saturation, block-scale histogram; used and candidate formats) to --metrics; "
+                     "0 = off",
     "on_nonfinite": "a NaN/inf loss: stop (every rank, nothing saved from that state) or skip (that step's "
                     "update is dropped on every rank; costs one all-reduce and a sync per step)",
     "collective_timeout": "seconds a collective waits for the other ranks (a frozen or lost rank) before "

@@ -32,6 +32,7 @@ from hybrid_dist.launch.model import Transformer, apply_recipe
 from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
+from hybrid_dist.launch.inspect_stats import StepInspector
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.quantized_init import check_quantized_init
@@ -253,6 +254,7 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "tp": dims.tp, "ep": dims.ep, "start_step": start, "moe_experts": mcfg.moe_experts,
             "moe_top_k": mcfg.moe_top_k, "params": mcfg.num_params(), "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
+            "inspect_every": cfg.inspect_every,
             "activation_checkpointing": cfg.activation_checkpointing, "timing_warmup": cfg.timing_warmup,
             "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
@@ -346,6 +348,7 @@ def train(cfg: TrainConfig) -> dict:
                   ag_bytes_per_step=hp_ag_bytes, timing_warmup=cfg.timing_warmup,
                   run=_run_info(cfg, dims, mcfg, recipe, start, data))
     after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
+    inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank(), device=device)
     losses, reported = [], set()
     heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
     with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start):
@@ -356,9 +359,13 @@ def train(cfg: TrainConfig) -> dict:
             t_data = time.perf_counter()
             tokens = data.batch(step).to(device)
             meter.exclude(time.perf_counter() - t_data)
-            with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace):
+            with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace), \
+                    inspector.capture(step):
                 loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
                                   after_step=after_step)
+            records = inspector.records(step)
+            if records is not None:
+                meter.inspect(step, records)
             losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))
             if measured:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()

@@ -97,6 +97,10 @@ class Meter:
         step's time; the step record shows them as ``data_time_s``."""
         self._excluded += seconds
 
+    def inspect(self, step: int, records: list[dict]) -> None:
+        """One ``inspect`` line: the quantization statistics of ``step`` (``launch.inspect_stats``)."""
+        self._emit({"event": "inspect", "step": step, "rank": 0, "records": records})
+
     def step(self, step: int, loss: float, tokens: int, lr: float) -> dict:
         """``tokens``: tokens processed by all ranks in this step."""
         if self.device.type == "cuda":

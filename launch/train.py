@@ -1,7 +1,7 @@
 """Entry point: ``torchrun --nproc-per-node N -m hybrid_dist.launch.train [options]``.
 
 Trains a Llama-style model (``--preset tiny|125m|1b|8b``, ``--moe-experts`` for MoE)
-under any recipe (``--recipe NAME`` or ``package.module:attr``) with FSDP2/HSDP
+under any recipe (``--recipe NAME``, ``package.module:attr`` or ``path/file.py:attr``) with FSDP2/HSDP
 (``--fsdp``, ``--hsdp``), tensor and expert parallelism (``--tp``, ``--ep``), and prints a
 progress line per step on rank 0. ``--dry-run --world-size N`` validates a configuration
 for N ranks on one CPU without training (see ``launch/dry_run.py``).

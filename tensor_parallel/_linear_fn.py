@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hybrid_dist import gemm, saved_storages
+from hybrid_dist.inspection import active_stats
 from hybrid_dist.linear import weight_operands
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.tensor_parallel import _comm
@@ -146,6 +147,11 @@ class ColumnParallelFn(torch.autograd.Function):
             x_row, wgrad_in, lead = row, (WgradInput("local", col) if need_wgrad else None), x.shape[:-1]
             done = quantize_shards_with_group_amax([w_req], cfg.group) if w_req is not None else []
         w_row, w_col = _weight_pair(weight, plan, w_req, done, need_dgrad=need_dgrad)
+        ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
+        if stats is not None:  # a gathered (sequence-parallel) input has no local full-precision twin
+            if shared is None and not cfg.sequence_parallel:
+                stats.record("input", x, x_row, wgrad_in.storage if wgrad_in is not None else None)
+            stats.record("weight", weight, w_row, w_col, sharded=True)
         # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
@@ -168,6 +174,8 @@ class ColumnParallelFn(torch.autograd.Function):
         # dy [M, N/tp]: N is sharded, so a per-tensor scale needs the group amax
         dy_row, dy_col = quantize_with_group_amax(plan.grad_output, dy2d, cfg.group, rowwise=need_dgrad,
                                                   columnwise=need_wgrad, state=plan.states["grad_output"])
+        if ctx.stats is not None:
+            ctx.stats.record("grad_output", dy2d, dy_row, dy_col, sharded=True)
         x_handle = None
         if need_wgrad:  # start the wgrad input gather; it overlaps the dgrad GEMM
             src = ctx.shared if ctx.shared is not None else WgradInput.from_meta(ctx.wgrad_meta, wgrad_st)
@@ -203,6 +211,10 @@ class RowParallelFn(torch.autograd.Function):
         w_req = _weight_request(weight, plan, need_dgrad=need_dgrad)
         done = quantize_shards_with_group_amax([x_req] + ([w_req] if w_req is not None else []), cfg.group)
         (x_row, x_col), (w_row, w_col) = done[0], _weight_pair(weight, plan, w_req, done, need_dgrad=need_dgrad)
+        ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
+        if stats is not None:
+            stats.record("input", x, x_row, x_col, sharded=True)
+            stats.record("weight", weight, w_row, w_col, sharded=True)
         # fprop: y [M, N] (partial over K shards) = x [M, K/tp] · W_local [N, K/tp]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)
@@ -234,6 +246,8 @@ class RowParallelFn(torch.autograd.Function):
                                                                 state=plan.states["grad_output"])
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2d.sum(0)
+            if ctx.stats is not None:  # a gathered (sequence-parallel) dy has no local full-precision twin
+                ctx.stats.record("grad_output", dy2d, dy_row, dy_col)
         dx = dw = None
         if need_dgrad:
             # dgrad: dx [M, K/tp] = dy [M, N] · W_local [N, K/tp]   (W columnwise stored [K/tp, N])
