@@ -62,10 +62,17 @@ def test_state_dict_resume_is_bitwise():
     assert resumed == straight
 
 
-def test_load_state_dict_checks_count():
+def test_load_state_dict_checks_masters_and_groups():
     model = build_student(hd.recipe_from_name("mxfp8"))
     opt = hd.MasterWeightOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
     sd = opt.state_dict()
-    sd["masters"] = sd["masters"][:1]
-    with pytest.raises(ValueError, match="expected 2 master weights, got 1"):
+    quantized = [i for i, p in enumerate(model.parameters()) if isinstance(p, hd.QuantizedTensor)]
+    assert len(quantized) == 2 and sorted(sd["state"]) == quantized, "masters of the quantized weights only"
+    assert all(set(s) == {"master"} for s in sd["state"].values())
+    del sd["state"][quantized[1]]["master"]
+    with pytest.raises(ValueError, match=rf"no master weight \('master'\) for parameter #{quantized[1]}"):
+        opt.load_state_dict(sd)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:1]
+    with pytest.raises(ValueError, match=r"saved param groups have \[1\] parameters, this optimizer's \[4\]"):
         opt.load_state_dict(sd)
