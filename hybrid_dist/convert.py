@@ -34,8 +34,8 @@ def convert_to_hybrid(
     ``hd.quantized_model_init`` creates them: new parameters, so build the optimizer after
     converting. With ``keep_high_precision_init`` (the default) each keeps its current
     values in fp32 for ``MasterWeightOptimizer``'s master, also through ``fully_shard``
-    (``hp_init``): a model converted here trains bitwise like one built under
-    ``quantized_model_init(recipe)`` from the same values, sharded or not. A weight shared
+    (``hp_init``): the weights are those ``quantized_model_init(recipe)`` makes from the same
+    values, and sharded training is bitwise the unsharded training. A weight shared
     with another module (tied embeddings) stays high precision (warned once), since
     quantizing it would untie it.
     """
@@ -44,28 +44,15 @@ def convert_to_hybrid(
     if quantized_weights and recipe is None:
         raise ValueError("convert_to_hybrid: quantized_weights=True needs a recipe (its weight quantizer makes "
                          "the weights); pass recipe=hd.recipe_from_name(...)")
-    uses: dict[int, int] = {}
-    if quantized_weights:
-        for _, p in model.named_parameters(remove_duplicate=False):
-            uses[id(p)] = uses.get(id(p), 0) + 1
+    shared = _shared_parameter_ids(model) if quantized_weights else set()
 
     def swap(mod: nn.Module, fqn: str) -> nn.Module:
-        if not isinstance(mod, nn.Linear) and not isinstance(mod, Linear):
+        if not isinstance(mod, (nn.Linear, Linear)) or (module_filter_fn is not None and not module_filter_fn(mod, fqn)):
             return mod
-        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
-            return mod
-        if isinstance(mod, Linear):
-            new = mod
-        else:
-            new = Linear.__new__(Linear)
-            nn.Module.__init__(new)
-            new.in_features, new.out_features = mod.in_features, mod.out_features
-            new._plans, new._last_recipe = {}, None
-            new.weight, new.bias = mod.weight, mod.bias
+        new = mod if isinstance(mod, Linear) else _linear_from(mod)
         new.use_recipe(recipe, name=fqn)  # plans (and their states) now, before any compile
         if quantized_weights:
-            _quantize_weight(new, fqn, shared=uses.get(id(new.weight), 0) > 1,
-                             keep_high_precision_init=keep_high_precision_init)
+            _quantize_weight(new, fqn, shared=id(new.weight) in shared, keep_high_precision_init=keep_high_precision_init)
         return new
 
     def walk(parent: nn.Module, prefix: str) -> None:
@@ -81,6 +68,23 @@ def convert_to_hybrid(
     if root is model:
         walk(model, "")
     return root
+
+
+def _shared_parameter_ids(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def _linear_from(mod: nn.Linear) -> Linear:
+    """An ``hd.Linear`` holding ``mod``'s parameters (not copies)."""
+    new = Linear.__new__(Linear)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = mod.in_features, mod.out_features
+    new._plans, new._last_recipe = {}, None
+    new.weight, new.bias = mod.weight, mod.bias
+    return new
 
 
 def _quantize_weight(mod: Linear, fqn: str, *, shared: bool, keep_high_precision_init: bool) -> None:

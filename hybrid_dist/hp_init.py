@@ -41,11 +41,20 @@ def kept(t: torch.Tensor) -> torch.Tensor | None:
 def keep(t: torch.Tensor, hp: torch.Tensor, *, copy: bool = True) -> None:
     """Keep ``hp`` (``t``'s shape) as the init of QuantizedTensor ``t``, in fp32 on ``t``'s
     device; ``copy=False`` takes ``hp`` itself when it is already that (the caller gives
-    up the tensor: ``take`` frees its storage)."""
+    up the tensor: ``take`` frees its storage) and is not ``t``'s own data (an identity
+    direction may hold the very tensor it was made from)."""
     if tuple(hp.shape) != tuple(t.shape):
         raise ValueError(f"keep: init of shape {tuple(hp.shape)} for a tensor of shape {tuple(t.shape)}")
+    copy = copy or _shares_storage(t, hp)
     hp = hp.detach().to(device=t.device, dtype=torch.float32, copy=copy).contiguous()
     t.__dict__[_ATTR] = hp
+
+
+def _shares_storage(t: torch.Tensor, hp: torch.Tensor) -> bool:
+    ptr = hp.untyped_storage().data_ptr()
+    return any(x.untyped_storage().data_ptr() == ptr
+               for d in ("rowwise", "columnwise") if t.storage_of(d) is not None
+               for x in t.storage_of(d).tensors().values())
 
 
 def take(t: torch.Tensor) -> torch.Tensor | None:

@@ -76,3 +76,22 @@ def test_load_state_dict_checks_masters_and_groups():
     sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:1]
     with pytest.raises(ValueError, match=r"saved param groups have \[1\] parameters, this optimizer's \[4\]"):
         opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_fwd_bf16_bwd"])
+def test_master_takes_init_without_freeing_an_identity_weight(name):
+    """An identity (high-precision) direction may hold the very tensor the weight was made
+    from; the kept init is then a copy, so the master taking (and freeing) it leaves the
+    weight's data intact."""
+    torch.manual_seed(0)
+    recipe = hd.recipe_from_name(name)
+    with hd.quantized_model_init(recipe):
+        lin = hd.Linear(64, 64, bias=False, recipe=recipe)
+    before = {d: {f: t.clone() for f, t in lin.weight.storage_of(d).tensors().items()}
+              for d in ("rowwise", "columnwise")}
+    hp = lin.weight._hd_hp_init.clone()
+    opt = hd.MasterWeightOptimizer(torch.optim.SGD, lin.parameters(), lr=0.1)
+    assert_bitwise_equal(opt.master_of(lin.weight), hp, "master = exact init")
+    for d, fields in before.items():
+        for f, t in fields.items():
+            assert_bitwise_equal(getattr(lin.weight.storage_of(d), f), t, f"{d}.{f} after the master took the init")

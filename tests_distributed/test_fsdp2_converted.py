@@ -89,5 +89,3 @@ def test_fsdp2_converted_quantized_weights_bitwise_like_unsharded(names):
             if keep:
                 bad = {k: v for k, v in r["init_bits"].items() if v}
                 assert not bad, f"{cfg}: sharded masters did not start from the original weights' rows: {bad}"
-            else:
-                assert any(r["init_bits"].values()), f"{cfg}: masters equal the original weights without a kept init"
