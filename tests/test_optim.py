@@ -95,3 +95,24 @@ def test_master_takes_init_without_freeing_an_identity_weight(name):
     for d, fields in before.items():
         for f, t in fields.items():
             assert_bitwise_equal(getattr(lin.weight.storage_of(d), f), t, f"{d}.{f} after the master took the init")
+
+
+def test_is_a_torch_optimizer_over_the_model_parameters():
+    """``param_groups`` hold the model's parameters and the hyperparameters an LR scheduler
+    sets (copied into the wrapped optimizer at each step); ``state[p]`` is the state of
+    ``p``'s master."""
+    model = build_student(hd.recipe_from_name("fp8_current"))
+    opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    assert not opt.state and len(opt.state) == 0
+    x, y = next(teacher_batches(1))
+    for _ in range(2):
+        _step(model, opt, x, y)
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 1e-2 * 0.25
+    assert opt.optimizer.param_groups[0]["lr"] == 1e-2 * 0.5, "the second step ran with the scheduled lr"
+    w = model[0].weight
+    assert opt.state[w] is opt.optimizer.state[opt.master_of(w)] and int(opt.state[w]["step"]) == 2
+    assert w in opt.state and len(opt.state) == len(list(model.parameters()))

@@ -10,6 +10,9 @@ unsharded weights FSDP installs in the first forward equal the full quantized te
 bitwise (rowwise when resharding after forward, both directions otherwise). Activation
 recompute of FSDP modules resharded after forward trains bitwise like the unsharded model
 without recompute (recomputed modules gather both directions, forward and backward).
+Models are built with ``keep_high_precision_init=False`` (masters from the dequantized
+weights) and, in one test, with ``quantized_model_init``'s default ``True`` (masters from the
+fp32 init, whose rows ``fully_shard`` carries to each shard): both bitwise.
 """
 
 from __future__ import annotations
