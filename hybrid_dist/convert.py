@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from hybrid_dist.linear import Linear
-from hybrid_dist.recipe_module import quantized_weight_parameter
 from hybrid_dist.quantized_tensor import QuantizedTensor
+from hybrid_dist.recipe_module import quantized_weight_parameter
 from hybrid_dist.recipes import Recipe
 from hybrid_dist.warn import warn_once
 
@@ -47,12 +47,15 @@ def convert_to_hybrid(
     shared = _shared_parameter_ids(model) if quantized_weights else set()
 
     def swap(mod: nn.Module, fqn: str) -> nn.Module:
-        if not isinstance(mod, (nn.Linear, Linear)) or (module_filter_fn is not None and not module_filter_fn(mod, fqn)):
+        if not isinstance(mod, (nn.Linear, Linear)):
+            return mod
+        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             return mod
         new = mod if isinstance(mod, Linear) else _linear_from(mod)
         new.use_recipe(recipe, name=fqn)  # plans (and their states) now, before any compile
         if quantized_weights:
-            _quantize_weight(new, fqn, shared=id(new.weight) in shared, keep_high_precision_init=keep_high_precision_init)
+            _quantize_weight(new, fqn, shared=id(new.weight) in shared,
+                             keep_high_precision_init=keep_high_precision_init)
         return new
 
     def walk(parent: nn.Module, prefix: str) -> None:

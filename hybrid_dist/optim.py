@@ -34,7 +34,12 @@ import torch
 from hybrid_dist import hp_init
 from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.quantized_tensor import QuantizedTensor
-from hybrid_dist.sharded_params import is_sharded_quantized, like_dtensor, master_shard, sync_amax_and_requantize
+from hybrid_dist.sharded_params import (
+    is_sharded_quantized,
+    like_dtensor,
+    master_shard,
+    sync_amax_and_requantize,
+)
 
 MASTER_KEY = "master"  # a parameter's fp32 master in its optimizer state
 
@@ -175,9 +180,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if m is not p:
                 if saved is None:
                     raise ValueError(
-                        f"load_state_dict: no master weight ({MASTER_KEY!r}) for parameter #{j} ({i!r}, shape "
-                        f"{tuple(p.shape)}); a MasterWeightOptimizer's state dict has one for each parameter "
-                        "that is not plain fp32")
+                        f"load_state_dict: no master weight ({MASTER_KEY!r}) for parameter #{j} ({i!r}, "
+                        f"shape {tuple(p.shape)}); a MasterWeightOptimizer's state dict has one for each "
+                        "parameter that is not plain fp32")
                 masters[j] = saved
             if st:
                 inner_state[j] = st

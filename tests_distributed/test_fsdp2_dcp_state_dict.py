@@ -86,7 +86,11 @@ def _mismatches(ref, opt_ref, model, opt, rank) -> dict[str, int]:
 def load_and_continue(rank, world, root, names, sharded):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.utils._pytree import tree_map_only
 
     x0, x1 = tiny.batches(2)
