@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hybrid_dist.fsdp2._hp_gather import block_rows, is_aligned, shard_rows
+from hybrid_dist import hp_init
 from hybrid_dist.fsdp2._hp_param import HighPrecisionParam
 from hybrid_dist.linear import Linear
 from hybrid_dist.quantized_tensor import QuantizedTensor
@@ -36,7 +37,7 @@ def quantize_on_all_gather(model: nn.Module, *, recipe=None, shard_world_size: i
         w = mod.weight
         if isinstance(w, QuantizedTensor):
             q = w.quantizer
-            hp = getattr(w, "_hd_hp_init", None)
+            hp = hp_init.kept(w)
             data = (hp if hp is not None else w.dequantize(dtype=torch.float32)).to(w.dtype)
         else:
             r = recipe or mod.recipe

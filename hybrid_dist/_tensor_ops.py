@@ -4,24 +4,27 @@ Each entry works per direction through the storage's logical dim-0 operations
 (``DirectionStorage.narrow_dim0`` / ``new_zeros_dim0`` / ``cat_dim0``), which is what
 FSDP2 sharding (``split``, ``new_zeros``, ``narrow``, ``copy_``) and device moves need.
 Views are legal only where they keep the last dim (the storages are 2D ``[M, K]``).
+A kept high-precision init (``hp_init``) follows each op that makes a tensor from another.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybrid_dist import _kernel_registry
+from hybrid_dist import _kernel_registry, hp_init
 from hybrid_dist.hybrid import stateless
 from hybrid_dist.quantized_tensor import DIRECTIONS, QuantizedTensor, implements
 
 aten = torch.ops.aten
 
 
-def _rewrap(t: QuantizedTensor, fn, shape=None) -> QuantizedTensor:
-    """New wrapper with ``fn`` applied to each present storage."""
+def _rewrap(t: QuantizedTensor, fn, shape=None, init_fn=None) -> QuantizedTensor:
+    """New wrapper with ``fn`` applied to each present storage and ``init_fn`` (default:
+    the same tensor, an alias) to a kept high-precision init."""
     row = None if t.rowwise is None else fn(t.rowwise)
     col = None if t.columnwise is None else fn(t.columnwise)
-    return QuantizedTensor(t.shape if shape is None else shape, t.dtype, row, col, t.quantizer)
+    new = QuantizedTensor(t.shape if shape is None else shape, t.dtype, row, col, t.quantizer)
+    return hp_init.follow(new, t, init_fn or (lambda hp: hp))
 
 
 @implements([aten.detach.default, aten.alias.default])
@@ -31,7 +34,7 @@ def _detach(func, args, kwargs):
 
 @implements([aten.clone.default])
 def _clone(func, args, kwargs):
-    return _rewrap(args[0], lambda st: st.map_tensors(lambda x: x.clone()))
+    return _rewrap(args[0], lambda st: st.map_tensors(lambda x: x.clone()), init_fn=torch.clone)
 
 
 @implements([aten._to_copy.default])
@@ -40,7 +43,8 @@ def _to_copy(func, args, kwargs):
     device = kwargs.get("device") or t.device
     dtype = kwargs.get("dtype") or t.dtype
     pin = kwargs.get("pin_memory") or False
-    moved = _rewrap(t, lambda st: st.map_tensors(lambda x: _move(x, device, pin)))
+    moved = _rewrap(t, lambda st: st.map_tensors(lambda x: _move(x, device, pin)),
+                    init_fn=lambda hp: _move(hp, device, pin))
     if dtype != t.dtype:
         return moved.dequantize(dtype=dtype)  # a dtype cast leaves the quantized domain
     return moved
@@ -59,7 +63,7 @@ def _is_pinned(func, args, kwargs):
 
 @implements([aten._pin_memory.default])
 def _pin(func, args, kwargs):
-    return _rewrap(args[0], lambda st: st.map_tensors(lambda x: x.pin_memory()))
+    return _rewrap(args[0], lambda st: st.map_tensors(lambda x: x.pin_memory()), init_fn=lambda hp: hp.pin_memory())
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
@@ -72,14 +76,14 @@ def _view(func, args, kwargs):
         size[size.index(-1)] = t.numel() // known if known else 0
     if len(size) == 1 and size[0] == t.numel() and t.dim() >= 2:
         # Flat alias (FSDP2 keeps one as ``_sharded_param_data``): same storages, 1D shape.
-        return _rewrap(t, lambda st: st, shape=torch.Size(size))
+        return _rewrap(t, lambda st: st, shape=torch.Size(size), init_fn=lambda hp: hp.view(size))
     if len(size) < 2 or size[-1] != t.shape[-1] or torch.Size(size).numel() != t.numel():
         raise NotImplementedError(
             f"{func}: a QuantizedTensor of shape {tuple(t.shape)} can only be viewed as a "
             f"shape with the same last dim and >= 2 dims (its storage is [M, K]); got "
             f"{tuple(args[1])}. Dequantize first to reshape freely."
         )
-    return _rewrap(t, lambda st: st, shape=torch.Size(size))
+    return _rewrap(t, lambda st: st, shape=torch.Size(size), init_fn=lambda hp: hp.view(size))
 
 
 @implements([aten.as_strided.default])
@@ -97,7 +101,8 @@ def _as_strided(func, args, kwargs):
 def _narrow0(t: QuantizedTensor, start: int, length: int) -> QuantizedTensor:
     shape = torch.Size([length, *t.shape[1:]])
     inner = t.shape[1:].numel() // t.shape[-1]  # rows of the 2D view per dim-0 index
-    return _rewrap(t, lambda st: st.narrow_dim0(start * inner, length * inner), shape=shape)
+    return _rewrap(t, lambda st: st.narrow_dim0(start * inner, length * inner), shape=shape,
+                   init_fn=lambda hp: hp.narrow(0, start, length))
 
 
 @implements([aten.slice.Tensor])
@@ -154,7 +159,11 @@ def _cat(func, args, kwargs):
         if parts[0] is not None:
             storages[d] = type(parts[0]).cat_dim0(parts)
     shape = torch.Size([sum(x.shape[0] for x in tensors), *first.shape[1:]])
-    return QuantizedTensor(shape, first.dtype, storages.get("rowwise"), storages.get("columnwise"), first.quantizer)
+    out = QuantizedTensor(shape, first.dtype, storages.get("rowwise"), storages.get("columnwise"), first.quantizer)
+    inits = [hp_init.kept(x) for x in tensors]
+    if all(hp is not None for hp in inits):
+        hp_init.keep(out, torch.cat(inits), copy=False)
+    return out
 
 
 @implements([aten.new_zeros.default, aten.new_empty.default])
@@ -166,13 +175,14 @@ def _new_zeros(func, args, kwargs):
             f"in dim 0 only; got {tuple(size)}"
         )
     rows = size.numel() // t.shape[-1]
-    return _rewrap(t, lambda st: st.new_zeros_dim0(rows), shape=size)
+    # a buffer to copy_ into (FSDP2's padded shard): the init gets one too (hp_init note)
+    return _rewrap(t, lambda st: st.new_zeros_dim0(rows), shape=size, init_fn=lambda hp: hp.new_zeros(size))
 
 
 @implements([aten.empty_like.default, aten.zeros_like.default])
 def _empty_like(func, args, kwargs):
     t = args[0]
-    return _rewrap(t, lambda st: st.new_zeros_dim0(t.numel() // t.shape[-1]))
+    return _rewrap(t, lambda st: st.new_zeros_dim0(t.numel() // t.shape[-1]), init_fn=lambda hp: None)
 
 
 @implements([aten.zero_.default])
@@ -182,6 +192,8 @@ def _zero_(func, args, kwargs):
         if t.storage_of(d) is not None:
             for x in t.storage_of(d).tensors().values():
                 x.zero_()
+    if hp_init.kept(t) is not None:
+        hp_init.kept(t).zero_()
     return t
 
 
@@ -196,6 +208,9 @@ def _copy_(func, args, kwargs):
         for d in DIRECTIONS:
             if dst.storage_of(d) is not None:
                 dst.storage_of(d).copy_from(src.storage_of(d).map_tensors(lambda x: x.to(dst.device)))
+        if hp_init.kept(dst) is not None:
+            src_init = hp_init.kept(src)
+            hp_init.write(dst, src_init if src_init is not None else src.dequantize(dtype=torch.float32))
         return dst
     hp = src.dequantize() if isinstance(src, QuantizedTensor) else src
     requantize_(dst, hp)
@@ -215,6 +230,7 @@ def requantize_(dst: QuantizedTensor, hp: torch.Tensor, *, state=None, amax=None
     directions = {d: dst.storage_of(d) is not None for d in DIRECTIONS}
     q = stateless(dst.quantizer) if state is None else dst.quantizer
     hp = hp.to(dst.device)
+    hp_init.write(dst, hp)  # a kept init is what the data quantizes (hp_init note)
     if state is None and not torch.compiler.is_compiling():  # eager: straight into dst's buffers
         into = _kernel_registry.quantize_into_impl_for(q, hp)
         if into is not None and hp.dim() >= 2:

@@ -75,8 +75,9 @@ def quantized_model_init(recipe: Recipe, *, keep_high_precision_init: bool = Tru
     """``hd.Linear`` weights created inside are QuantizedTensors made by ``recipe``'s
     weight quantizer (both directions).
 
-    ``keep_high_precision_init``: keep the initial high-precision values on each parameter
-    (``param._hd_hp_init``) so ``MasterWeightOptimizer`` starts its fp32 masters from them
+    ``keep_high_precision_init``: keep the initial values in fp32 on each parameter
+    (``hybrid_dist.hp_init``; they follow the parameter through ``.to``, ``fully_shard`` and the TP
+    styles, row for row) so ``MasterWeightOptimizer`` starts its fp32 masters from them
     rather than from the dequantized weights; it frees them when it takes them.
     """
     _check_recipe(recipe, "quantized_model_init")

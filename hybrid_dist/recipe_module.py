@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybrid_dist import hp_init
 from hybrid_dist.autocast import current_recipe, model_init_recipe
 from hybrid_dist.formats.float8 import DelayedScalingState
 from hybrid_dist.formats.nvfp4 import NVFP4State
@@ -222,8 +223,16 @@ class RecipeModuleMixin:
         if init is None:
             return nn.Parameter(w)
         recipe, keep_hp = init
-        q = stateless(self.plan_for(recipe).weight)  # delayed scaling has no history yet
-        param = nn.Parameter(q.quantize(w, rowwise=True, columnwise=True))
-        if keep_hp:
-            param._hd_hp_init = w.float()
-        return param
+        return quantized_weight_parameter(w, self.plan_for(recipe).weight, init=w if keep_hp else None)
+
+
+def quantized_weight_parameter(w: torch.Tensor, quantizer, *, init: torch.Tensor | None,
+                               requires_grad: bool = True) -> nn.Parameter:
+    """``w`` quantized by ``quantizer`` (both directions; a delayed-scaling quantizer with
+    the current amax, as it has no history yet) as a parameter that keeps ``init`` (``w``'s
+    values; given up by the caller) as its high-precision init (``hp_init``), if given."""
+    param = nn.Parameter(stateless(quantizer).quantize(w.detach(), rowwise=True, columnwise=True),
+                         requires_grad=requires_grad)
+    if init is not None:
+        hp_init.keep(param, init, copy=False)
+    return param

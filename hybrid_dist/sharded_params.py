@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_dist import hp_init
 from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.amax_sync import global_amaxes
 from hybrid_dist.quantized_tensor import QuantizedTensor
@@ -25,10 +26,19 @@ def is_sharded_quantized(p: torch.Tensor) -> bool:
 
 
 def master_shard(p: torch.Tensor) -> torch.Tensor:
-    """fp32 DTensor master of a sharded quantized parameter (dequantized local shard)."""
+    """fp32 DTensor master of a sharded quantized parameter: the local rows of its kept
+    high-precision init (``hp_init``, taken: freed on the parameter), else the dequantized
+    local shard. Either way bitwise the matching rows of the unsharded master."""
+    local = hp_init.take(p._local_tensor)
+    if local is None:
+        local = p._local_tensor.dequantize(dtype=torch.float32).detach().clone()
+    return like_dtensor(local, p)
+
+
+def like_dtensor(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor with DTensor ``p``'s mesh, placements, shape and stride."""
     from torch.distributed.tensor import DTensor  # torch.distributed: only where a DTensor exists
 
-    local = p._local_tensor.dequantize(dtype=torch.float32).detach().clone()
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
 
@@ -91,4 +101,4 @@ def _global_amaxes(pairs) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["is_sharded_quantized", "master_shard", "sync_amax_and_requantize"]
+__all__ = ["is_sharded_quantized", "like_dtensor", "master_shard", "sync_amax_and_requantize"]

@@ -126,7 +126,7 @@ def _master_state(model: nn.Module, optimizer: hd.MasterWeightOptimizer) -> tupl
         m = optimizer.master_of(p)
         key = _disk_key(model, _clean(name))
         model_sd[key] = m
-        st = optimizer.state[m]
+        st = optimizer.state[p]
         if not st:  # AdamW's lazy initial state
             st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
         state[key] = st

@@ -7,13 +7,14 @@ parallel) slices logical dim 0 (``narrow_dim0``); ``Shard(1)`` (row parallel) sl
 logical dim 1 = K: the stored columns of the rowwise storage ``[N, K]`` and the stored
 rows of the columnwise storage ``[K, N]``, through ``field_axes()`` so that block scales
 are sliced with their data. The shards own contiguous memory (FSDP2 may shard them again
-over a data-parallel mesh dim).
+over a data-parallel mesh dim); a kept fp32 init (``hd.hp_init``) is sliced alike.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybrid_dist import hp_init
 from hybrid_dist.formats import DirectionStorage
 from hybrid_dist.quantized_tensor import DIRECTIONS, QuantizedTensor
 
@@ -62,4 +63,8 @@ def shard_quantized(t: QuantizedTensor, dim: int, world: int, rank: int) -> Quan
         storages = {d: None if t.storage_of(d) is None else _narrow_dim1(t.storage_of(d), rank * length, length)
                     for d in DIRECTIONS}
         shape = (t.shape[0], length)
-    return QuantizedTensor(torch.Size(shape), t.dtype, storages["rowwise"], storages["columnwise"], t.quantizer)
+    out = QuantizedTensor(torch.Size(shape), t.dtype, storages["rowwise"], storages["columnwise"], t.quantizer)
+    init = hp_init.kept(t)  # a kept fp32 init is sliced with the weight (the master starts from it)
+    if init is not None:
+        hp_init.keep(out, init.narrow(dim, rank * length, length))
+    return out

@@ -152,6 +152,17 @@ def test_the_core_never_imports_an_integration():
     assert not bad, "core modules importing hybrid_dist.{fsdp2,tensor_parallel,moe,launch}:\n" + "\n".join(bad)
 
 
+def test_no_module_imports_transformers():
+    """Hugging Face ``transformers`` is an optional extra (``[hf]``) for tests only."""
+    bad = []
+    for mod, path in FILES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{mod} ({path}:{node.lineno})" for n in names if n.split(".")[0] == "transformers"]
+    assert not bad, "modules importing transformers:\n" + "\n".join(bad)
+
+
 def test_no_private_import_across_packages():
     bad = [f"{s} -> {d}{'.' + n if n else ''} ({_where(s, ln)})" for s, d, n, ln in IMPORTS
            if _group(s) != _group(d) and (_is_private(d) or n.startswith("_"))]

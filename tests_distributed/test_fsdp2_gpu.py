@@ -51,6 +51,16 @@ def test_nccl_fsdp2_trains_like_unsharded_2_ranks_every_recipe():
     _check_every_recipe(results, 2, exact=True, reshard=True)
 
 
+def test_nccl_fsdp2_kept_init_trains_like_unsharded_2_ranks_every_recipe():
+    """``quantized_model_init``'s default: the kept fp32 init reaches each CUDA shard, whose
+    masters start bitwise from its rows."""
+    _need(2)
+    results = run_nccl(numerics.train_and_compare, 2, list(hd.RECIPE_NAMES), True, "cuda", numerics.STEPS, True)
+    _check_every_recipe(results, 2, exact=True, reshard=True)
+    bad = [(rank, name) for rank, r in enumerate(results) for name, res in r.items() if not res["init_masters"]]
+    assert not bad, f"(rank, recipe) whose sharded masters did not start from the init rows: {bad}"
+
+
 def test_nccl_fsdp2_4_ranks_no_reshard():
     _need(4)
     names = ["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]

@@ -10,6 +10,9 @@ unsharded weights FSDP installs in the first forward equal the full quantized te
 bitwise (rowwise when resharding after forward, both directions otherwise). Activation
 recompute of FSDP modules resharded after forward trains bitwise like the unsharded model
 without recompute (recomputed modules gather both directions, forward and backward).
+Models are built with ``keep_high_precision_init=False`` (masters from the dequantized
+weights) and, in one test, with ``quantized_model_init``'s default ``True`` (masters from the
+fp32 init, whose rows ``fully_shard`` carries to each shard): both bitwise.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ def rank_device(rank: int, device_type: str) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def build(recipe, seed: int = 0, device=None) -> torch.nn.Sequential:
+def build(recipe, seed: int = 0, device=None, keep_init: bool = False) -> torch.nn.Sequential:
+    """``keep_init``: ``quantized_model_init``'s ``keep_high_precision_init`` (masters start
+    from the fp32 init, carried through ``fully_shard``, instead of the dequantized weights)."""
     torch.manual_seed(seed)  # init on CPU, then move: the same values on every device
-    with hd.quantized_model_init(recipe, keep_high_precision_init=False):
+    with hd.quantized_model_init(recipe, keep_high_precision_init=keep_init):
         model = torch.nn.Sequential(*[hd.Linear(i, o, bias=b) for o, i, b in LAYERS])
     return model if device is None else model.to(device)
 
@@ -81,7 +86,7 @@ def _shard_mismatches(ref_param, sharded_param, rank: int) -> dict[str, int]:
     return out
 
 
-def train_and_compare(rank, world, names, reshard, device_type="cpu", steps=STEPS):
+def train_and_compare(rank, world, names, reshard, device_type="cpu", steps=STEPS, keep_init=False):
     """Per recipe: losses, master and quantized-shard mismatches, all-gather bytes."""
     from hybrid_dist.fsdp2 import track_all_gather
 
@@ -89,9 +94,12 @@ def train_and_compare(rank, world, names, reshard, device_type="cpu", steps=STEP
     results = {}
     for name in names:
         recipe = hd.recipe_from_name(name)
-        ref, model = build(recipe, device=device), shard(build(recipe, device=device), reshard=reshard)
+        ref = build(recipe, device=device, keep_init=keep_init)
+        model = shard(build(recipe, device=device, keep_init=keep_init), reshard=reshard)
         opt_ref = hd.MasterWeightOptimizer(torch.optim.AdamW, ref.parameters(), lr=1e-2)
         opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)
+        init_masters = _masters_are_init_rows(opt, model, build(recipe, device=device, keep_init=True), rank) \
+            if keep_init else None
         gen = torch.Generator().manual_seed(1)
         losses, acct_steps = [], []
         seen = _capture_unsharded(model, ("rowwise",) if reshard else ("rowwise", "columnwise"))
@@ -123,8 +131,26 @@ def train_and_compare(rank, world, names, reshard, device_type="cpu", steps=STEP
                 "master_bits": _diff_count(m_ref, m_sh),
                 "master_sqnr": sqnr_db(m_ref, m_sh),
             }
-        results[name] = {"losses": losses, "bytes": acct_steps, "params": params, "unsharded": unsharded}
+        results[name] = {"losses": losses, "bytes": acct_steps, "params": params, "unsharded": unsharded,
+                         "init_masters": init_masters}
     return results
+
+
+def _masters_are_init_rows(opt, model, fresh, rank: int) -> bool:
+    """Whether the master of every quantized shard is bitwise this rank's rows of the fp32
+    init kept by ``fresh`` (the same model unsharded, before any optimizer took its init)."""
+    from hybrid_dist import hp_init
+
+    checked = 0
+    for w, p in zip(fresh.parameters(), model.parameters()):
+        init = hp_init.kept(w)
+        if init is None:
+            continue
+        rows = p._local_tensor.shape[0]
+        if _diff_count(init[rank * rows:(rank + 1) * rows], opt.master_of(p)._local_tensor) != 0:
+            return False
+        checked += 1
+    return checked == len(LAYERS)
 
 
 def _capture_unsharded(model, directions) -> dict:
@@ -223,6 +249,18 @@ def test_fsdp2_trains_bitwise_like_unsharded_2_ranks_every_recipe(names):
     results = run_ranks(train_and_compare, 2, names, True)
     _check(results[0], 2, exact=True, reshard=True)
     _check(results[1], 2, exact=True, reshard=True)
+
+
+@pytest.mark.parametrize("names", recipe_groups())
+def test_fsdp2_trains_bitwise_like_unsharded_2_ranks_kept_init_every_recipe(names):
+    """``quantized_model_init``'s default (``keep_high_precision_init=True``): the sharded
+    masters start from the rows of the fp32 init that ``fully_shard`` carried to each shard,
+    so training is bitwise the unsharded run, which starts from the whole init."""
+    results = run_ranks(train_and_compare, 2, names, True, "cpu", STEPS, True)
+    for r in results:
+        _check(r, 2, exact=True, reshard=True)
+        for name, res in r.items():
+            assert res["init_masters"], f"{name} (kept init): masters did not start from the init"
 
 
 @pytest.mark.parametrize("names", recipe_groups(["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]))

@@ -193,3 +193,25 @@ def test_bad_input_raises_clear_errors(mesh):
                                        "up": HybridColwiseParallel(sequence_parallel=True)})
     with pytest.raises(ValueError, match="one input quantizer"):
         m(torch.randn(S_LOCAL, B, H))
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
+def test_tp_masters_start_from_the_kept_init_slice(mesh, name):
+    """Under ``quantized_model_init``'s default the TP styles slice the kept fp32 init with
+    each quantized weight, so rank 3's masters are bitwise its slices of the init (column
+    parallel: rows; row parallel: columns), as the unsharded masters are the whole init."""
+    from hybrid_dist import hp_init
+
+    recipe = hd.recipe_from_name(name)
+    torch.manual_seed(0)
+    with hd.quantized_model_init(recipe):
+        m = torch.nn.Sequential(hd.Linear(H, F, bias=False), hd.Linear(F, H, bias=False))
+    inits = [hp_init.kept(layer.weight).clone() for layer in m]
+    parallelize_module(m, mesh["tp"], {"0": HybridColwiseParallel(), "1": HybridRowwiseParallel()})
+    opt = hd.MasterWeightOptimizer(torch.optim.AdamW, m.parameters(), lr=1e-2)
+    tp_rank = mesh["tp"].get_local_rank()
+    for dim, layer, init in zip((0, 1), m, inits):
+        n = init.shape[dim] // TP
+        master = opt.master_of(layer.weight)._local_tensor
+        assert torch.equal(master, init.narrow(dim, tp_rank * n, n)), f"{name}: master of a Shard({dim}) weight"
+        assert hp_init.kept(layer.weight) is None, "the init was not freed once the master took it"
