@@ -26,7 +26,10 @@ NVFP4 stochastic rounding draws ONE uniform tensor over the packed buffer (per d
 from expert 0's state generator; ``split_quantize`` draws per expert for its padded
 shape, which needs the sizes on the host). Same rounding law, other random numbers: SR
 results are statistically, not bitwise, those of ``split_quantize``; without SR the two
-are bitwise equal. The encode builds no tensor on the host (``numerics.e2m1_encode``).
+are bitwise equal. ``per_expert_draws=True`` draws as ``split_quantize`` does instead
+(``_segment_ops.segment_state_rand``: an opaque op that reads the offsets on the host,
+for the CPU reference), bitwise equal with SR too. The encode builds no tensor on the
+host (``numerics.e2m1_encode``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
 from hybrid_dist.formats import traced_rng
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, nvfp4_global_scale, nvfp4_quantize_rows
 from hybrid_dist.formats.numerics import apply_hadamard16, hadamard16
+from hybrid_dist.moe._segment_ops import segment_state_rand
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
 __all__ = ["PackedSplit", "packed_fp8_rows", "split_quantize_packed", "unsupported_reason"]
@@ -117,11 +121,12 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
             else x.new_zeros(0, dtype=torch.float32)
         amax = torch.zeros(e, dtype=torch.float32, device=x.device).scatter_reduce(
             0, lay.eid, row_amax, reduce="amax", include_self=True)
-    if q.scaling == "delayed" and all(isinstance(s, DelayedScalingState) for s in states):
+    stacked = all(isinstance(s, DelayedScalingState) for s in states) and not torch.compiler.is_compiling()
+    if q.scaling == "delayed" and stacked:
         hist, scale = stacked_delayed_states(states, x.device)  # every expert's state at once
         torch.maximum(hist[:, 0], amax, out=hist[:, 0])  # = state.record(amax[i]) for each i
         scale = scale.clone()
-    elif q.scaling == "delayed":  # raises the explanatory error
+    elif q.scaling == "delayed":  # traced (stacking rebinds the states' tensors) or wrong states (raises)
         scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(e)])
     else:
         scale = q.compute_scale(x, None, amax)
@@ -137,10 +142,12 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
             {"data": col, "scale_inv": scale_inv} if columnwise else None)
 
 
-def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, state, *, direction):
+def _per_expert_nvfp4(q: NVFP4Quantizer, lay: _Layout, states, *, direction, per_expert_draws: bool):
     """NVFP4 (1D blocks) with one global scale per expert; RHT on the columnwise direction
     as the quantizer does (16-blocks along tokens never straddle experts). Stochastic
-    rounding: one draw over the packed buffer from ``state`` (module doc)."""
+    rounding: one draw over the packed buffer from expert 0's state, or each expert's
+    segment from its own state (module doc)."""
+    x_pad, row_expert, e = lay.x_pad, lay.row_expert, lay.num_experts
     v = x_pad.float() if direction == "rowwise" else x_pad.t().float()
     if direction == "columnwise" and q.rht:
         v = apply_hadamard16(v, hadamard16(q.rht_seed, v.device))
@@ -150,10 +157,13 @@ def _per_expert_nvfp4(q: NVFP4Quantizer, x_pad, row_expert, e, state, *, directi
     gs = nvfp4_global_scale(amax)
     gs_tok = torch.cat([gs, gs.new_ones(1)])[row_expert]
     gs_b = gs_tok[:, None] if direction == "rowwise" else gs_tok[::NV_BLOCK][None, :]
-    rand = None
-    if q.stochastic_rounding:
-        rand = traced_rng.state_rand(state, v, v.shape, draw=int(direction == "columnwise")) \
-            if isinstance(state, NVFP4State) else torch.rand(v.shape, device=v.device)
+    rand, draw = None, int(direction == "columnwise")
+    if q.stochastic_rounding and per_expert_draws and all(isinstance(s, NVFP4State) for s in states):
+        rand = segment_state_rand(states, v, lay.poff, width=x_pad.shape[1], capacity=lay.cap,
+                                  transposed=direction == "columnwise", draw=draw)
+    elif q.stochastic_rounding:
+        rand = traced_rng.state_rand(states[0], v, v.shape, draw=draw) \
+            if isinstance(states[0], NVFP4State) else torch.rand(v.shape, device=v.device)
     data, bs = nvfp4_quantize_rows(v, gs_b, block_rows=1, rand=rand)
     return {"data": data, "block_scale": bs, "global_scale": gs}
 
@@ -176,11 +186,11 @@ def unsupported_reason(q) -> str | None:
     return None
 
 
-def _direction_fields(q, lay: _Layout, states, direction):
+def _direction_fields(q, lay: _Layout, states, direction, per_expert_draws: bool):
     dq = q.direction_quantizer(direction)
     if isinstance(dq, NVFP4Quantizer) and not dq.block_2d:
-        state = q.direction_state(states[0], direction) if states else None
-        return _per_expert_nvfp4(dq, lay.x_pad, lay.row_expert, lay.num_experts, state, direction=direction)
+        st = [q.direction_state(s, direction) for s in states]
+        return _per_expert_nvfp4(dq, lay, st, direction=direction, per_expert_draws=per_expert_draws)
     if isinstance(dq, Float8Quantizer):
         st = [q.direction_state(s, direction) for s in states]
         row, col = _per_expert_fp8(dq, lay, st, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
@@ -205,9 +215,13 @@ def split_quantize_packed(
     columnwise: bool = True,
     states: Sequence[Any] | None = None,
     multiple: int | None = None,
+    per_expert_draws: bool = False,
 ) -> PackedSplit:
     """Quantize expert e's rows of ``x [T, K]`` (one quantizer for all experts, one state
-    per expert) into the packed padded layout, with no device-to-host sync."""
+    per expert) into the packed padded layout, with no device-to-host sync.
+    ``per_expert_draws``: NVFP4 stochastic rounding draws each expert's padded segment
+    from its own state, as ``split_quantize`` does (bitwise its draws; an opaque op that
+    reads the offsets on the host: the CPU reference, ``grouped_reference``)."""
     if x.dim() != 2 or tokens_per_expert.dim() != 1 or tokens_per_expert.device != x.device:
         raise ValueError(
             f"split_quantize_packed expects x [T, K] and tokens_per_expert [E] on x's device; got "
@@ -226,8 +240,8 @@ def split_quantize_packed(
         row, col = _per_expert_fp8(quantizer.direction_quantizer("rowwise"), lay, st, rowwise=rowwise,
                                    columnwise=columnwise)
     else:
-        row = _direction_fields(quantizer, lay, states, "rowwise") if rowwise else None
-        col = _direction_fields(quantizer, lay, states, "columnwise") if columnwise else None
+        row = _direction_fields(quantizer, lay, states, "rowwise", per_expert_draws) if rowwise else None
+        col = _direction_fields(quantizer, lay, states, "columnwise", per_expert_draws) if columnwise else None
     return PackedSplit(rowwise=row, columnwise=col, offsets=lay.off, padded_offsets=lay.poff, dest=lay.dest,
                        row_expert=lay.row_expert, capacity=lay.cap, multiple=mult)
 

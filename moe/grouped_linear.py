@@ -3,16 +3,18 @@
 Legend: T tokens (sorted by expert), E experts, K in_features, N out_features,
 ``m_e`` tokens of expert e, ``p_e`` its padded count (``split_quantize`` note).
 
-Each GEMM is grouped over experts. Three paths: the reference (CPU, and CUDA calls the
-others do not serve: a loop of ``gemm_nt`` per expert on the padded slices, which reads
-the split sizes on the host); CUDA + bf16 recipe: ``torch._grouped_mm`` with device
-offsets (``_grouped_mm.py``); CUDA + a quantized recipe: ``split_quantize_packed`` then
-``torch._scaled_grouped_mm`` / ``torch._grouped_mm`` (``grouped_quantized.py``). The two
-CUDA paths make no device-to-host sync; the quantized one is not bitwise the reference
+Each GEMM is grouped over experts. Four paths: the reference (a loop of ``gemm_nt`` per
+expert on the padded slices, which reads the split sizes on the host) for CUDA calls the
+others do not serve and for expert-parallel calls; on CPU the same formulas on the packed
+layout (``grouped_reference.py``: bitwise the loop, no shape that depends on the routing,
+so ``torch.compile`` traces it whole); CUDA + bf16 recipe: ``torch._grouped_mm`` with
+device offsets (``_grouped_mm.py``); CUDA + a quantized recipe: ``split_quantize_packed``
+then ``torch._scaled_grouped_mm`` / ``torch._grouped_mm`` (``grouped_quantized.py``). The
+two CUDA paths make no device-to-host sync; the quantized one is not bitwise the reference
 (it rounds per-expert scales into one bf16 operand, its module doc). Expert-parallel calls
-(``io``) take the reference, except those whose rows arrive packed for the quantized path
+(``io``) take the loop, except those whose rows arrive packed for the quantized path
 (per-tensor FP8: ``packed_exchange``); recipes the quantized path refuses
-(``grouped_quantized.unsupported_reason``) take the reference. The reference computes:
+(``grouped_quantized.unsupported_reason``) take the loop on CUDA. The reference computes:
 
     fprop  y_e  [p_e, N] = x_e.rowwise  [p_e, K] · W_e.rowwise    [N, K]ᵀ   → rows [:m_e]
     dgrad  dx_e [p_e, K] = dy_e.rowwise [p_e, N] · W_e.columnwise [K, N]ᵀ   → rows [:m_e]
@@ -42,7 +44,7 @@ from hybrid_dist.recipe_module import RecipeModuleMixin, in_backward
 from hybrid_dist.formats.float8 import DelayedScalingState, advance_stacked
 from hybrid_dist.linear import LinearPlan
 from hybrid_dist.recipes import Recipe
-from hybrid_dist.moe import _grouped_mm, grouped_quantized
+from hybrid_dist.moe import _grouped_mm, grouped_quantized, grouped_reference
 from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.moe.grouped_operands import expert_weight_storages
 from hybrid_dist.moe.split_quantize import split_quantize, token_multiple
@@ -178,6 +180,8 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         if packed_io:
             raise ValueError(f"GroupedLinear {self.name!r}: packed expert-parallel operands, but this call does "
                              "not take the packed path (see packed_exchange)")
+        if grouped_reference.fits(plan, x, io):
+            return grouped_reference.grouped_linear(x, self.weight, tokens_per_expert, plan)
         return _GroupedLinearFn.apply(x, self.weight, tokens_per_expert, plan, io)
 
     def packed_exchange(self, x: torch.Tensor, tensor_type: str) -> int | None:

@@ -28,7 +28,8 @@ on device, so quantizing needs no device-to-host sync.
 Where the reference syncs: ``tokens_per_expert.tolist()`` once per call (to slice on the
 host). Nothing else reads device values on the host. ``device_split.split_quantize_packed``
 builds the packed form directly, sized by that static bound, with no sync (bitwise equal
-to ``packed()`` of this function for the formats it supports).
+to ``packed()`` of this function for the formats it supports; with
+``per_expert_draws=True`` for NVFP4 stochastic rounding too).
 """
 
 from __future__ import annotations

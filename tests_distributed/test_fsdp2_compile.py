@@ -6,7 +6,9 @@ before ``fully_shard``, once eager. Four optimizer steps of each through
 ``hd.MasterWeightOptimizer``: no graph break, one graph for all blocks (the unsharded
 QuantizedTensor parameters FSDP2 installs put no per-block constant in it, and the last
 block's both-directions gather compiles to the same graph), and losses bitwise the eager
-run's on every rank.
+run's on every rank. The MoE variant (4 experts, top-2: ``GroupedLinear`` expert weights
+sharded along experts, the routing changing every step) holds the same with two graphs:
+the first block's ``aux`` input is a constant, the others' the running loss (requires grad).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 import hybrid_dist as hd
-from tests._tiers import by_recipe
+from tests._tiers import by_recipe, slow
 from tests_distributed._harness import run_ranks
 
 STEPS = 4
 
 
-def _train(recipe_name: str, compiled: bool):
+def _train(recipe_name: str, compiled: bool, moe_experts: int = 0):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
@@ -33,7 +35,7 @@ def _train(recipe_name: str, compiled: bool):
 
     torch._dynamo.reset()
     counters.clear()
-    cfg, recipe = preset("tiny", layers=3), hd.recipe_from_name(recipe_name)
+    cfg, recipe = preset("tiny", layers=3, moe_experts=moe_experts), hd.recipe_from_name(recipe_name)
     torch.manual_seed(0)
     with hd.quantized_model_init(recipe, keep_high_precision_init=False):
         model = Transformer(cfg)
@@ -54,8 +56,8 @@ def _train(recipe_name: str, compiled: bool):
     losses = []
     for _ in range(STEPS):
         tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=g)
-        logits, _ = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        logits, aux = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + 0.01 * aux
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -63,9 +65,9 @@ def _train(recipe_name: str, compiled: bool):
     return losses, counter.frame_count, sum(counters["graph_break"].values())
 
 
-def _compiled_and_eager(rank: int, world_size: int, recipe_name: str):
-    compiled = _train(recipe_name, compiled=True)
-    eager = _train(recipe_name, compiled=False)
+def _compiled_and_eager(rank: int, world_size: int, recipe_name: str, moe_experts: int = 0):
+    compiled = _train(recipe_name, compiled=True, moe_experts=moe_experts)
+    eager = _train(recipe_name, compiled=False, moe_experts=moe_experts)
     return compiled, eager
 
 
@@ -80,4 +82,15 @@ def test_compiled_fsdp2_quantized_init_one_graph_bitwise_eager(name):
         where = f"{name}, FSDP2 on 2 gloo ranks, quantized init, rank {rank}"
         assert breaks == 0, f"{where}: {breaks} graph breaks"
         assert frames == 1, f"{where}: {frames} graphs for 3 blocks x {STEPS} steps (expected 1)"
+        assert losses == ref, f"{where}: compiled losses {losses} != eager {ref}"
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=slow) for n in ("fp8_current", "mxfp8_fwd_nvfp4_bwd")])
+def test_compiled_fsdp2_moe_quantized_init_one_graph_bitwise_eager(name):
+    for rank, ((losses, frames, breaks), (ref, _, _)) in enumerate(run_ranks(_compiled_and_eager, 2, name, 4)):
+        where = f"{name}, MoE (4 experts, top-2), FSDP2 on 2 gloo ranks, quantized init, rank {rank}"
+        assert breaks == 0, f"{where}: {breaks} graph breaks"
+        # two input signatures, not routing: the first block gets the Transformer's constant
+        # aux (no grad), the others the running load-balancing loss (requires grad)
+        assert frames == 2, f"{where}: {frames} graphs for 3 blocks x {STEPS} steps (expected 2)"
         assert losses == ref, f"{where}: compiled losses {losses} != eager {ref}"

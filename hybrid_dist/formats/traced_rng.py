@@ -32,6 +32,12 @@ def register(state) -> torch.Tensor:
     return torch.tensor(uid, dtype=torch.int64)
 
 
+def registered_state(uid: torch.Tensor):
+    """The live state whose id (``register``) ``uid`` holds; what an opaque op that draws
+    from a state's generator at run time looks up."""
+    return _LIVE[int(uid)]
+
+
 def _draw_from(state, like: torch.Tensor, shape) -> torch.Tensor:
     return torch.rand(shape, device=like.device, generator=state.generator(like.device))
 
@@ -40,7 +46,7 @@ def _draw_from(state, like: torch.Tensor, shape) -> torch.Tensor:
 def _state_rand_op(like: torch.Tensor, uid: torch.Tensor, draw: int, shape: list[int]) -> torch.Tensor:
     """``torch.rand(shape)`` (fp32) on ``like``'s device from the generator of the state
     whose id ``uid`` holds."""
-    return _draw_from(_LIVE[int(uid)], like, shape)
+    return _draw_from(registered_state(uid), like, shape)
 
 
 @_state_rand_op.register_fake

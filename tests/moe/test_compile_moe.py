@@ -1,0 +1,154 @@
+"""``torch.compile(block, fullgraph=True)`` of the launcher's MoE Llama blocks, every recipe.
+
+Two MoE blocks (router → permute → ``GroupedLinear`` SwiGLU experts → unpermute), each
+compiled on its own, run three steps forward and backward next to the same blocks in
+eager; every step routes the tokens differently (asserted), so the tokens-per-expert
+counts change between steps. Asserted per recipe, with high-precision weights and with
+``hd.quantized_model_init`` weights:
+
+* no graph break (``fullgraph=True`` raises on one, and Dynamo's counter stays 0);
+* one graph for both blocks over all steps: nothing in the traced layer has a shape that
+  depends on the routing (the packed layout of ``moe.grouped_reference``), so new counts
+  neither break nor recompile;
+* on CPU with ``aot_eager`` outputs, input gradients and every parameter gradient
+  bitwise the eager steps; with ``inductor`` (the MoE layer alone, slow tier) one graph,
+  no break, and numbers within the format's noise of eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+import hybrid_dist as hd
+from hybrid_dist.launch.model import Block, hybrid_filter, rope_tables
+from hybrid_dist.launch.presets import preset
+from hybrid_dist.moe import MoE, GroupedLinear
+from hybrid_dist.moe.router import expert_counts
+from tests._helpers import assert_bitwise_equal, sqnr_db
+from tests._tiers import slow
+
+FAST = {("fp8_delayed", False), ("mxfp8_fwd_nvfp4_bwd", True)}
+CASES = [pytest.param(n, q, id=f"{n}-{'qinit' if q else 'hp'}", marks=() if (n, q) in FAST else slow)
+         for n in hd.RECIPE_NAMES for q in (False, True)]
+EXPERTS, TOP_K, SEQ = 4, 2, 64
+
+
+def _moe_blocks(name: str, qinit: bool, n_blocks: int = 2):
+    cfg = dataclasses.replace(preset("tiny"), n_layers=n_blocks, moe_experts=EXPERTS, moe_top_k=TOP_K)
+    recipe = hd.recipe_from_name(name)
+    torch.manual_seed(0)
+    init = hd.quantized_model_init(recipe, keep_high_precision_init=False) if qinit else contextlib.nullcontext()
+    with init:
+        blocks = torch.nn.ModuleList([Block(cfg) for _ in range(n_blocks)])
+    blocks = blocks.to(torch.bfloat16)
+    # as launch.model.apply_recipe: projections and experts, not the routers
+    hd.convert_to_hybrid(blocks, recipe=recipe, module_filter_fn=hybrid_filter)
+    hd.set_recipe(blocks, recipe, module_filter_fn=lambda mod, fqn: not isinstance(mod, hd.Linear))
+    for m in blocks.modules():
+        if isinstance(m, (hd.Linear, GroupedLinear)):
+            m.plan_for(recipe)  # states exist before the first (compiled) forward
+    return cfg, blocks
+
+
+def _steps(cfg, blocks, fns, steps: int = 3):
+    """Per step: the last block's output, the input gradient and every parameter gradient."""
+    cos, sin = rope_tables(cfg)
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2, SEQ, cfg.dim, generator=g).to(torch.bfloat16).requires_grad_(True)
+        blocks.zero_grad(set_to_none=True)
+        h, aux = x, torch.zeros((), requires_grad=True)  # every block sees the same input signature
+        for fn in fns:
+            h, aux = fn(h, cos[:SEQ], sin[:SEQ], aux)
+        (h.float().square().mean() + aux).backward()
+        out.append([h.detach(), aux.detach(), x.grad] + [p.grad for p in blocks.parameters()])
+    return out
+
+
+def _routing_counts(blocks) -> list[torch.Tensor]:
+    """A hook on the first block's router recording tokens per expert of each forward."""
+    seen = []
+    blocks[0].feed_forward.moe.router.register_forward_hook(
+        lambda mod, args, out: seen.append(expert_counts(out[1], mod.num_experts)))
+    return seen
+
+
+def _compiled_vs_eager(name: str, qinit: bool, backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend(backend)
+    cfg, eager = _moe_blocks(name, qinit)
+    _, compiled = _moe_blocks(name, qinit)
+    counts = _routing_counts(eager)
+    fns = [torch.compile(b, backend=counter, fullgraph=True) for b in compiled]
+    ref = _steps(cfg, eager, list(eager))
+    got = _steps(cfg, compiled, fns)
+    assert len({tuple(c.tolist()) for c in counts}) == len(counts), f"routing repeats a step: {counts}"
+    return ref, got, counter.frame_count, sum(counters["graph_break"].values())
+
+
+def _what(i: int) -> str:
+    return ("y", "aux", "dx")[i] if i < 3 else f"grad of parameter #{i - 3}"
+
+
+@pytest.mark.parametrize("name, qinit", CASES)
+def test_compiled_moe_blocks_one_graph_bitwise_eager_cpu(name, qinit):
+    ref, got, frames, breaks = _compiled_vs_eager(name, qinit, "aot_eager")
+    where = f"MoE {name} {'quantized-init' if qinit else 'high-precision'} weights"
+    assert breaks == 0, f"{where}: {breaks} graph breaks"
+    assert frames == 1, f"{where}: {frames} graphs for 2 identical blocks x 3 steps (expected 1)"
+    for step, (r, c) in enumerate(zip(ref, got)):
+        assert len(r) == len(c)
+        for i, (a, b) in enumerate(zip(r, c)):
+            assert_bitwise_equal(b, a, f"{where}, step {step}, {_what(i)} (compiled vs eager)")
+
+
+def _layer_steps(moe, fn, steps: int = 3):
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(2 * SEQ, moe.hidden, generator=g).to(torch.bfloat16).requires_grad_(True)
+        moe.zero_grad(set_to_none=True)
+        y, aux = fn(x)
+        (y.float().square().mean() + aux).backward()
+        out.append([y.detach(), aux.detach(), x.grad] + [p.grad for p in moe.parameters()])
+    return out
+
+
+@slow
+@pytest.mark.parametrize("name", ["mxfp8"])
+def test_compiled_moe_layer_inductor_cpu(name):
+    """Inductor (C++ codegen) on the MoE layer alone: one graph over three routings, no
+    break, and outputs and gradients within the format's noise of eager (SQNR >= 30 dB).
+    Not bitwise: inductor regenerates the router's fp32 GEMM and softmax and the combine,
+    whose roundings differ from eager's kernels by an ulp, and the quantizers downstream
+    then round some values the other way."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    recipe = hd.recipe_from_name(name)
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        moe = MoE(256, 128, EXPERTS, TOP_K, recipe=recipe, dtype=torch.bfloat16)
+        moe.fc1.plan_for(recipe), moe.fc2.plan_for(recipe)
+        layers.append(moe)
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("inductor")
+    ref = _layer_steps(layers[0], layers[0])
+    got = _layer_steps(layers[1], torch.compile(layers[1], backend=counter, fullgraph=True))
+    breaks = sum(counters["graph_break"].values())
+    assert breaks == 0 and counter.frame_count == 1, f"{name}: {counter.frame_count} graphs, {breaks} breaks"
+    for step, (r, c) in enumerate(zip(ref, got)):
+        for i, (a, b) in enumerate(zip(r, c)):
+            db = sqnr_db(a.float(), b.float())
+            assert db >= 30.0, f"MoE layer {name} inductor, step {step}, {_what(i)}: SQNR {db:.1f} dB vs eager"
