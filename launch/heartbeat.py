@@ -65,8 +65,10 @@ class Heartbeat:
 def shorten_timeouts(seconds: float) -> None:
     """Set ``seconds`` as the timeout of the default group and of every group created since."""
     timeout = datetime.timedelta(seconds=seconds)
-    for group in list(dist.distributed_c10d._world.pg_map):
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    c10d = dist.distributed_c10d  # torch's own per-group timeout setter (as torchtitan uses it)
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
 
 
 def is_timeout(e: BaseException) -> bool:
