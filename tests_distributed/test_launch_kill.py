@@ -44,7 +44,7 @@ def test_sigkill_at_any_moment_resumes_from_the_newest_complete_step(tmp_path, d
 
     ckpt = str(tmp_path / "ckpt")
     job = subprocess.Popen(_job(ckpt), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=os.setsid)  # its own group
     try:
         for line in job.stdout:
             if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= 3:
