@@ -52,9 +52,11 @@ def timed_tokens_per_s(steps: list[dict], warmup: int) -> float:
     return tokens / max(sum(r["step_time_s"] for r in timed), 1e-12)
 
 
-def _bar(frac: float, width: int = 20) -> str:
-    n = int(round(frac * width))
-    return "█" * n + "·" * (width - n)
+def _clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour."""
+    m, sec = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 class Meter:
@@ -117,13 +119,20 @@ class Meter:
         self.records.append(rec)
         self._emit(rec)
         if self.is_main and not self.quiet and (step % self.log_every == 0 or step == self.total):
-            mfu_s = f"{100 * mfu:5.1f}%" if mfu is not None else "  n/a"
-            est = "" if self.ag_key == "ag_bytes" else " (est)"
-            ag = f" | all-gather {rec[self.ag_key] / 2**20:.2f} MiB{est}" if self.ag_bytes is not None else ""
-            print(f"step {step:>5}/{self.total} {_bar(step / self.total)} loss {loss:7.4f} | "
-                  f"{tps:>9,.0f} tok/s | MFU {mfu_s} | peak mem {rec['peak_mem_bytes'] / 2**30:.2f} GiB{ag}",
-                  flush=True)
+            print(self._progress_line(step, loss, tps, mfu, rec, now), flush=True)
         return rec
+
+    def _progress_line(self, step: int, loss: float, tps: float, mfu: float | None, rec: dict, now: float) -> str:
+        """One line of at most 100 columns (up to 99,999 steps): step, loss, tokens/s, MFU,
+        peak memory and all-gather bytes per step in GiB (``~`` estimated), elapsed<remaining."""
+        mfu_s = f"{100 * mfu:4.1f}%" if mfu is not None else "n/a"
+        ag = ""
+        if self.ag_bytes is not None:
+            ag = f" AG {rec[self.ag_key] / 2**30:.1f}G{'' if self.ag_key == 'ag_bytes' else '~'}"
+        elapsed = now - self._t0
+        left = elapsed / max(len(self.records), 1) * (self.total - step)
+        return (f"step {step:>5}/{self.total}  loss {loss:7.4f}  {tps:>9,.0f} tok/s  MFU {mfu_s}  "
+                f"mem {rec['peak_mem_bytes'] / 2**30:.1f}G{ag}  {_clock(elapsed)}<{_clock(left)}")
 
     def finish(self, extra: dict) -> dict:
         steps = self.records

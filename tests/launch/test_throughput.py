@@ -82,6 +82,20 @@ def test_summary_leaves_out_warmup_steps(tmp_path):
     assert timed_tokens_per_s(meter.records[:2], 2) == pytest.approx(200.0)  # too few steps: the last one
 
 
+def test_progress_line_fits_100_columns_with_elapsed_and_remaining_time(capsys):
+    meter = Meter(total_steps=99999, flops_per_token=10**9, world_size=1, device=torch.device("cpu"), rank=0,
+                  jsonl_path=None, log_every=1, quiet=False, run={}, ag_bytes_per_step=123 * 2**30,
+                  ag_measured=False)
+    meter.peak = 1e15  # as on a GPU: the MFU column is filled
+    meter._t0 -= 40.0  # a 40 s first step: 99,998 steps of 40 s left
+    meter._t_last -= 40.0
+    meter.step(1, 12.3456, 9_999_999, 0.1)
+    line = capsys.readouterr().out.strip()
+    assert len(line) <= 100, (len(line), line)
+    assert line.startswith("step     1/99999  loss 12.3456") and "AG 123.0G~" in line, line
+    assert line.endswith("0:40<1111:05:20"), line  # 99,998 x 40 s
+
+
 def _write(path, start, tps=None, steps=3, ag=None, ag_est=None, mode="w"):
     with open(path, mode) as f:
         f.write(json.dumps({"event": "start", "fsdp": 4, **start}) + "\n")
