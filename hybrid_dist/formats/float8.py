@@ -195,5 +195,25 @@ class Float8Quantizer(Quantizer):
         row = Float8Storage(data=data, scale_inv=scale_inv, transposed=False) if rowwise else None
         col = None
         if columnwise:
-            col = Float8Storage(data=data.t().contiguous(), scale_inv=scale_inv, transposed=True)
+            col = Float8Storage(data=transposed_fp8(data), scale_inv=scale_inv, transposed=True)
         return row, col
+
+
+@torch.library.custom_op("hybrid_dist::fp8_transpose", mutates_args=())
+def _fp8_transpose_op(data: torch.Tensor) -> torch.Tensor:
+    return data.t().contiguous()
+
+
+@_fp8_transpose_op.register_fake
+def _(data):
+    return data.new_empty(data.shape[1], data.shape[0])
+
+
+def transposed_fp8(data: torch.Tensor) -> torch.Tensor:
+    """``data.t().contiguous()`` of 2-D fp8 data. While compiling, an opaque op: inductor's
+    vectorized CPU code fuses an fp8 cast into a transposed store of a slice of a larger
+    tensor wrongly (NaNs, torch 2.13), so the cast is stored rowwise first and moved here."""
+    if torch.compiler.is_compiling():
+        return _fp8_transpose_op(data)
+    return data.t().contiguous()
+
