@@ -42,6 +42,7 @@ from hybrid_dist.fsdp2._buffers import (
     fsdp_transport_buffers,
 )
 from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both
+from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 ROW, COL = "rowwise", "columnwise"
@@ -94,9 +95,7 @@ def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast, *, tempora
     if plan is None or plan.storages[0] is not storages[0] or plan.storages[1] is not storages[1]:
         plan = plans[key] = _Plan(storages, *_gather_plan(t, pass_, world, shape, cast, temporary))
     meta = plan.meta
-    # the rowwise data is the columnwise transport layout when meta.col_from_row (no transpose)
-    src = {ROW: (storages[0], ROW), COL: (storages[0], ROW) if meta.col_from_row else (storages[1], COL)}
-    bufs = [b for d in meta.gathered for b in fsdp_transport_buffers(src[d][0], meta.dirs[src[d][1]])]
+    bufs = [b for i, dm in plan.sources() for b in fsdp_transport_buffers(storages[i], dm)]
     inputs = [_pack(bufs, meta.capacity)] if meta.mode == "packed" else bufs
     if plan.input_bytes is None:  # the plan's first gather: its signature must match every other pass's
         _check_stable(t, meta.mode, inputs)
@@ -114,14 +113,24 @@ class _Plan:
     payload: int  # bytes of data this pass carries (before padding)
     input_bytes: int | None = None  # all-gather input bytes, set by the first gather
 
+    def sources(self) -> list[tuple[int, DirectionGatherMeta]]:
+        """Per gathered direction, the storage (0 rowwise, 1 columnwise) whose transport
+        buffers it sends and their metadata: the rowwise data for the columnwise direction
+        when ``meta.col_from_row`` (no transpose)."""
+        if self._sources is None:
+            m = self.meta
+            self._sources = [(0, m.dirs[ROW]) if d == ROW or m.col_from_row else (1, m.dirs[COL])
+                             for d in m.gathered]
+        return self._sources
+
+    _sources: list | None = None
+
 
 def _col_from_row(t) -> bool:
     """True when the shard's columnwise data is its rowwise data transposed, byte for byte:
     one per-tensor FP8 quantizer for both directions writes both from one scale (every
     quantize, ``requantize_`` and the optimizer's write-back do), so the columnwise
     transport layout (``[rows, K]``) is the rowwise data as it is."""
-    from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
-
     row, col, q = t.storage_of(ROW), t.storage_of(COL), t.quantizer
     rq = q.direction_quantizer(ROW)
     return (isinstance(row, Float8Storage) and isinstance(col, Float8Storage) and isinstance(rq, Float8Quantizer)
