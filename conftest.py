@@ -18,5 +18,10 @@ def pytest_configure(config):
     # otherwise oversubscribe the CPU and slow every test down.
     import os
 
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
         torch.set_num_threads(1)
+        # Spread single-GPU tests over the host's GPUs: worker gwN uses GPU N mod count
+        # (multi-GPU tests start their own processes and pick their devices themselves).
+        if torch.cuda.is_available() and worker.startswith("gw"):
+            torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())

@@ -26,9 +26,10 @@ from typing import ClassVar
 import torch
 
 from hybrid_dist._kernel_registry import delayed_advance_impl_for
-from hybrid_dist.formats.numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
+from hybrid_dist.formats.numerics import FP8_MAX, cast_to_fp8, check_fp8_dtype, scale_from_amax
+from hybrid_dist.library_op import library_op
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,7 +200,7 @@ class Float8Quantizer(Quantizer):
         return row, col
 
 
-@torch.library.custom_op("hybrid_dist::fp8_transpose", mutates_args=())
+@library_op("hybrid_dist::fp8_transpose")
 def _fp8_transpose_op(data: torch.Tensor) -> torch.Tensor:
     return data.t().contiguous()
 

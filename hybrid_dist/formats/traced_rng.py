@@ -20,6 +20,8 @@ import weakref
 
 import torch
 
+from hybrid_dist.library_op import library_op
+
 _LIVE: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()  # uid -> state
 _NEXT = itertools.count()
 
@@ -42,7 +44,7 @@ def _draw_from(state, like: torch.Tensor, shape) -> torch.Tensor:
     return torch.rand(shape, device=like.device, generator=state.generator(like.device))
 
 
-@torch.library.custom_op("hybrid_dist::state_rand", mutates_args=())
+@library_op("hybrid_dist::state_rand")
 def _state_rand_op(like: torch.Tensor, uid: torch.Tensor, draw: int, shape: list[int]) -> torch.Tensor:
     """``torch.rand(shape)`` (fp32) on ``like``'s device from the generator of the state
     whose id ``uid`` holds."""

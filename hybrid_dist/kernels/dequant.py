@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, e2m1_decode, exp2_int
+from hybrid_dist.kernels._jit_common import cdiv, e2m1_decode, eager_or_op, exp2_int
 from hybrid_dist.kernels._launch import launch
+from hybrid_dist.library_op import library_op
 
 _BR, _BC = 64, 128
 
@@ -62,7 +63,7 @@ def _scale_cast_kernel(acc_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr,
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@torch.library.custom_op("hybrid_dist::mxfp8_dequantize", mutates_args=())
+@library_op("hybrid_dist::mxfp8_dequantize")
 def mxfp8_dequantize_op(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """bf16 ``[R, C]`` of MXFP8 ``data [R, C]`` with E8M0 ``scale [R, C/32]``."""
     r, c = data.shape
@@ -78,7 +79,7 @@ def _(data, scale):
     return data.new_empty(data.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("hybrid_dist::nvfp4_dequantize", mutates_args=())
+@library_op("hybrid_dist::nvfp4_dequantize")
 def nvfp4_dequantize_op(data: torch.Tensor, block_scale: torch.Tensor, block_rows: int) -> torch.Tensor:
     """bf16 ``[R, C]`` of packed NVFP4 ``data [R, C/2]`` with E4M3 ``block_scale``
     ``[R/block_rows, C/16]`` (global scale not applied)."""
@@ -95,7 +96,7 @@ def _(data, block_scale, block_rows):
     return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("hybrid_dist::scale_cast", mutates_args=())
+@library_op("hybrid_dist::scale_cast")
 def scale_cast_op(acc: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
                out_dtype: torch.dtype) -> torch.Tensor:
     """``((acc · scale_a) · scale_b).to(out_dtype)`` for a contiguous fp32 ``acc``."""
@@ -115,10 +116,10 @@ def _(acc, scale_a, scale_b, out_dtype):
     return acc.new_empty(acc.shape, dtype=out_dtype)
 
 
-mxfp8_dequantize = eager_or_op(mxfp8_dequantize_op, mxfp8_dequantize_op._init_fn)
+mxfp8_dequantize = eager_or_op(mxfp8_dequantize_op, mxfp8_dequantize_op.fn)
 
 
-nvfp4_dequantize = eager_or_op(nvfp4_dequantize_op, nvfp4_dequantize_op._init_fn)
+nvfp4_dequantize = eager_or_op(nvfp4_dequantize_op, nvfp4_dequantize_op.fn)
 
 
-scale_cast = eager_or_op(scale_cast_op, scale_cast_op._init_fn)
+scale_cast = eager_or_op(scale_cast_op, scale_cast_op.fn)

@@ -18,10 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.float8_block import BLOCK, Float8BlockQuantizer, Float8BlockStorage
-from hybrid_dist.kernels._jit_common import cdiv, eager_or_op, cast_fp8, div_rn, per_block_scale
+from hybrid_dist.formats.numerics import FP8_MAX
+from hybrid_dist.kernels._jit_common import cast_fp8, cdiv, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels._launch import launch
+from hybrid_dist.library_op import library_op
 
 
 @triton.jit
@@ -79,7 +80,7 @@ _square_kernel = triton.autotune(configs=[triton.Config({}, num_warps=w) for w i
 _ROWS_LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
-@torch.library.custom_op("hybrid_dist::fp8_block_quantize", mutates_args=())
+@library_op("hybrid_dist::fp8_block_quantize")
 def fp8_block_quantize_op(
     x: torch.Tensor, dtype: torch.dtype, square: bool, power_of_2_scales: bool, amax_epsilon: float,
     rowwise: bool, columnwise: bool,
@@ -130,4 +131,4 @@ def quantize_fp8_block(q: Float8BlockQuantizer, x2d, *, rowwise, columnwise, sta
     return row_st, col_st
 
 
-fp8_block_quantize = eager_or_op(fp8_block_quantize_op, fp8_block_quantize_op._init_fn)
+fp8_block_quantize = eager_or_op(fp8_block_quantize_op, fp8_block_quantize_op.fn)

@@ -33,12 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Float8Storage, stacked_delayed_states
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.transpose import transpose_into, transposed
+from hybrid_dist.library_op import library_op
 
 _BM, _BK = 64, 128
 
@@ -106,7 +107,7 @@ def _amax_2d_fresh(x: torch.Tensor) -> torch.Tensor:
     return _amax_2d(x, fresh_f32(x.device))
 
 
-amax_op = torch.library.custom_op("hybrid_dist::amax", mutates_args=())(_amax_2d_fresh)
+amax_op = library_op("hybrid_dist::amax")(_amax_2d_fresh)
 amax_op.register_fake(lambda x: x.new_empty((), dtype=torch.float32))
 amax_2d = eager_or_op(amax_op, _amax_2d)
 
@@ -179,7 +180,7 @@ def _cast_fake(x, amax, scale, amax_out, dtype, scale_from_amax, eps, pow2, roww
             x.new_empty((), dtype=torch.float32))
 
 
-cast_op = torch.library.custom_op("hybrid_dist::fp8_cast_transpose", mutates_args=("amax_out",))(_fp8_cast_transpose)
+cast_op = library_op("hybrid_dist::fp8_cast_transpose", mutates_args=("amax_out",))(_fp8_cast_transpose)
 cast_op.register_fake(_cast_fake)
 fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
 
@@ -193,8 +194,7 @@ def _fp8_cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, dtype: torc
                                columnwise, False)
 
 
-cast_current_op = torch.library.custom_op("hybrid_dist::fp8_cast_transpose_current",
-                                          mutates_args=())(_fp8_cast_transpose_current)
+cast_current_op = library_op("hybrid_dist::fp8_cast_transpose_current")(_fp8_cast_transpose_current)
 cast_current_op.register_fake(
     lambda x, amax, dtype, eps, pow2, rowwise, columnwise: _cast_fake(x, amax, amax, amax, dtype, True, eps, pow2,
                                                                       rowwise, columnwise, False))

@@ -31,14 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.mxfp8 import MX_BLOCK, MXFP8Quantizer, MXFP8Storage
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import (cast_fp8, cdiv, e8m0_inv_bf16, e8m0_rceil, e8m0_rceil_bf16, eager_or_op,
                                              exp2_int)
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels.mxfp8_words import mxfp8_words_kernel
 from hybrid_dist.kernels.quant_tiles import MXFP8_DEFAULT, MXFP8_WORDS_DEFAULT, TileConfig, bf16_words
 from hybrid_dist.kernels.scale_staging import new_stage, stage_unit, unstage
+from hybrid_dist.library_op import library_op
 
 
 @triton.jit
@@ -221,7 +222,7 @@ def mxfp8_quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, col
     return row, row_s, col, col_s
 
 
-@torch.library.custom_op("hybrid_dist::mxfp8_quantize", mutates_args=())
+@library_op("hybrid_dist::mxfp8_quantize")
 def mxfp8_quantize_op(
     x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,4 +260,4 @@ def quantize_mxfp8(q: MXFP8Quantizer, x2d, *, rowwise, columnwise, state, amax, 
     return row_st, col_st
 
 
-mxfp8_quantize = eager_or_op(mxfp8_quantize_op, mxfp8_quantize_op._init_fn)
+mxfp8_quantize = eager_or_op(mxfp8_quantize_op, mxfp8_quantize_op.fn)

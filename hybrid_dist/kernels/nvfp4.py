@@ -40,6 +40,7 @@ from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
 from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel, words_lane_quads
 from hybrid_dist.kernels.quant_tiles import TileConfig, bf16_words, nvfp4_default, nvfp4_words_default
+from hybrid_dist.library_op import library_op
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
 _AMAX_PROGRAMS_PER_SM = 8
@@ -126,7 +127,7 @@ def _nvfp4_shapes(m, k, rowwise, columnwise, block_rows):
             ((k // br, m // NV_BLOCK) if columnwise else (0, 0), torch.float8_e4m3fn)]
 
 
-@torch.library.custom_op("hybrid_dist::nvfp4_amax", mutates_args=())
+@library_op("hybrid_dist::nvfp4_amax")
 def nvfp4_amax_op(x: torch.Tensor, rht_row: torch.Tensor, rht: bool) -> torch.Tensor:
     """fp32 ``[2]``: ``max|x|`` and (if ``rht``) the max of the column-Hadamard transform (else 0)."""
     return nvfp4_amax_tiles(x, rht_row, rht, fresh_f32(x.device, 2))
@@ -137,7 +138,7 @@ def _(x, rht_row, rht):
     return x.new_empty(2, dtype=torch.float32)
 
 
-@torch.library.custom_op("hybrid_dist::nvfp4_quantize", mutates_args=())
+@library_op("hybrid_dist::nvfp4_quantize")
 def nvfp4_quantize_op(
     x: torch.Tensor, rht_row: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor,
     rowwise: bool, columnwise: bool, derive_col: bool, rht: bool, sr: bool, block_rows: int,
@@ -226,4 +227,4 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, 
 nvfp4_amax = eager_or_op(nvfp4_amax_op, nvfp4_amax_tiles)
 
 
-nvfp4_quantize = eager_or_op(nvfp4_quantize_op, nvfp4_quantize_op._init_fn)
+nvfp4_quantize = eager_or_op(nvfp4_quantize_op, nvfp4_quantize_op.fn)

@@ -24,12 +24,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
+from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import INTERPRET, cast_fp8, cdiv, div_rn, eager_or_op, per_block_scale, round_bf16
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.transpose import transposed
+from hybrid_dist.library_op import library_op
 
 _BM, _BK = 64, 128
 
@@ -102,7 +103,7 @@ def _swiglu_fp8_fresh(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, eps:
     return _swiglu_fp8(a, b, dtype, eps, pow2, rowwise, columnwise, fresh_f32(a.device))
 
 
-swiglu_op = torch.library.custom_op("hybrid_dist::swiglu_fp8", mutates_args=())(_swiglu_fp8_fresh)
+swiglu_op = library_op("hybrid_dist::swiglu_fp8")(_swiglu_fp8_fresh)
 swiglu_op.register_fake(_fake)
 swiglu_fp8 = eager_or_op(swiglu_op, _swiglu_fp8)
 
