@@ -55,7 +55,7 @@ class TrainConfig:
     save_every: int = 0
     resume: str | None = None       # a checkpoint step dir, or a checkpoint_dir (latest step)
     metrics: str | None = None      # JSONL path (rank 0 writes)
-    log_every: int = 1
+    log_every: int = 10
     inspect_every: int = 0          # quantization statistics every N steps into --metrics (0 = off)
     timing_warmup: int = 2          # first steps left out of the summary's tokens/s (allocator, JIT, compile)
     run_name: str | None = None
@@ -193,6 +193,8 @@ _HELP = {
     "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
     "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",
     "metrics": "metrics JSONL path (rank 0 appends)",
+    "log_every": "print progress and read losses back every N steps (the host queues the steps between "
+                 "without waiting for the device; every step's loss is still checked and written)",
     "inspect_every": "every N steps (and the first), write per-layer quantization statistics (amax, SQNR, "
                      "underflow, saturation, block-scale histogram; used and candidate formats) to --metrics; "
                      "0 = off",

@@ -149,10 +149,39 @@ def make_optimizer(model, cfg: TrainConfig):
     return torch.optim.AdamW(params, **kw)
 
 
-def _mean_over(loss: torch.Tensor, group, size: int) -> float:
+def _mean_over(loss: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The data-parallel mean of ``loss``, on the device (no host sync)."""
     loss = loss.detach().float().clone()
     dist.all_reduce(loss, group=group)  # gloo has no AVG
-    return float(loss) / size
+    return loss / size
+
+
+def window_end(step: int, cfg: TrainConfig, start: int) -> int:
+    """The first read-back step from ``step`` on (``reads_back``, inspections aside)."""
+    end = step
+    while not reads_back(end, cfg, start, False):
+        end += 1
+    return end
+
+
+def make_batches(data, first: int, last: int, device: torch.device) -> dict[int, torch.Tensor]:
+    """The batches of steps ``first..last``, made while the device is idle (the synthetic
+    data's host work is left out of step times); pinned on CUDA so that each step's copy is
+    queued without waiting for the device."""
+    pin = device.type == "cuda"
+    return {s: data.batch(s).pin_memory() if pin else data.batch(s) for s in range(first, last + 1)}
+
+
+def reads_back(step: int, cfg: TrainConfig, start: int, inspected: bool) -> bool:
+    """Whether the loop waits for the device after ``step`` and reads the losses back. Between
+    these steps the host queues the next step while the device finishes the last one
+    (torchtitan reads back at its log steps too); it reads back at log steps, the last step,
+    the first (compilation done) and the last untimed step (timing starts there), before each
+    checkpoint (nothing non-finite is saved), at inspected steps and with ``--on-nonfinite
+    skip`` (whose check syncs every step anyway)."""
+    return (step % cfg.log_every == 0 or step == cfg.steps or step == start + 1 or step == start + cfg.timing_warmup
+            or bool(cfg.save_every and step % cfg.save_every == 0) or inspected or cfg.on_nonfinite == "skip"
+            or step == cfg.profile_step)
 
 
 def _has_sharded_quantized_params(model) -> bool:
@@ -349,16 +378,18 @@ def train(cfg: TrainConfig) -> dict:
                   run=_run_info(cfg, dims, mcfg, recipe, start, data))
     after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
     inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank(), device=device)
-    losses, reported = [], set()
+    losses, reported, pending, batches = [], set(), [], {}  # pending: steps whose loss is not read back yet
     heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
     with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start):
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            t_data = time.perf_counter()
-            tokens = data.batch(step).to(device)
-            meter.exclude(time.perf_counter() - t_data)
+            if step not in batches:  # the device is idle here (a read-back step just ended): untimed
+                t_data = time.perf_counter()
+                batches.update(make_batches(data, step, window_end(step, cfg, start), device))
+                meter.exclude(time.perf_counter() - t_data)
+            tokens = batches.pop(step).to(device, non_blocking=True)
             with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace), \
                     inspector.capture(step):
                 loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
@@ -366,12 +397,20 @@ def train(cfg: TrainConfig) -> dict:
             records = inspector.records(step)
             if records is not None:
                 meter.inspect(step, records)
-            losses.append(_mean_over(loss, meshes.dp.get_group(), dims.dp))
             if measured:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
                 acct.reset()
-            meter.step(step, losses[-1], tokens[:, 1:].numel() * dims.dp, lr)
-            check_loss(losses[-1], step, cfg)  # the same mean on every rank: all stop or skip together
+            pending.append((step, _mean_over(loss, meshes.dp.get_group(), dims.dp), tokens[:, 1:].numel() * dims.dp,
+                            lr, meter.ag_bytes))
+            if not reads_back(step, cfg, start, records is not None):
+                heartbeat.beat(step)
+                continue
+            values = torch.stack([p[1] for p in pending]).tolist()  # one host sync for the window
+            meter.steps([(s, v, *rest) for (s, _, *rest), v in zip(pending, values)])
+            for (s, *_), v in zip(pending, values):
+                losses.append(v)
+                check_loss(v, s, cfg)  # the same mean on every rank: all stop or skip together
+            pending.clear()
             if step % cfg.log_every == 0 or step == cfg.steps:
                 report_nonfinite_amaxes(model, step, reported)
             if cfg.save_every and step % cfg.save_every == 0:

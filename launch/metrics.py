@@ -60,7 +60,8 @@ def _clock(seconds: float) -> str:
 
 
 class Meter:
-    """``meter.step(step, loss, tokens)`` after each optimizer step (on every rank)."""
+    """``meter.steps([...])`` with the steps run since the last call, or ``meter.step(...)``
+    after each optimizer step (on every rank)."""
 
     def __init__(self, *, total_steps: int, flops_per_token: int, world_size: int, device: torch.device,
                  rank: int, jsonl_path: str | None, log_every: int, quiet: bool, run: dict,
@@ -105,22 +106,33 @@ class Meter:
 
     def step(self, step: int, loss: float, tokens: int, lr: float) -> dict:
         """``tokens``: tokens processed by all ranks in this step."""
+        return self.steps([(step, loss, tokens, lr, self.ag_bytes)])[-1]
+
+    def steps(self, window: list[tuple]) -> list[dict]:
+        """Records of the steps run since the last call, ``(step, loss, tokens, lr, ag_bytes)``
+        each: one device sync for all of them, and the window's wall time shared equally
+        (the training loop reads results back only every few steps, so that the host can
+        queue the next step while the device finishes this one)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         data_s, self._excluded = self._excluded, 0.0
-        dt, self._t_last = max(now - self._t_last - data_s, 1e-9), now
-        self._tokens_total += tokens
-        tps = tokens / dt
-        mfu = (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None
-        rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_s": tps,
-               "step_time_s": dt, "data_time_s": data_s,
-               "mfu": mfu, "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: self.ag_bytes}
-        self.records.append(rec)
-        self._emit(rec)
+        dt, self._t_last = max(now - self._t_last - data_s, 1e-9) / len(window), now
+        out = []
+        for step, loss, tokens, lr, ag_bytes in window:
+            self._tokens_total += tokens
+            tps = tokens / dt
+            mfu = (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None
+            rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_s": tps,
+                   "step_time_s": dt, "data_time_s": data_s / len(window), "mfu": mfu,
+                   "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: ag_bytes}
+            self.records.append(rec)
+            self._emit(rec)
+            out.append(rec)
+        step, loss = window[-1][:2]
         if self.is_main and not self.quiet and (step % self.log_every == 0 or step == self.total):
-            print(self._progress_line(step, loss, tps, mfu, rec, now), flush=True)
-        return rec
+            print(self._progress_line(step, loss, out[-1]["tokens_per_s"], out[-1]["mfu"], out[-1], now), flush=True)
+        return out
 
     def _progress_line(self, step: int, loss: float, tps: float, mfu: float | None, rec: dict, now: float) -> str:
         """One line of at most 100 columns (up to 99,999 steps): step, loss, tokens/s, MFU,

@@ -190,3 +190,25 @@ def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
 def test_torchao_float8_baseline_trains_and_resumes(tmp_path):
     _, failures = _run_and_check(tmp_path, [("torchao-float8", dict(baseline="torchao-float8"), True)])
     assert not failures, "\n".join(failures)
+
+
+def _read_back_runs(rank, world_size, tmp):
+    from hybrid_dist.launch.loop import train
+
+    out = {}
+    for every in (1, 3):
+        path = os.path.join(tmp, f"every{every}.jsonl")
+        losses = train(_cfg("fp8_current", log_every=every, metrics=path))["losses"]
+        logged = [json.loads(line) for line in open(path)] if rank == 0 else []
+        out[every] = (losses, [(r["step"], r["loss"]) for r in logged if r["event"] == "step"])
+    return out
+
+
+def test_losses_read_back_every_3_steps_equal_every_step(tmp_path):
+    """The loop reads losses back at log steps only (the host queues the steps between): every
+    step's loss is still returned and written, bitwise those of reading back every step."""
+    r0, _ = run_ranks(_read_back_runs, 2, str(tmp_path))
+    (every1, logged1), (every3, logged3) = r0[1], r0[3]
+    where = "fp8_current tiny layers=1 fsdp=2 gloo, --log-every 3 vs 1"
+    assert every3 == every1 and len(every1) == STEPS, f"{where}: losses {every3} != {every1}"
+    assert logged3 == logged1 == list(enumerate(every1, 1)), f"{where}: metrics {logged3} != {logged1}"
