@@ -2,9 +2,9 @@
 
 * ``NonFiniteLoss``: a step's (data-parallel mean) loss was NaN or inf; every rank raises
   it at that step, before anything is saved from that state (``--on-nonfinite stop``).
-* ``nonfinite_anywhere(loss)``: whether any rank's loss is NaN or inf (one MAX all-reduce
-  and a host sync before the optimizer step), for ``--on-nonfinite skip``, which drops that
-  step's gradients on every rank instead.
+* ``nonfinite_anywhere(loss, grad_norm)``: whether any rank's loss or gradient norm is NaN
+  or inf (one MAX all-reduce and a host sync before the optimizer step), for
+  ``--on-nonfinite skip``, which drops that step's gradients on every rank instead.
 * ``nonfinite_amaxes(model)``: the quantizer slots whose delayed-scaling amax history
   holds a NaN or inf. Delayed scaling keeps its last finite scale when an amax is not
   finite, so the loss stays finite while the input was not: this is where it shows.
@@ -24,9 +24,12 @@ class NonFiniteLoss(RuntimeError):
     """A step's loss was NaN or inf: the job stops before saving anything from that state."""
 
 
-def nonfinite_anywhere(loss: torch.Tensor) -> bool:
-    """True on every rank when any rank's ``loss`` is NaN or inf."""
-    flag = (~torch.isfinite(loss.detach())).float().reshape(1)
+def nonfinite_anywhere(loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
+    """True on every rank when any rank's ``loss`` (or ``grad_norm``) is NaN or inf."""
+    bad = ~torch.isfinite(loss.detach())
+    if grad_norm is not None:
+        bad = bad | ~torch.isfinite(grad_norm.detach())
+    flag = bad.float().reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())

@@ -189,26 +189,28 @@ def _has_sharded_quantized_params(model) -> bool:
 
 
 def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_group=None,
-               after_step=None) -> torch.Tensor:
-    """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss.
+               after_step=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss and
+    the gradient norm before clipping (None without ``--grad-clip``), both on the device.
     ``after_step()`` runs after ``optimizer.step()`` (torchao's scale precompute)."""
     with record_function("hd::forward"):
         logits, aux = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     with record_function("hd::backward"):
         (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
-    if cfg.on_nonfinite == "skip" and nonfinite_anywhere(loss):
-        optimizer.zero_grad(set_to_none=True)  # no update from this batch on any rank
-        return loss
     with record_function("hd::optimizer"):
+        norm = None
         if cfg.grad_clip > 0:
             experts = [p for m in expert_modules(model) for p in m.parameters()]
-            clip_grad_norm_(model.parameters(), cfg.grad_clip, expert_params=experts, ep_group=ep_group)
+            norm = clip_grad_norm_(model.parameters(), cfg.grad_clip, expert_params=experts, ep_group=ep_group)
+        if cfg.on_nonfinite == "skip" and nonfinite_anywhere(loss, norm):
+            optimizer.zero_grad(set_to_none=True)  # no update from this batch on any rank
+            return loss, norm
         optimizer.step()
         if after_step is not None:
             after_step()
         optimizer.zero_grad(set_to_none=True)
-    return loss
+    return loss, norm
 
 
 @contextlib.contextmanager
@@ -328,18 +330,19 @@ def resume_source(cfg: TrainConfig) -> str | None:
     return resume
 
 
-def check_loss(loss: float, step: int, cfg: TrainConfig) -> None:
-    """A non-finite (data-parallel mean) loss: a warning with ``--on-nonfinite skip``, else
-    ``NonFiniteLoss`` on every rank."""
-    if math.isfinite(loss):
+def check_loss(loss: float, step: int, cfg: TrainConfig, *, grad_norm: float | None = None) -> None:
+    """A non-finite (data-parallel mean) loss or (global) gradient norm: a warning with
+    ``--on-nonfinite skip``, else ``NonFiniteLoss`` on every rank."""
+    if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
         return
+    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm} (loss {loss:.4f})"
     if cfg.on_nonfinite == "skip":
         if dist.get_rank() == 0:
-            print(f"warning: step {step}: the loss is {loss} on some rank; the step was skipped "
-                  "(--on-nonfinite skip)", flush=True)
+            print(f"warning: step {step}: {what} on some rank; the step was skipped (--on-nonfinite skip)",
+                  flush=True)
         return
     raise NonFiniteLoss(
-        f"step {step}: the loss is {loss} (every rank stops; no checkpoint is written from this state). Resume "
+        f"step {step}: {what} (every rank stops; no checkpoint is written from this state). Resume "
         f"from the last checkpoint with a lower --lr or --grad-clip, or check the data.")
 
 
@@ -392,24 +395,26 @@ def train(cfg: TrainConfig) -> dict:
             tokens = batches.pop(step).to(device, non_blocking=True)
             with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace), \
                     inspector.capture(step):
-                loss = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
-                                  after_step=after_step)
+                loss, norm = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
+                                        after_step=after_step)
             records = inspector.records(step)
             if records is not None:
                 meter.inspect(step, records)
             if measured:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
                 acct.reset()
-            pending.append((step, _mean_over(loss, meshes.dp.get_group(), dims.dp), tokens[:, 1:].numel() * dims.dp,
-                            lr, meter.ag_bytes))
+            mean = _mean_over(loss, meshes.dp.get_group(), dims.dp)
+            pending.append((step, torch.stack([mean, norm.float() if norm is not None else mean.new_full((), math.nan)]),
+                            tokens[:, 1:].numel() * dims.dp, lr, meter.ag_bytes))
             if not reads_back(step, cfg, start, records is not None):
                 heartbeat.beat(step)
                 continue
             values = torch.stack([p[1] for p in pending]).tolist()  # one host sync for the window
-            meter.steps([(s, v, *rest) for (s, _, *rest), v in zip(pending, values)])
-            for (s, *_), v in zip(pending, values):
-                losses.append(v)
-                check_loss(v, s, cfg)  # the same mean on every rank: all stop or skip together
+            norms = [v[1] if cfg.grad_clip > 0 else None for v in values]
+            meter.steps([(s, v[0], *rest, g) for (s, _, *rest), v, g in zip(pending, values, norms)])
+            for (s, *_), v, g in zip(pending, values, norms):
+                losses.append(v[0])
+                check_loss(v[0], s, cfg, grad_norm=g)  # the same values on every rank: all stop or skip together
             pending.clear()
             if step % cfg.log_every == 0 or step == cfg.steps:
                 report_nonfinite_amaxes(model, step, reported)

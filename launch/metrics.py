@@ -106,11 +106,11 @@ class Meter:
 
     def step(self, step: int, loss: float, tokens: int, lr: float) -> dict:
         """``tokens``: tokens processed by all ranks in this step."""
-        return self.steps([(step, loss, tokens, lr, self.ag_bytes)])[-1]
+        return self.steps([(step, loss, tokens, lr, self.ag_bytes, None)])[-1]
 
     def steps(self, window: list[tuple]) -> list[dict]:
-        """Records of the steps run since the last call, ``(step, loss, tokens, lr, ag_bytes)``
-        each: one device sync for all of them, and the window's wall time shared equally
+        """Records of the steps run since the last call, ``(step, loss, tokens, lr, ag_bytes,
+        grad_norm)`` each (``grad_norm`` None without clipping): one device sync for all of them, and the window's wall time shared equally
         (the training loop reads results back only every few steps, so that the host can
         queue the next step while the device finishes this one)."""
         if self.device.type == "cuda":
@@ -119,13 +119,15 @@ class Meter:
         data_s, self._excluded = self._excluded, 0.0
         dt, self._t_last = max(now - self._t_last - data_s, 1e-9) / len(window), now
         out = []
-        for step, loss, tokens, lr, ag_bytes in window:
+        for step, loss, tokens, lr, ag_bytes, grad_norm in window:
             self._tokens_total += tokens
             tps = tokens / dt
             mfu = (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None
             rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_s": tps,
                    "step_time_s": dt, "data_time_s": data_s / len(window), "mfu": mfu,
                    "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: ag_bytes}
+            if grad_norm is not None:
+                rec["grad_norm"] = grad_norm
             self.records.append(rec)
             self._emit(rec)
             out.append(rec)

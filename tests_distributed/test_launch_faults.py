@@ -173,14 +173,65 @@ def _skip_step(rank, world_size):
     train_step(model, opt, tokens, cfg)
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     model.poison = False
+    # a finite loss whose gradient is NaN on rank 1 (the global gradient norm is then NaN)
+    hook = next(model.parameters()).register_hook(lambda g: g * float("nan") if rank == 1 else g)
+    loss, norm = train_step(model, opt, tokens, cfg)
+    hook.remove()
+    unchanged_grad = (bool(torch.isfinite(loss)) and all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
     train_step(model, opt, tokens, cfg)
     changed = not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    return unchanged, changed
+    return unchanged, unchanged_grad, changed
 
 
 def test_on_nonfinite_skip_drops_the_step_on_every_rank():
-    """Rank 1's loss is NaN at one step: with ``--on-nonfinite skip`` neither rank updates
-    (the flag is all-reduced), and the next finite step updates both."""
-    for rank, (unchanged, changed) in enumerate(run_ranks(_skip_step, 2, timeout=300)):
+    """Rank 1's loss is NaN at one step, then its gradient (with a finite loss) at the next:
+    with ``--on-nonfinite skip`` neither rank updates at either (the flag is all-reduced),
+    and the next finite step updates both."""
+    for rank, (unchanged, unchanged_grad, changed) in enumerate(run_ranks(_skip_step, 2, timeout=300)):
         assert unchanged, f"rank {rank}: parameters moved on a step whose loss was NaN on rank 1"
+        assert unchanged_grad, f"rank {rank}: parameters moved on a step whose gradient was NaN on rank 1"
         assert changed, f"rank {rank}: parameters did not move on the next (finite) step"
+
+
+class _NanGradient(torch.autograd.Function):
+    """Identity forward; NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+def _nan_gradient_run(rank, world_size, tmp):
+    import torch.nn.functional as F
+
+    from hybrid_dist.launch import loop
+
+    real_step, real_ce, calls = loop.train_step, F.cross_entropy, []
+
+    def poisoned_ce(logits, *args, **kwargs):  # the loss stays finite, its gradient does not
+        return real_ce(_NanGradient.apply(logits), *args, **kwargs)
+
+    def step(*args, **kwargs):  # step 3's gradients are NaN on rank 1
+        calls.append(1)
+        F.cross_entropy = poisoned_ce if rank == 1 and len(calls) == 3 else real_ce
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            F.cross_entropy = real_ce
+
+    loop.train_step = step
+    try:
+        return _error(lambda: loop.train(_cfg(recipe="fp8_current", log_every=4, metrics=os.path.join(tmp, "m.jsonl"))))
+    finally:
+        loop.train_step = real_step
+
+
+def test_nonfinite_gradient_norm_stops_at_its_step(tmp_path):
+    """A NaN gradient with a finite loss at step 3 (rank 1 only): both ranks stop, naming
+    step 3 and the gradient norm, although the losses are read back at step 4."""
+    for rank, err in enumerate(run_ranks(_nan_gradient_run, 2, str(tmp_path), timeout=300)):
+        assert err.startswith("NonFiniteLoss: step 3: the gradient norm is nan"), f"rank {rank}: {err}"

@@ -82,7 +82,11 @@ def test_summary_leaves_out_warmup_steps(tmp_path):
     assert timed_tokens_per_s(meter.records[:2], 2) == pytest.approx(200.0)  # too few steps: the last one
 
 
-def test_progress_line_fits_100_columns_with_elapsed_and_remaining_time(capsys):
+def test_progress_line_fits_100_columns_with_elapsed_and_remaining_time(capsys, monkeypatch):
+    import time
+
+    now = time.perf_counter()
+    monkeypatch.setattr(time, "perf_counter", lambda: now)  # the clock stands still: exactly 40 s elapsed
     meter = Meter(total_steps=99999, flops_per_token=10**9, world_size=1, device=torch.device("cpu"), rank=0,
                   jsonl_path=None, log_every=1, quiet=False, run={}, ag_bytes_per_step=123 * 2**30,
                   ag_measured=False)
