@@ -58,6 +58,8 @@ def _master_of(p: torch.Tensor) -> torch.Tensor:
 def _fp32_grad(g: torch.Tensor) -> torch.Tensor:
     """A gradient in fp32 for a master; a quantized one (``torch.zeros_like`` of a quantized
     parameter, as ``torch.distributed.checkpoint`` sets to initialise state) dequantized."""
+    if g.dtype == torch.float32 and type(getattr(g, "_local_tensor", g)) is torch.Tensor:
+        return g  # plain fp32, or a DTensor of it: what ``g.to(torch.float32)`` returns
     if isinstance(g, QuantizedTensor):
         return g.dequantize(dtype=torch.float32)
     if is_sharded_quantized(g):

@@ -48,7 +48,7 @@ def _batched(dsts, hps, amax, slots) -> list[int]:
                       None if amax is None else [slots[i] for i in idx])
         undone_set = set(undone)
         for j, (d, hp) in enumerate(zip(sub_dsts, sub_hps)):
-            if j not in undone_set:
+            if j not in undone_set and hp_init.kept(d) is not None:  # (``write`` alone enters no_grad)
                 hp_init.write(d, hp)  # a kept init is what the data quantizes (hp_init note)
         left += [idx[j] for j in undone]
     return sorted(left)

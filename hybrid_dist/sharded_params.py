@@ -66,8 +66,12 @@ def sync_amax_and_requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> 
     per-tensor FP8 on CUDA), each bitwise its ``requantize_``.
     """
     per_tensor = [(p, m) for p, m in pairs if p._local_tensor.quantizer.is_per_tensor]
+    checked = set()  # parameters share quantizer objects: check each once
     for i, (p, _) in enumerate(per_tensor):
-        _check_supported(p._local_tensor.quantizer, f"#{i} of shape {tuple(p.shape)}")
+        q = p._local_tensor.quantizer
+        if id(q) not in checked:
+            _check_supported(q, f"#{i} of shape {tuple(p.shape)}")
+            checked.add(id(q))
     for idx, amax in _global_amaxes(per_tensor):
         requantize_many_([per_tensor[i][0]._local_tensor for i in idx], [_local(per_tensor[i][1]) for i in idx],
                          amax=amax)
@@ -90,8 +94,14 @@ def _shard_dims(p) -> tuple[int, ...]:
 def _global_amaxes(pairs) -> list[tuple[list[int], torch.Tensor]]:
     """``(indices into pairs, their global amaxes [n])`` per (mesh, sharded mesh dims) group."""
     by_group: dict[tuple, list[int]] = {}
+    dims_of: dict[tuple, tuple[int, ...]] = {}  # (mesh id, placements) -> _shard_dims
     for i, (p, _) in enumerate(pairs):
-        by_group.setdefault((id(p.device_mesh), _shard_dims(p)), []).append(i)
+        mesh, placements = p.device_mesh, p.placements
+        layout = (id(mesh), placements)
+        dims = dims_of.get(layout)
+        if dims is None:
+            dims = dims_of[layout] = _shard_dims(p)
+        by_group.setdefault((id(mesh), dims), []).append(i)
     out = []
     for (_, dims), idx in by_group.items():
         mesh = pairs[idx[0]][0].device_mesh
