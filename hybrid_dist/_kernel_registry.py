@@ -16,6 +16,8 @@ import torch
 _QUANTIZE: dict[type, Callable] = {}
 _QUANTIZE_INTO: dict[type, Callable] = {}
 _AMAX_INTO: list[Callable] = []  # at most one: impl(x2d, out_scalar)
+_AMAXES_INTO: list[Callable] = []  # at most one: impl(xs, out) -> indices left undone
+_REQUANTIZE_MANY: dict[type, Callable] = {}
 _FUSED: dict[tuple[str, type], Callable] = {}  # (producer op, quantizer class) -> impl
 _GEMM: list[Callable] = []
 _DELAYED_ADVANCE: list[Callable] = []  # at most one: impl(history, scale, quantizer)
@@ -37,6 +39,22 @@ def register_quantize_into(quantizer_cls: type, impl: Callable) -> None:
 def register_amax_into(impl: Callable) -> None:
     """``impl(x2d, out)``: max-reduce ``max|x2d|`` (fp32) into the zeroed scalar ``out``."""
     _AMAX_INTO[:] = [impl]
+
+
+def register_amaxes_into(impl: Callable) -> None:
+    """``impl(xs, out) -> list[int]``: max-reduce ``max|xs[i]|`` (fp32) into the zeroed
+    ``out[i]`` for every ``i`` it serves, in a constant number of launches; returns the
+    indices it left (the caller reduces those one by one)."""
+    _AMAXES_INTO[:] = [impl]
+
+
+def register_requantize_many(quantizer_cls: type, impl: Callable) -> None:
+    """``impl(quantizers, hps, dsts, amax, slots) -> list[int]``: write the quantization of
+    ``hps[i]`` (current scaling: delayed becomes current, as ``hybrid.stateless``) into the
+    storages of QuantizedTensor ``dsts[i]`` for every ``i`` it serves, bitwise
+    ``requantize_``, in a constant number of launches; the amax is ``amax[slots[i]]``, or
+    ``max|hps[i]|`` when ``amax`` is None. Returns the indices it left."""
+    _REQUANTIZE_MANY[quantizer_cls] = impl
 
 
 def register_fused_quantize(op: str, quantizer_cls: type, impl: Callable) -> None:
@@ -77,6 +95,18 @@ def amax_into_impl_for(x: torch.Tensor):
     return _AMAX_INTO[0]
 
 
+def amaxes_into_impl_for(x: torch.Tensor):
+    if x.device.type != "cuda" or not _AMAXES_INTO:
+        return None
+    return _AMAXES_INTO[0]
+
+
+def requantize_many_impl_for(quantizer_cls: type, device: torch.device):
+    if device.type != "cuda":
+        return None
+    return _REQUANTIZE_MANY.get(quantizer_cls)
+
+
 def fused_quantize_impl_for(op: str, quantizer, x: torch.Tensor):
     if x.device.type != "cuda":
         return None
@@ -98,7 +128,8 @@ def registered_quantizers() -> tuple[type, ...]:
     return tuple(_QUANTIZE)
 
 
-__all__ = ["amax_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for", "gemm_impls_for",
-           "quantize_impl_for", "quantize_into_impl_for", "register_amax_into", "register_delayed_advance",
-           "register_fused_quantize", "register_gemm", "register_quantize", "register_quantize_into",
-           "registered_quantizers"]
+__all__ = ["amax_into_impl_for", "amaxes_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for",
+           "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for", "register_amax_into",
+           "register_amaxes_into", "register_delayed_advance", "register_fused_quantize", "register_gemm",
+           "register_quantize", "register_quantize_into", "register_requantize_many", "registered_quantizers",
+           "requantize_many_impl_for"]

@@ -32,8 +32,8 @@ from typing import Any, Iterable
 import torch
 
 from hybrid_dist import hp_init
-from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.quantized_tensor import QuantizedTensor
+from hybrid_dist.requantize_many import requantize_many_
 from hybrid_dist.sharded_params import (
     is_sharded_quantized,
     like_dtensor,
@@ -58,6 +58,8 @@ def _master_of(p: torch.Tensor) -> torch.Tensor:
 def _fp32_grad(g: torch.Tensor) -> torch.Tensor:
     """A gradient in fp32 for a master; a quantized one (``torch.zeros_like`` of a quantized
     parameter, as ``torch.distributed.checkpoint`` sets to initialise state) dequantized."""
+    if g.dtype == torch.float32 and type(getattr(g, "_local_tensor", g)) is torch.Tensor:
+        return g  # plain fp32, or a DTensor of it: what ``g.to(torch.float32)`` returns
     if isinstance(g, QuantizedTensor):
         return g.dequantize(dtype=torch.float32)
     if is_sharded_quantized(g):
@@ -130,16 +132,20 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _write_back(pairs) -> None:
-        sharded = [(p, m) for p, m in pairs if m is not p and is_sharded_quantized(p)]
-        if sharded:  # one amax all-reduce for all per-tensor shards, then in-place requantize
-            sync_amax_and_requantize(sharded)
+        sharded, quantized = [], []
         for p, m in pairs:
-            if m is p or is_sharded_quantized(p):
+            if m is p:
                 continue
-            if isinstance(p, QuantizedTensor):
-                requantize_(p, m)
+            if is_sharded_quantized(p):
+                sharded.append((p, m))
+            elif isinstance(p, QuantizedTensor):
+                quantized.append((p, m))
             else:
                 p.copy_(m)
+        if sharded:  # one amax all-reduce for all per-tensor shards, then in-place requantize
+            sync_amax_and_requantize(sharded)
+        if quantized:  # a constant number of launches for per-tensor FP8 on CUDA
+            requantize_many_([p for p, _ in quantized], [m for _, m in quantized])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, m in self._pairs:

@@ -6,7 +6,8 @@ every shard was quantized with the same scale. After the optimizer step each ran
 fp32 master *shards*; ``sync_amax_and_requantize`` takes ``amax(|master shard|)`` of every
 per-tensor parameter, stacks them and runs **one** ``all_reduce(MAX)`` per *sharded* mesh dim
 (one in total for FSDP and HSDP), then re-quantizes each local shard in place
-with its global amax (``quantize(..., amax=global_amax)``). For shards aligned to the
+with its global amax (``quantize(..., amax=global_amax)``; ``requantize_many_``: a constant
+number of launches for per-tensor FP8 on CUDA). For shards aligned to the
 format's blocks the result is bitwise the slice of quantizing the full master tensor.
 """
 
@@ -15,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from hybrid_dist import hp_init
-from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist.amax_sync import global_amaxes
 from hybrid_dist.quantized_tensor import QuantizedTensor
+from hybrid_dist.requantize_many import requantize_many_
 
 
 def is_sharded_quantized(p: torch.Tensor) -> bool:
@@ -61,16 +62,21 @@ def sync_amax_and_requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> 
     ``pairs``: ``(param, master)`` with ``param`` a DTensor of a QuantizedTensor shard and
     ``master`` an fp32 DTensor (or plain tensor) of the same local shape. Per-tensor formats
     get the amax over the whole parameter: one all-reduce (MAX) per mesh dim for all of them.
+    The shards are re-quantized by ``requantize_many_`` (a constant number of launches for
+    per-tensor FP8 on CUDA), each bitwise its ``requantize_``.
     """
     per_tensor = [(p, m) for p, m in pairs if p._local_tensor.quantizer.is_per_tensor]
+    checked = set()  # parameters share quantizer objects: check each once
     for i, (p, _) in enumerate(per_tensor):
-        _check_supported(p._local_tensor.quantizer, f"#{i} of shape {tuple(p.shape)}")
-    global_amax = _global_amaxes(per_tensor)
-    for i, (p, m) in enumerate(per_tensor):
-        requantize_(p._local_tensor, _local(m), amax=global_amax[i])
-    for p, m in pairs:
-        if not p._local_tensor.quantizer.is_per_tensor:
-            requantize_(p._local_tensor, _local(m))
+        q = p._local_tensor.quantizer
+        if id(q) not in checked:
+            _check_supported(q, f"#{i} of shape {tuple(p.shape)}")
+            checked.add(id(q))
+    for idx, amax in _global_amaxes(per_tensor):
+        requantize_many_([per_tensor[i][0]._local_tensor for i in idx], [_local(per_tensor[i][1]) for i in idx],
+                         amax=amax)
+    rest = [(p, m) for p, m in pairs if not p._local_tensor.quantizer.is_per_tensor]
+    requantize_many_([p._local_tensor for p, _ in rest], [_local(m) for _, m in rest])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -85,19 +91,22 @@ def _shard_dims(p) -> tuple[int, ...]:
                  if not (pl.is_replicate() or pl.is_partial()) and p.device_mesh.size(i) > 1)
 
 
-def _global_amaxes(pairs) -> list[torch.Tensor]:
-    if not pairs:
-        return []
+def _global_amaxes(pairs) -> list[tuple[list[int], torch.Tensor]]:
+    """``(indices into pairs, their global amaxes [n])`` per (mesh, sharded mesh dims) group."""
     by_group: dict[tuple, list[int]] = {}
+    dims_of: dict[tuple, tuple[int, ...]] = {}  # (mesh id, placements) -> _shard_dims
     for i, (p, _) in enumerate(pairs):
-        by_group.setdefault((id(p.device_mesh), _shard_dims(p)), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(pairs)
+        mesh, placements = p.device_mesh, p.placements
+        layout = (id(mesh), placements)
+        dims = dims_of.get(layout)
+        if dims is None:
+            dims = dims_of[layout] = _shard_dims(p)
+        by_group.setdefault((id(mesh), dims), []).append(i)
+    out = []
     for (_, dims), idx in by_group.items():
         mesh = pairs[idx[0]][0].device_mesh
         # one all-reduce per sharded mesh dim, for all parameters at once
-        amax = global_amaxes([_local(pairs[i][1]) for i in idx], [mesh.get_group(dim) for dim in dims])
-        for j, i in enumerate(idx):
-            out[i] = amax[j]
+        out.append((idx, global_amaxes([_local(pairs[i][1]) for i in idx], [mesh.get_group(dim) for dim in dims])))
     return out
 
 

@@ -166,14 +166,17 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_amaxes(xs: list[torch.Tensor]) -> torch.Tensor:
-    """``[n]`` fp32: ``tensor_amax`` of each of ``xs`` (bitwise: a max is exact). On CUDA
-    each is one read by the amax kernel into its slot of one buffer (no ``|x|`` temporary,
-    no stacking); elsewhere torch ops."""
+    """``[n]`` fp32: ``tensor_amax`` of each of ``xs`` (bitwise: a max is exact). On CUDA one
+    launch per input dtype reads them all into one buffer (``_kernel_registry``'s
+    ``amaxes_into``; no ``|x|`` temporary, no stacking), the amax kernel any it does not
+    serve; elsewhere torch ops."""
     impl = _kernel_registry.amax_into_impl_for(xs[0]) if xs and not torch.compiler.is_compiling() else None
     if impl is None:
         return torch.stack([tensor_amax(x) for x in xs]) if xs else torch.zeros(0, dtype=torch.float32)
     out = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)
-    for i, x in enumerate(xs):
+    many = _kernel_registry.amaxes_into_impl_for(xs[0])
+    for i in range(len(xs)) if many is None else many(xs, out):
+        x = xs[i]
         if x.numel():
             x2d = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
             impl(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), out[i])

@@ -14,18 +14,22 @@ import torch
 
 from hybrid_dist._kernel_registry import (
     amax_into_impl_for,
+    amaxes_into_impl_for,
     delayed_advance_impl_for,
     fused_quantize_impl_for,
     gemm_impls_for,
     quantize_impl_for,
     quantize_into_impl_for,
     register_amax_into,
+    register_amaxes_into,
     register_delayed_advance,
     register_fused_quantize,
     register_gemm,
     register_quantize,
     register_quantize_into,
+    register_requantize_many,
     registered_quantizers,
+    requantize_many_impl_for,
 )
 
 
@@ -44,7 +48,8 @@ if _cuda_kernels_available():  # CPU-only installs (CI) never import Triton
 
     _register.register_all()
 
-__all__ = ["amax_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for", "gemm_impls_for",
-           "quantize_impl_for", "quantize_into_impl_for", "register_amax_into", "register_delayed_advance",
-           "register_fused_quantize", "register_gemm", "register_quantize", "register_quantize_into",
-           "registered_quantizers"]
+__all__ = ["amax_into_impl_for", "amaxes_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for",
+           "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for", "register_amax_into",
+           "register_amaxes_into", "register_delayed_advance", "register_fused_quantize", "register_gemm",
+           "register_quantize", "register_quantize_into", "register_requantize_many", "registered_quantizers",
+           "requantize_many_impl_for"]

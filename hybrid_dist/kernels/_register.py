@@ -1,5 +1,6 @@
-"""Registers the Triton quantize kernels, the fused SwiGLU → quantize kernel, the CUDA
-GEMM and the delayed-scaling update with the registry (``hybrid_dist._kernel_registry``).
+"""Registers the Triton quantize kernels (one tensor, or many per launch), the fused SwiGLU →
+quantize kernel, the CUDA GEMM and the delayed-scaling update with the registry
+(``hybrid_dist._kernel_registry``).
 
 Imported by ``hybrid_dist.kernels`` only when CUDA and Triton are both available.
 """
@@ -16,6 +17,7 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 def register_all() -> None:
     from hybrid_dist.kernels.fp8_block import quantize_fp8_block
     from hybrid_dist.kernels.fp8_delayed import advance_
+    from hybrid_dist.kernels.fp8_multi import amaxes_into, requantize_fp8_many
     from hybrid_dist.kernels.fp8_tensor import _amax_2d, quantize_fp8_tensor, quantize_fp8_tensor_into
     from hybrid_dist.kernels.gemm import gemm_nt_cuda
     from hybrid_dist.kernels.mxfp8 import quantize_mxfp8
@@ -26,6 +28,8 @@ def register_all() -> None:
     registry.register_quantize(Float8BlockQuantizer, quantize_fp8_block)
     registry.register_quantize_into(Float8Quantizer, quantize_fp8_tensor_into)
     registry.register_amax_into(_amax_2d)
+    registry.register_amaxes_into(amaxes_into)
+    registry.register_requantize_many(Float8Quantizer, requantize_fp8_many)
     registry.register_quantize(MXFP8Quantizer, quantize_mxfp8)
     registry.register_quantize(NVFP4Quantizer, quantize_nvfp4)
     registry.register_fused_quantize("swiglu", Float8Quantizer, swiglu_quantize_fp8)

@@ -1,0 +1,245 @@
+"""Per-tensor FP8 (current scaling) of N tensors in a constant number of launches.
+
+* ``multi_amax_into``: ``out[j_i] = max(out[j_i], max|x_i|)`` (fp32) for N 2D tensors of one
+  dtype, any shapes, in one launch.
+* ``multi_fp8_cast_into``: casts each ``x_i`` with the scale of ``amax[j_i]`` into its
+  rowwise ``[M, K]`` and/or columnwise ``[K, M]`` fp8 buffer and writes ``scale_inv = 1/scale``
+  into each direction's ``scale_inv``: bitwise ``fp8_tensor.quantize_fp8_tensor_into`` of each
+  (the same tile, scale formula and cast). One launch from bf16 / fp16 inputs; from fp32
+  inputs one launch per direction (``fp8_tensor``'s note on fp32 inputs).
+
+Layout: a pointer table, int64 ``[N, 5]`` rows ``(x, M, K, row stride of x, j)`` (the amax
+table) or ``[N, 9]`` rows that add ``(row data, col data, row scale_inv, col scale_inv)``
+(the cast table; 0 for an absent direction), holding ``data_ptr()``s that the kernels cast
+back to typed pointers. Grid ``(N, P)``: program ``(i, p)`` runs tiles ``p, p + P, ...`` of
+tensor ``i`` (``BM × BK``), with ``P`` the largest tile count capped at ``_MAX_PROGRAMS``.
+
+A table depends only on its integers, so tables are cached by them (a reallocated buffer
+has another address, hence another table); a new one costs one pinned host-to-device copy
+that does not wait for the device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_dist.formats.numerics import FP8_MAX
+from hybrid_dist.kernels._jit_common import cast_fp8, cdiv, div_rn, per_block_scale
+from hybrid_dist.kernels._launch import launch
+
+_BM, _BK = 64, 128  # fp8_tensor's tile
+_MAX_PROGRAMS = 1024  # programs per tensor; a larger tensor loops over its tiles
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+       torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def _multi_amax_kernel(tab_ptr, out_ptr, X_DTYPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    i, p = tl.program_id(0), tl.program_id(1)
+    e = tab_ptr + i * 5
+    x_ptr = tl.load(e).to(tl.pointer_type(X_DTYPE))
+    m, k, stride_m = tl.load(e + 1), tl.load(e + 2), tl.load(e + 3)
+    out_ptr += tl.load(e + 4)
+    n_k = tl.cdiv(k, BK)
+    for tile in range(p, tl.cdiv(m, BM) * n_k, tl.num_programs(1)):
+        rm = (tile // n_k) * BM + tl.arange(0, BM)[:, None]
+        rk = (tile % n_k) * BK + tl.arange(0, BK)[None, :]
+        x = tl.load(x_ptr + rm * stride_m + rk, mask=(rm < m) & (rk < k), other=0.0)
+        tl.atomic_max(out_ptr, sem="relaxed", val=tl.max(tl.abs(x.to(tl.float32))))
+
+
+@triton.jit
+def _multi_cast_kernel(tab_ptr, amax_ptr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                       EPS: tl.constexpr, POW2: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr):
+    i, p = tl.program_id(0), tl.program_id(1)
+    e = tab_ptr + i * 9
+    x_ptr = tl.load(e).to(tl.pointer_type(X_DTYPE))
+    m, k, stride_m = tl.load(e + 1), tl.load(e + 2), tl.load(e + 3)
+    scale = per_block_scale(tl.load(amax_ptr + tl.load(e + 4)), FMAX, EPS, POW2)
+    if p == 0:
+        scale_inv = div_rn(tl.zeros_like(scale) + 1.0, scale)
+        if ROW:
+            tl.store(tl.load(e + 7).to(tl.pointer_type(tl.float32)), scale_inv)
+        if COL:
+            tl.store(tl.load(e + 8).to(tl.pointer_type(tl.float32)), scale_inv)
+    row_ptr = tl.load(e + 5).to(tl.pointer_type(OUT_DTYPE))
+    col_ptr = tl.load(e + 6).to(tl.pointer_type(OUT_DTYPE))
+    n_k = tl.cdiv(k, BK)
+    for tile in range(p, tl.cdiv(m, BM) * n_k, tl.num_programs(1)):
+        rm = (tile // n_k) * BM + tl.arange(0, BM)[:, None]
+        rk = (tile % n_k) * BK + tl.arange(0, BK)[None, :]
+        mask = (rm < m) & (rk < k)
+        x = tl.load(x_ptr + rm * stride_m + rk, mask=mask, other=0.0).to(tl.float32)
+        q = cast_fp8(x * scale, FMAX, OUT_DTYPE)
+        if ROW:
+            tl.store(row_ptr + rm * k + rk, q, mask=mask)
+        if COL:  # columnwise stored [K, M]: element (m, k) goes to col[k, m]
+            rm_t = (tile // n_k) * BM + tl.arange(0, BM)[None, :]
+            rk_t = (tile % n_k) * BK + tl.arange(0, BK)[:, None]
+            tl.store(col_ptr + rk_t * m + rm_t, tl.trans(q), mask=(rk_t < k) & (rm_t < m))
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}  # (device, stream, ints) -> the int64 table on device
+_MAX_TABLES = 16
+
+
+def _table(ints: list[int], device: torch.device) -> torch.Tensor:
+    """The int64 table of ``ints`` on ``device``, cached by its integers (module note)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream, tuple(ints))
+    tab = _TABLES.get(key)
+    if tab is None:
+        if device.type == "cuda":  # pinned source, no wait for the device's queue
+            tab = torch.tensor(ints, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        else:  # the Triton interpreter's CPU tensors
+            tab = torch.tensor(ints, dtype=torch.int64, device=device)
+        if len(_TABLES) >= _MAX_TABLES:
+            del _TABLES[next(iter(_TABLES))]
+        _TABLES[key] = tab
+    return tab
+
+
+def rows_of(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(M, K, row stride)`` of ``x`` read as 2D ``[M, K]`` without a copy (unit stride along
+    K), or None where that needs one."""
+    if x.dim() < 2:
+        return (1, x.numel(), 0) if x.dim() == 0 or x.stride(0) == 1 or x.numel() <= 1 else None
+    k = x.shape[-1]
+    if x.is_contiguous():
+        return (x.numel() // k if k else 0), k, k
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x.shape[0], k, x.stride(0)
+    return None
+
+
+def multi_amax_into(xs: Sequence[torch.Tensor], rows: Sequence[tuple[int, int, int]], out: torch.Tensor,
+                    slots: Sequence[int]) -> None:
+    """One launch: ``out[slots[i]] = max(out[slots[i]], max|xs[i]|)``, ``rows[i]`` being
+    ``rows_of(xs[i])``. ``xs``: one dtype (fp32, bf16 or fp16), ``out``'s device; ``out``: fp32."""
+    if not xs:
+        return
+    ints, most = [], 0
+    for x, (m, k, s), j in zip(xs, rows, slots):
+        ints += (x.data_ptr(), m, k, s, j)
+        most = max(most, cdiv(m, _BM) * cdiv(k, _BK))
+    if most:
+        launch(_multi_amax_kernel, (len(xs), min(most, _MAX_PROGRAMS)), _table(ints, out.device), out,
+               X_DTYPE=_TL[xs[0].dtype], BM=_BM, BK=_BK, num_warps=4)
+
+
+def multi_fp8_cast_into(xs: Sequence[torch.Tensor], rows: Sequence[tuple[int, int, int]], amax: torch.Tensor,
+                        slots: Sequence[int], outs: Sequence[tuple], *, dtype: torch.dtype, eps: float,
+                        pow2: bool) -> None:
+    """Cast each ``xs[i]`` (one dtype; ``rows[i] = rows_of(xs[i])``) with the current-scaling
+    scale of ``amax[slots[i]]`` (fp32) into ``outs[i] = (row, col, row_scale_inv,
+    col_scale_inv)``: contiguous ``dtype`` data ``[M, K]`` / ``[K, M]`` (None: no such
+    direction) and their fp32 ``scale_inv``. Every entry has the same directions present."""
+    if not xs:
+        return
+    ints, most = [], 1
+    for x, (m, k, s), j, (row, col, row_si, col_si) in zip(xs, rows, slots, outs):
+        ints += (x.data_ptr(), m, k, s, j, 0 if row is None else row.data_ptr(), 0 if col is None else col.data_ptr(),
+                 0 if row is None else row_si.data_ptr(), 0 if col is None else col_si.data_ptr())
+        most = max(most, cdiv(m, _BM) * cdiv(k, _BK))
+    tab = _table(ints, amax.device)
+    grid = (len(xs), min(most, _MAX_PROGRAMS))
+    consts = dict(X_DTYPE=_TL[xs[0].dtype], OUT_DTYPE=_TL[dtype], FMAX=FP8_MAX[dtype], EPS=float(eps), POW2=pow2,
+                  BM=_BM, BK=_BK, num_warps=8)
+    row, col = outs[0][0] is not None, outs[0][1] is not None
+    if xs[0].dtype == torch.float32 and row and col:  # one direction per fp32 launch (fp8_tensor's note)
+        launch(_multi_cast_kernel, grid, tab, amax, ROW=True, COL=False, **consts)
+        launch(_multi_cast_kernel, grid, tab, amax, ROW=False, COL=True, **consts)
+    else:
+        launch(_multi_cast_kernel, grid, tab, amax, ROW=row, COL=col, **consts)
+
+
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _serves(x: torch.Tensor, device: torch.device) -> bool:
+    return x.dtype in _X_DTYPES and x.device == device
+
+
+def _capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured: no batched launch then (replays would outlive a cached
+    table), the callers' per-tensor path runs."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def amaxes_into(xs: Sequence[torch.Tensor], out: torch.Tensor) -> list[int]:
+    """``out[i] = max|xs[i]|`` (``out`` fp32 zeros) with one launch per input dtype, for
+    every ``xs[i]`` of fp32, bf16 or fp16 that reads as 2D without a copy (``rows_of``);
+    returns the other indices."""
+    if _capturing(out.device):
+        return list(range(len(xs)))
+    groups: dict[torch.dtype, tuple[list, list, list]] = {}
+    left = []
+    for i, x in enumerate(xs):
+        r = rows_of(x) if _serves(x, out.device) else None
+        if r is None:
+            left.append(i)
+        else:
+            g = groups.setdefault(x.dtype, ([], [], []))
+            g[0].append(x), g[1].append(r), g[2].append(i)
+    for g_xs, g_rows, g_slots in groups.values():
+        multi_amax_into(g_xs, g_rows, out, g_slots)
+    return left
+
+
+def _cast_entry(q, hp: torch.Tensor, dst, device: torch.device) -> tuple | None:
+    """``(group key, rows_of(hp), (row, col, row_scale_inv, col_scale_inv))`` when the batched
+    cast writes ``dst``'s buffers as ``fp8_tensor.quantize_fp8_tensor_into`` does, else None."""
+    rows = rows_of(hp) if hp.dim() >= 2 and _serves(hp, device) else None
+    if rows is None:
+        return None
+    m, k, _ = rows
+    out = []
+    for st in (dst.rowwise, dst.columnwise):
+        if st is None:
+            out.append(None)
+            continue
+        d, si = st.data, st.scale_inv
+        if (d.dtype != q.dtype or not d.is_contiguous() or tuple(d.shape) != ((k, m) if st.transposed else (m, k))
+                or si.dtype != torch.float32 or si.numel() != 1 or si.device != device or d.device != device):
+            return None
+        out.append(st)
+    row, col = out
+    if row is None and col is None:
+        return None
+    key = (hp.dtype, q.dtype, float(q.amax_epsilon), q.power_of_2_scales, row is not None, col is not None)
+    return key, rows, (None if row is None else row.data, None if col is None else col.data,
+                       None if row is None else row.scale_inv, None if col is None else col.scale_inv)
+
+
+def requantize_fp8_many(quantizers, hps, dsts, amax: torch.Tensor | None, slots) -> list[int]:
+    """The registry's batched write-back for :class:`Float8Quantizer` (current scaling; a
+    delayed quantizer casts as current, ``hybrid.stateless``): groups the pairs
+    ``_cast_entry`` accepts by input dtype and quantizer config, and per group one amax
+    launch (when ``amax`` is None) and ``multi_fp8_cast_into``. Returns the other indices."""
+    device = dsts[0].device if dsts else None
+    if device is None or _capturing(device) or (amax is not None and amax.device != device):
+        return list(range(len(dsts)))
+    if amax is not None:
+        amax = amax.float().reshape(-1).contiguous()  # read as fp32 [n] (already so: no copy)
+    groups: dict[tuple, list] = {}
+    left = []
+    for i, (q, hp, dst) in enumerate(zip(quantizers, hps, dsts)):
+        e = _cast_entry(q, hp, dst, device)
+        if e is None:
+            left.append(i)
+        else:
+            groups.setdefault(e[0], []).append((i, hp, e[1], e[2]))
+    if groups and amax is None:
+        amax = torch.zeros(len(hps), dtype=torch.float32, device=device)
+        slots = range(len(hps))
+        for g in groups.values():
+            multi_amax_into([x for _, x, _, _ in g], [r for _, _, r, _ in g], amax, [i for i, _, _, _ in g])
+    for (_, dtype, eps, pow2, _, _), g in groups.items():
+        multi_fp8_cast_into([x for _, x, _, _ in g], [r for _, _, r, _ in g], amax, [slots[i] for i, _, _, _ in g],
+                            [o for _, _, _, o in g], dtype=dtype, eps=eps, pow2=pow2)
+    return left

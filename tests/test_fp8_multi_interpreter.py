@@ -1,0 +1,159 @@
+"""The multi-tensor per-tensor FP8 kernels (``kernels/fp8_multi.py``) under the Triton
+interpreter, on CPU: the batched amax is bitwise ``tensor_amax`` of each tensor, and the
+batched write-back (``requantize_fp8_many``) writes every byte and ``scale_inv`` that
+``fp8_tensor.quantize_fp8_tensor_into`` writes per tensor, also run under the interpreter
+(whose fp8 casts round like neither the GPU nor torch, the same on both sides). Mixed
+shapes: tiles cut at both edges, one row, a row stride wider than K, 3D, an all-zero tensor;
+fp32 and bf16 inputs; rowwise, columnwise and both; own and given amaxes. ``TRITON_INTERPRET=1``
+must be set before the kernels are defined, so each check runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._helpers import assert_bitwise_equal, run_under_triton_interpreter
+from tests._tiers import slow
+
+pytestmark = slow  # interpreted kernels and a subprocess start per check: the slow tier
+
+
+def _inputs(dtype, gen):
+    wide = torch.randn(50, 160, generator=gen)
+    xs = [torch.randn(72, 200, generator=gen) * 3, torch.randn(1, 130, generator=gen) * 1e-3,
+          torch.randn(65, 129, generator=gen), torch.zeros(40, 64), torch.randn(2, 33, 64, generator=gen) * 50,
+          wide[:, :100]]  # row stride 160 > K = 100
+    xs[2][7, 5] = -1e4  # the largest magnitude is negative
+    return [x.to(dtype) for x in xs]
+
+
+def _check_amax():
+    from hybrid_dist.formats._quantizer import tensor_amax
+    from hybrid_dist.kernels import fp8_multi
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, cap in ((torch.float32, 1024), (torch.bfloat16, 1024), (torch.float32, 3)):
+        fp8_multi._MAX_PROGRAMS = cap  # 3: programs loop over several tiles
+        xs = _inputs(dtype, gen)
+        out = torch.zeros(len(xs) + 1)
+        slots = [len(xs) - i for i in range(len(xs))]  # any slot order
+        fp8_multi.multi_amax_into(xs, [fp8_multi.rows_of(x) for x in xs], out, slots)
+        for x, s in zip(xs, slots):
+            assert_bitwise_equal(out[s], tensor_amax(x), f"amax {dtype} {tuple(x.shape)} slot {s}")
+        assert out[0] == 0, "an unused slot was written"
+        mixed = xs[:2] + [x.float() for x in xs[2:]] + [torch.randn(8, dtype=torch.float64, generator=gen)]
+        out = torch.zeros(len(mixed))
+        left = fp8_multi.amaxes_into(mixed, out)  # one launch per dtype; float64 left to the caller
+        assert left == [len(mixed) - 1], left
+        for i, x in enumerate(mixed[:-1]):
+            assert_bitwise_equal(out[i], tensor_amax(x), f"amaxes_into {x.dtype} #{i}")
+
+
+def _quantized_like(q, x, row, col, separate_scale_inv):
+    """A destination with the layout ``requantize_`` writes into (garbage values)."""
+    from hybrid_dist.formats.float8 import Float8Storage
+    from hybrid_dist.quantized_tensor import QuantizedTensor
+
+    t = q.quantize(torch.randn(x.shape) * 7, rowwise=row, columnwise=col)
+    if separate_scale_inv and row and col:
+        c = t.columnwise
+        col_st = Float8Storage(data=c.data, scale_inv=c.scale_inv.clone() + 1, transposed=True)
+        t = QuantizedTensor(t.shape, t.dtype, t.rowwise, col_st, q)
+    return t
+
+
+def _storages(t):
+    return [None if st is None else (st.data.clone(), st.scale_inv.clone()) for st in (t.rowwise, t.columnwise)]
+
+
+def _check_cast():
+    import hybrid_dist as hd
+    from hybrid_dist.kernels import fp8_multi, fp8_tensor
+
+    gen = torch.Generator().manual_seed(1)
+    quantizers = (hd.Float8Quantizer(), hd.Float8Quantizer(dtype=torch.float8_e5m2, power_of_2_scales=True,
+                                                            amax_epsilon=1e-2))
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = _inputs(dtype, gen)
+        for q in quantizers:
+            for row, col in ((True, True), (True, False), (False, True)):
+                for given in (False, True):
+                    fp8_multi._MAX_PROGRAMS = 3 if given else 1024  # 3: programs loop over several tiles
+                    amax = torch.rand(len(xs) + 2, generator=gen) * 40 if given else None
+                    slots = list(range(2, len(xs) + 2))[::-1] if given else None
+                    dsts = [_quantized_like(q, x, row, col, i % 2 == 1) for i, x in enumerate(xs)]
+                    refs = [_quantized_like(q, x, row, col, i % 2 == 1) for i, x in enumerate(xs)]
+                    for i, (x, ref) in enumerate(zip(xs, refs)):
+                        a = None if amax is None else amax[slots[i]]
+                        r = fp8_tensor.quantize_fp8_tensor_into(q, x.reshape(-1, x.shape[-1]), ref.rowwise,
+                                                                ref.columnwise, a)
+                        assert r is None, "the per-tensor kernel declined"
+                    left = fp8_multi.requantize_fp8_many([q] * len(xs), xs, dsts, amax, slots)
+                    assert left == [], left
+                    what = f"{dtype} {q.dtype} pow2={q.power_of_2_scales} row={row} col={col} given={given}"
+                    for i, (d, ref) in enumerate(zip(dsts, refs)):
+                        for name, a, b in zip(("rowwise", "columnwise"), _storages(d), _storages(ref)):
+                            assert (a is None) == (b is None)
+                            if a is not None:
+                                assert_bitwise_equal(a[0], b[0], f"{what} #{i} {name} data")
+                                assert_bitwise_equal(a[1], b[1], f"{what} #{i} {name} scale_inv")
+
+
+def _check_write_back():
+    """``requantize_many_`` with the batched FP8 write-back registered (as on CUDA) against
+    ``requantize_`` per pair with the per-tensor kernel registered: FP8 pairs (fp32 and bf16
+    masters, some keeping a high-precision init) batched, an MXFP8 pair and a master with a
+    transposed layout left to ``requantize_``; every byte, scale and init equal."""
+    import hybrid_dist as hd
+    from hybrid_dist import _kernel_registry as registry
+    from hybrid_dist import hp_init
+    from hybrid_dist._tensor_ops import requantize_
+    from hybrid_dist.formats.float8 import Float8Quantizer
+    from hybrid_dist.kernels import fp8_multi, fp8_tensor
+    from hybrid_dist.requantize_many import requantize_many_
+
+    served = []
+
+    def many(*args):
+        left = fp8_multi.requantize_fp8_many(*args)
+        served.append(len(args[1]) - len(left))
+        return left
+
+    registry.requantize_many_impl_for = lambda cls, device: many if cls is Float8Quantizer else None
+    registry.quantize_into_impl_for = lambda q, x: fp8_tensor.quantize_fp8_tensor_into if type(q) is Float8Quantizer else None
+    gen = torch.Generator().manual_seed(2)
+    fp8, mx = hd.Float8Quantizer(), hd.MXFP8Quantizer()
+    hps = [x * 0.25 for x in _inputs(torch.float32, gen)[:4]] + [torch.randn(64, 32, generator=gen).bfloat16(),
+                                                                 torch.randn(64, 96, generator=gen),
+                                                                 torch.randn(40, 64, generator=gen).t()]
+    qs = [fp8] * 5 + [mx, fp8]
+    outs = []
+    for run in ("batched", "per pair"):
+        dsts = [q.quantize(torch.randn(hp.shape, generator=torch.Generator().manual_seed(i)))
+                for i, (q, hp) in enumerate(zip(qs, hps))]
+        for i in (0, 3, 6):
+            hp_init.keep(dsts[i], torch.zeros(hps[i].shape))
+        if run == "batched":
+            requantize_many_(dsts, hps)
+        else:
+            for d, hp in zip(dsts, hps):
+                requantize_(d, hp)
+        outs.append(dsts)
+    assert served == [5], f"pairs served by the batched write-back per call: {served}"
+    for i, (a, b) in enumerate(zip(*outs)):
+        for d in ("rowwise", "columnwise"):
+            for f, t in a.storage_of(d).tensors().items():
+                assert_bitwise_equal(t, getattr(b.storage_of(d), f), f"pair #{i} {d}.{f}")
+        if i in (0, 3, 6):
+            assert_bitwise_equal(hp_init.kept(a), hp_init.kept(b), f"pair #{i} kept init")
+            assert_bitwise_equal(hp_init.kept(a), hps[i].float(), f"pair #{i} kept init = master")
+
+
+CHECKS = ("amax", "cast", "write_back")
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_fp8_multi_under_triton_interpreter(check):
+    run_under_triton_interpreter(f"from tests.test_fp8_multi_interpreter import _check_{check} as c; c()\n"
+                                 f"print('{check} passed')", done=f"{check} passed")
