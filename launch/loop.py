@@ -33,6 +33,7 @@ from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
 from hybrid_dist.launch.inspect_stats import StepInspector
+from hybrid_dist.launch.read_back import ReadBackWindow
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.quantized_init import check_quantized_init
@@ -154,34 +155,6 @@ def _mean_over(loss: torch.Tensor, group, size: int) -> torch.Tensor:
     loss = loss.detach().float().clone()
     dist.all_reduce(loss, group=group)  # gloo has no AVG
     return loss / size
-
-
-def window_end(step: int, cfg: TrainConfig, start: int) -> int:
-    """The first read-back step from ``step`` on (``reads_back``, inspections aside)."""
-    end = step
-    while not reads_back(end, cfg, start, False):
-        end += 1
-    return end
-
-
-def make_batches(data, first: int, last: int, device: torch.device) -> dict[int, torch.Tensor]:
-    """The batches of steps ``first..last``, made while the device is idle (the synthetic
-    data's host work is left out of step times); pinned on CUDA so that each step's copy is
-    queued without waiting for the device."""
-    pin = device.type == "cuda"
-    return {s: data.batch(s).pin_memory() if pin else data.batch(s) for s in range(first, last + 1)}
-
-
-def reads_back(step: int, cfg: TrainConfig, start: int, inspected: bool) -> bool:
-    """Whether the loop waits for the device after ``step`` and reads the losses back. Between
-    these steps the host queues the next step while the device finishes the last one
-    (torchtitan reads back at its log steps too); it reads back at log steps, the last step,
-    the first (compilation done) and the last untimed step (timing starts there), before each
-    checkpoint (nothing non-finite is saved), at inspected steps and with ``--on-nonfinite
-    skip`` (whose check syncs every step anyway)."""
-    return (step % cfg.log_every == 0 or step == cfg.steps or step == start + 1 or step == start + cfg.timing_warmup
-            or bool(cfg.save_every and step % cfg.save_every == 0) or inspected or cfg.on_nonfinite == "skip"
-            or step == cfg.profile_step)
 
 
 def _has_sharded_quantized_params(model) -> bool:
@@ -381,18 +354,15 @@ def train(cfg: TrainConfig) -> dict:
                   run=_run_info(cfg, dims, mcfg, recipe, start, data))
     after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
     inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank(), device=device)
-    losses, reported, pending, batches = [], set(), [], {}  # pending: steps whose loss is not read back yet
+    losses, reported = [], set()
+    window = ReadBackWindow(cfg, start, meter, data, device)
     heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
     with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start):
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if step not in batches:  # the device is idle here (a read-back step just ended): untimed
-                t_data = time.perf_counter()
-                batches.update(make_batches(data, step, window_end(step, cfg, start), device))
-                meter.exclude(time.perf_counter() - t_data)
-            tokens = batches.pop(step).to(device, non_blocking=True)
+            tokens = window.batch(step)
             with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace), \
                     inspector.capture(step):
                 loss, norm = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
@@ -403,19 +373,14 @@ def train(cfg: TrainConfig) -> dict:
             if measured:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
                 acct.reset()
-            mean = _mean_over(loss, meshes.dp.get_group(), dims.dp)
-            pending.append((step, torch.stack([mean, norm.float() if norm is not None else mean.new_full((), math.nan)]),
-                            tokens[:, 1:].numel() * dims.dp, lr, meter.ag_bytes))
-            if not reads_back(step, cfg, start, records is not None):
+            window.add(step, _mean_over(loss, meshes.dp.get_group(), dims.dp), norm, tokens[:, 1:].numel() * dims.dp,
+                       lr, meter.ag_bytes)
+            if not window.due(step, records is not None):
                 heartbeat.beat(step)
                 continue
-            values = torch.stack([p[1] for p in pending]).tolist()  # one host sync for the window
-            norms = [v[1] if cfg.grad_clip > 0 else None for v in values]
-            meter.steps([(s, v[0], *rest, g) for (s, _, *rest), v, g in zip(pending, values, norms)])
-            for (s, *_), v, g in zip(pending, values, norms):
-                losses.append(v[0])
-                check_loss(v[0], s, cfg, grad_norm=g)  # the same values on every rank: all stop or skip together
-            pending.clear()
+            for s, loss_v, norm_v in window.read_back():
+                losses.append(loss_v)
+                check_loss(loss_v, s, cfg, grad_norm=norm_v)  # the same values on every rank: all stop or skip together
             if step % cfg.log_every == 0 or step == cfg.steps:
                 report_nonfinite_amaxes(model, step, reported)
             if cfg.save_every and step % cfg.save_every == 0:
