@@ -89,6 +89,17 @@ def load_quantizer_states(model: nn.Module, snaps: dict[str, Any], device: torch
             _restore(s, snaps[f"{name}/{t}"], device, f"{name}/{t}")
 
 
+def copy_quantizer_states(model: nn.Module, device: torch.device) -> dict[str, Any]:
+    """``quantizer_states`` copied on the device (no host sync), for
+    ``load_quantizer_states`` to undo a step (``--on-nonfinite skip``)."""
+    copies = {}
+    for name, states in _states(model):
+        for t, s in states.items():
+            tensors = state_tensors(s, device)
+            copies[f"{name}/{t}"] = None if tensors is None else tree_map(lambda x: x.clone(), tensors)
+    return copies
+
+
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
 _EXPERTS = ("moe.fc1.weight", "moe.fc2.weight")
 

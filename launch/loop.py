@@ -166,6 +166,8 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
     """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss and
     the gradient norm before clipping (None without ``--grad-clip``), both on the device.
     ``after_step()`` runs after ``optimizer.step()`` (torchao's scale precompute)."""
+    # a skipped step leaves the quantizer states (amax histories, SR keys) as they were too
+    before = checkpoint.copy_quantizer_states(model, tokens.device) if cfg.on_nonfinite == "skip" else None
     with record_function("hd::forward"):
         logits, aux = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -176,8 +178,9 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
         if cfg.grad_clip > 0:
             experts = [p for m in expert_modules(model) for p in m.parameters()]
             norm = clip_grad_norm_(model.parameters(), cfg.grad_clip, expert_params=experts, ep_group=ep_group)
-        if cfg.on_nonfinite == "skip" and nonfinite_anywhere(loss, norm):
+        if before is not None and nonfinite_anywhere(loss, norm):
             optimizer.zero_grad(set_to_none=True)  # no update from this batch on any rank
+            checkpoint.load_quantizer_states(model, before, tokens.device)
             return loss, norm
         optimizer.step()
         if after_step is not None:

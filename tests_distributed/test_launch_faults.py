@@ -147,8 +147,12 @@ def test_resume_at_a_larger_world_size(tmp_path, recipe):
 def _skip_step(rank, world_size):
     import torch.nn as nn
 
+    from torch.utils._pytree import tree_flatten
+
+    import hybrid_dist as hd
+    from hybrid_dist.launch.checkpoint import quantizer_states
     from hybrid_dist.launch.loop import make_optimizer, train_step
-    from hybrid_dist.launch.model import Transformer
+    from hybrid_dist.launch.model import Transformer, apply_recipe
     from hybrid_dist.launch.presets import preset
 
     class PoisonOnRank1(nn.Module):
@@ -157,18 +161,24 @@ def _skip_step(rank, world_size):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.inner = Transformer(preset("tiny", layers=1))
+            self.inner = apply_recipe(Transformer(preset("tiny", layers=1)), hd.recipe_from_name("fp8_delayed"),
+                                      share_quantized_inputs=False)
             self.cfg, self.poison = self.inner.cfg, False
 
         def forward(self, tokens):
             logits, aux = self.inner(tokens)
             return (logits * float("nan") if self.poison and rank == 1 else logits), aux
 
-    cfg = _cfg(recipe="bf16", on_nonfinite="skip")
+    def states():  # every amax history and scale, flattened
+        return tree_flatten(quantizer_states(model, torch.device("cpu")))[0]
+
+    cfg = _cfg(recipe="fp8_delayed", on_nonfinite="skip")
     model = PoisonOnRank1()
     opt = make_optimizer(model, cfg)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(rank))
+    train_step(model, opt, tokens, cfg)  # amax histories hold a step
     before = [p.detach().clone() for p in model.parameters()]
+    states_before = states()
     model.poison = True
     train_step(model, opt, tokens, cfg)
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -178,19 +188,24 @@ def _skip_step(rank, world_size):
     loss, norm = train_step(model, opt, tokens, cfg)
     hook.remove()
     unchanged_grad = (bool(torch.isfinite(loss)) and all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    states_kept = len(states_before) > 0 and all(torch.equal(a, b) for a, b in zip(states_before, states()))
     train_step(model, opt, tokens, cfg)
     changed = not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    return unchanged, unchanged_grad, changed
+    states_moved = not all(torch.equal(a, b) for a, b in zip(states_before, states()))
+    return unchanged, unchanged_grad, states_kept, changed, states_moved
 
 
 def test_on_nonfinite_skip_drops_the_step_on_every_rank():
-    """Rank 1's loss is NaN at one step, then its gradient (with a finite loss) at the next:
-    with ``--on-nonfinite skip`` neither rank updates at either (the flag is all-reduced),
-    and the next finite step updates both."""
-    for rank, (unchanged, unchanged_grad, changed) in enumerate(run_ranks(_skip_step, 2, timeout=300)):
+    """fp8_delayed: rank 1's loss is NaN at one step, then its gradient (with a finite loss)
+    at the next: with ``--on-nonfinite skip`` neither rank updates its parameters or its
+    quantizer states (amax histories, scales) at either (the flag is all-reduced), and the
+    next finite step updates both."""
+    for rank, (unchanged, unchanged_grad, states_kept, changed, states_moved) in enumerate(
+            run_ranks(_skip_step, 2, timeout=300)):
         assert unchanged, f"rank {rank}: parameters moved on a step whose loss was NaN on rank 1"
         assert unchanged_grad, f"rank {rank}: parameters moved on a step whose gradient was NaN on rank 1"
-        assert changed, f"rank {rank}: parameters did not move on the next (finite) step"
+        assert states_kept, f"rank {rank}: the skipped steps changed the delayed-scaling amax histories"
+        assert changed and states_moved, f"rank {rank}: the next (finite) step did not update parameters/states"
 
 
 class _NanGradient(torch.autograd.Function):
