@@ -15,6 +15,9 @@ one row per run, grouped by model:
 - all-gather/step: the last step's all-gather output bytes per rank, measured for
   quantized parameters (``hybrid_dist.fsdp2``), else estimated (``~``);
 - graphs/breaks: for compiled runs, the graphs Dynamo compiled and its graph breaks;
+- host ms fwd/bwd/opt of step: the summary's mean host time per timed step issuing the
+  forward, backward and optimizer (``host_ms``), and the step time: when their sum is close
+  to the step time, the host bounds the step;
 - × bf16: tokens/s ÷ that of the ``bf16`` run (no baseline, no ``--quantized-init``) of the
   same model, with the same ``--compile`` setting when there is one;
 - × torchao: tokens/s ÷ that of the compiled torchao float8 run of the same model.
@@ -125,6 +128,15 @@ def _ag(steps: list[dict]) -> str:
     return "—"
 
 
+def _host(s: dict, steps: list[dict]) -> str:
+    h = s.get("host_ms")
+    timed = [r for r in steps if r["step"] in set(s.get("timed_steps") or [])]
+    if not h or not timed:
+        return "—"
+    step_ms = 1e3 * sum(r["step_time_s"] for r in timed) / len(timed)
+    return f"{h['forward']:.0f}/{h['backward']:.0f}/{h['optimizer']:.0f} of {step_ms:.0f}"
+
+
 def table_rows(runs: list[dict]) -> list[list[str]]:
     rows = []
     order = {label: i for i, label in enumerate(dict.fromkeys(model_label(r["start"]) for r in runs))}
@@ -137,19 +149,20 @@ def table_rows(runs: list[dict]) -> list[list[str]]:
         if s is None:  # crashed, timed out, or never started (the GPU script's stub says why)
             rows.append([model_label(start), f"{recipe_label(start)} ({start.get('status', 'failed')})", "—", "—",
                          _gib(max((r.get("peak_mem_bytes") or 0 for r in run["steps"]), default=None)),
-                         _ag(run["steps"]), "", "—", "—"])
+                         _ag(run["steps"]), "", "—", "—", "—"])
             continue
         ref, tao = _bf16_tps(run, runs), _torchao_tps(run, runs)
         mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "n/a"
         ratio = f"{s['tokens_per_s'] / ref:.2f}" if ref else "—"
         vs_tao = f"{s['tokens_per_s'] / tao:.2f}" if tao else "—"
         rows.append([model_label(start), recipe_label(start), f"{s['tokens_per_s']:,.0f}", mfu,
-                     _gib(s.get("peak_mem_bytes")), _ag(run["steps"]), _compiled(s), ratio, vs_tao])
+                     _gib(s.get("peak_mem_bytes")), _ag(run["steps"]), _compiled(s), ratio, vs_tao,
+                     _host(s, run["steps"])])
     return rows
 
 
 HEADER = ["preset", "recipe", "tokens/s", "MFU", "peak GiB", "all-gather/step", "graphs/breaks", "× bf16",
-          "× torchao"]
+          "× torchao", "host ms fwd/bwd/opt of step"]
 
 
 def format_table(runs: list[dict]) -> str:

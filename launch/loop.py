@@ -36,6 +36,7 @@ from hybrid_dist.launch.inspect_stats import StepInspector
 from hybrid_dist.launch.read_back import ReadBackWindow
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
+from hybrid_dist.launch.profile import profile_if
 from hybrid_dist.launch.quantized_init import check_quantized_init
 from hybrid_dist.launch.torchao_baseline import TORCHAO_FLOAT8
 
@@ -162,17 +163,23 @@ def _has_sharded_quantized_params(model) -> bool:
 
 
 def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_group=None,
-               after_step=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               after_step=None, host: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on ``tokens [B, S+1]``; returns the (local) cross-entropy loss and
     the gradient norm before clipping (None without ``--grad-clip``), both on the device.
-    ``after_step()`` runs after ``optimizer.step()`` (torchao's scale precompute)."""
+    ``after_step()`` runs after ``optimizer.step()`` (torchao's scale precompute). ``host``:
+    filled with the seconds the host spent issuing the forward, backward and optimizer."""
+    t0 = time.perf_counter()
     # a skipped step leaves the quantizer states (amax histories, SR keys) as they were too
     before = checkpoint.copy_quantizer_states(model, tokens.device) if cfg.on_nonfinite == "skip" else None
     with record_function("hd::forward"):
         logits, aux = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    t1 = time.perf_counter()
     with record_function("hd::backward"):
         (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
+    t2 = time.perf_counter()
+    if host is not None:
+        host.update(forward=t1 - t0, backward=t2 - t1)
     with record_function("hd::optimizer"):
         norm = None
         if cfg.grad_clip > 0:
@@ -186,63 +193,9 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
         if after_step is not None:
             after_step()
         optimizer.zero_grad(set_to_none=True)
+    if host is not None:
+        host["optimizer"] = time.perf_counter() - t2
     return loss, norm
-
-
-@contextlib.contextmanager
-def profile_if(enabled: bool, *, rank: int, trace: str | None = None):
-    """Profile the enclosed step on rank 0 when ``enabled``; print its top kernels and the
-    host time of the launcher's regions (``hd::forward`` / ``backward`` / ``optimizer``);
-    with ``trace``, also write the step's Chrome trace there (gzipped for ``.gz``)."""
-    if not enabled or rank != 0:
-        yield
-        return
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.profiler.profile(activities=acts) as prof:
-        yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    if trace:
-        _export_trace(prof, trace)
-    ev = prof.key_averages()
-    kernels = sorted((e for e in ev if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
-                     key=lambda e: -e.self_device_time_total)
-    gpu = sum(e.self_device_time_total for e in kernels) / 1e3
-    print(f"profile: step wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms (all streams), "
-          f"{sum(e.count for e in kernels)} launches", flush=True)
-    regions: dict[str, list[float]] = {}  # FSDP's per-module labels summed over modules
-    for e in ev:
-        if e.key.startswith(("hd::", "FSDP::")):
-            r = regions.setdefault(e.key.split(" (")[0], [0, 0.0])
-            r[0] += e.count
-            r[1] += e.cpu_time_total / 1e3
-    for key, (count, ms) in regions.items():
-        print(f"  host {key:<40s} x{count:<4d} {ms:9.2f} ms", flush=True)
-    for e in kernels[:25]:
-        print(f"  gpu  x{e.count:<5d} {e.self_device_time_total / 1e3:8.2f} ms  {e.key[:120]}", flush=True)
-    ops = sorted((e for e in ev if e.self_cpu_time_total > 0 and not e.key.startswith(("hd::", "FSDP::"))),
-                 key=lambda e: -e.self_cpu_time_total)
-    for e in ops[:20]:  # where the host's own time went (profiler overhead included)
-        print(f"  cpu  x{e.count:<5d} {e.self_cpu_time_total / 1e3:8.2f} ms  {e.key[:120]}", flush=True)
-
-
-def _export_trace(prof, path: str) -> None:
-    if not path.endswith(".gz"):
-        prof.export_chrome_trace(path)
-        return
-    import gzip
-    import shutil
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        prof.export_chrome_trace(tmp.name)
-        with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
 
 
 def compile_stats() -> dict:
@@ -368,16 +321,17 @@ def train(cfg: TrainConfig) -> dict:
             tokens = window.batch(step)
             with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace), \
                     inspector.capture(step):
+                host = {}
                 loss, norm = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
-                                        after_step=after_step)
+                                        after_step=after_step, host=host)
             records = inspector.records(step)
             if records is not None:
                 meter.inspect(step, records)
             if measured:
                 meter.ag_bytes = hp_ag_bytes + acct.total_output_bytes()
                 acct.reset()
-            window.add(step, _mean_over(loss, meshes.dp.get_group(), dims.dp), norm, tokens[:, 1:].numel() * dims.dp,
-                       lr, meter.ag_bytes)
+            window.add(step, _mean_over(loss, meshes.dp.get_group(), dims.dp), norm,
+                       tokens=tokens[:, 1:].numel() * dims.dp, lr=lr, ag_bytes=meter.ag_bytes, host_s=host)
             if not window.due(step, records is not None):
                 heartbeat.beat(step)
                 continue

@@ -52,6 +52,16 @@ def timed_tokens_per_s(steps: list[dict], warmup: int) -> float:
     return tokens / max(sum(r["step_time_s"] for r in timed), 1e-12)
 
 
+def mean_host_ms(steps: list[dict]) -> dict | None:
+    """Mean host time (ms) per step issuing each region (``host_s`` of the step records), or
+    None when the records have none. Next to the step time it shows whether the host
+    bounds the step: a step cannot be shorter than the host's time issuing it."""
+    hosts = [r["host_s"] for r in steps if r.get("host_s")]
+    if not hosts:
+        return None
+    return {k: 1e3 * sum(h[k] for h in hosts) / len(hosts) for k in hosts[0]}
+
+
 def _clock(seconds: float) -> str:
     """``m:ss``, or ``h:mm:ss`` from an hour."""
     m, sec = divmod(int(seconds), 60)
@@ -106,34 +116,38 @@ class Meter:
 
     def step(self, step: int, loss: float, tokens: int, lr: float) -> dict:
         """``tokens``: tokens processed by all ranks in this step."""
-        return self.steps([(step, loss, tokens, lr, self.ag_bytes, None)])[-1]
+        return self.steps([{"step": step, "loss": loss, "tokens": tokens, "lr": lr, "ag_bytes": self.ag_bytes}])[-1]
 
-    def steps(self, window: list[tuple]) -> list[dict]:
-        """Records of the steps run since the last call, ``(step, loss, tokens, lr, ag_bytes,
-        grad_norm)`` each (``grad_norm`` None without clipping): one device sync for all of them, and the window's wall time shared equally
-        (the training loop reads results back only every few steps, so that the host can
-        queue the next step while the device finishes this one)."""
+    def steps(self, window: list[dict]) -> list[dict]:
+        """Records of the steps run since the last call, each ``{"step", "loss", "tokens",
+        "lr", "ag_bytes"}`` and optionally ``"grad_norm"`` and ``"host_s"`` (the host's time
+        issuing forward / backward / optimizer): one device sync for all of them, and the
+        window's wall time shared equally (the training loop reads results back only every
+        few steps, so that the host can queue the next step while the device finishes this
+        one)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         data_s, self._excluded = self._excluded, 0.0
         dt, self._t_last = max(now - self._t_last - data_s, 1e-9) / len(window), now
         out = []
-        for step, loss, tokens, lr, ag_bytes, grad_norm in window:
-            self._tokens_total += tokens
-            tps = tokens / dt
+        for w in window:
+            self._tokens_total += w["tokens"]
+            tps = w["tokens"] / dt
             mfu = (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None
-            rec = {"event": "step", "step": step, "loss": loss, "lr": lr, "tokens": tokens, "tokens_per_s": tps,
-                   "step_time_s": dt, "data_time_s": data_s / len(window), "mfu": mfu,
-                   "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: ag_bytes}
-            if grad_norm is not None:
-                rec["grad_norm"] = grad_norm
+            rec = {"event": "step", "step": w["step"], "loss": w["loss"], "lr": w["lr"], "tokens": w["tokens"],
+                   "tokens_per_s": tps, "step_time_s": dt, "data_time_s": data_s / len(window), "mfu": mfu,
+                   "peak_mem_bytes": peak_memory_bytes(self.device), self.ag_key: w["ag_bytes"]}
+            for k in ("grad_norm", "host_s"):
+                if w.get(k) is not None:
+                    rec[k] = w[k]
             self.records.append(rec)
             self._emit(rec)
             out.append(rec)
-        step, loss = window[-1][:2]
-        if self.is_main and not self.quiet and (step % self.log_every == 0 or step == self.total):
-            print(self._progress_line(step, loss, out[-1]["tokens_per_s"], out[-1]["mfu"], out[-1], now), flush=True)
+        last = out[-1]
+        if self.is_main and not self.quiet and (last["step"] % self.log_every == 0 or last["step"] == self.total):
+            print(self._progress_line(last["step"], last["loss"], last["tokens_per_s"], last["mfu"], last, now),
+                  flush=True)
         return out
 
     def _progress_line(self, step: int, loss: float, tps: float, mfu: float | None, rec: dict, now: float) -> str:
@@ -158,7 +172,7 @@ class Meter:
                    "final_loss": steps[-1]["loss"] if steps else None, "tokens_per_s": tps,
                    "timed_steps": [r["step"] for r in timed],
                    "mfu": (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None,
-                   "peak_mem_bytes": peak_memory_bytes(self.device),
+                   "peak_mem_bytes": peak_memory_bytes(self.device), "host_ms": mean_host_ms(timed),
                    "wall_s": time.perf_counter() - self._t0, **extra}
         self._emit(summary)
         if self._file:
@@ -177,5 +191,7 @@ def format_summary(s: dict) -> str:
     loss = f"loss {first:.4f} -> {final:.4f}{ref}" if first is not None else "no steps run"
     cs = s.get("compile_stats")
     compiled = f"; compiled {cs['graphs']} graphs, {cs['graph_breaks']} graph breaks" if cs else ""
+    h = s.get("host_ms")
+    host = f"; host ms/step fwd {h['forward']:.0f}, bwd {h['backward']:.0f}, opt {h['optimizer']:.0f}" if h else ""
     return (f"summary: {s['steps']} steps, {loss}; {s['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "
-            f"peak mem {s['peak_mem_bytes'] / 2**30:.2f} GiB, {s['wall_s']:.1f} s{compiled}")
+            f"peak mem {s['peak_mem_bytes'] / 2**30:.2f} GiB, {s['wall_s']:.1f} s{compiled}{host}")

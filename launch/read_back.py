@@ -38,7 +38,7 @@ class ReadBackWindow:
 
     def __init__(self, cfg: TrainConfig, start: int, meter, data, device: torch.device):
         self.cfg, self.start, self.meter, self.data, self.device = cfg, start, meter, data, device
-        self._pending: list[tuple] = []  # (step, [loss, norm] on the device, tokens, lr, ag_bytes)
+        self._pending: list[tuple] = []  # (step, [loss, norm] on the device, the record's other fields)
         self._batches: dict[int, torch.Tensor] = {}
 
     def batch(self, step: int) -> torch.Tensor:
@@ -54,11 +54,12 @@ class ReadBackWindow:
             self.meter.exclude(time.perf_counter() - t0)
         return self._batches.pop(step).to(self.device, non_blocking=True)
 
-    def add(self, step: int, loss_mean: torch.Tensor, grad_norm: torch.Tensor | None, tokens: int, lr: float,
-            ag_bytes) -> None:
+    def add(self, step: int, loss_mean: torch.Tensor, grad_norm: torch.Tensor | None, **record) -> None:
+        """``record``: the step record's other fields (``Meter.steps``: tokens, lr, ag_bytes,
+        host_s)."""
         nan = loss_mean.new_full((), math.nan)
         values = torch.stack([loss_mean, nan if grad_norm is None else grad_norm.float()])
-        self._pending.append((step, values, tokens, lr, ag_bytes))
+        self._pending.append((step, values, record))
 
     def due(self, step: int, inspected: bool) -> bool:
         return reads_back(step, self.cfg, self.start, inspected)
@@ -67,7 +68,8 @@ class ReadBackWindow:
         values = torch.stack([p[1] for p in self._pending]).tolist()  # one host sync for the window
         clipped = self.cfg.grad_clip > 0
         out = [(p[0], v[0], v[1] if clipped else None) for p, v in zip(self._pending, values)]
-        self.meter.steps([(step, loss, *p[2:], norm) for p, (step, loss, norm) in zip(self._pending, out)])
+        self.meter.steps([{"step": step, "loss": loss, "grad_norm": norm, **p[2]}
+                          for p, (step, loss, norm) in zip(self._pending, out)])
         self._pending = []
         return out
 

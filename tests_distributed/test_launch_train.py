@@ -201,6 +201,8 @@ def _read_back_runs(rank, world_size, tmp):
         losses = train(_cfg("fp8_current", log_every=every, metrics=path))["losses"]
         logged = [json.loads(line) for line in open(path)] if rank == 0 else []
         out[every] = (losses, [(r["step"], r["loss"]) for r in logged if r["event"] == "step"])
+        if rank == 0 and every == 3:
+            out["host"] = ([r.get("host_s") for r in logged if r["event"] == "step"], logged[-1].get("host_ms"))
     return out
 
 
@@ -212,3 +214,7 @@ def test_losses_read_back_every_3_steps_equal_every_step(tmp_path):
     where = "fp8_current tiny layers=1 fsdp=2 gloo, --log-every 3 vs 1"
     assert every3 == every1 and len(every1) == STEPS, f"{where}: losses {every3} != {every1}"
     assert logged3 == logged1 == list(enumerate(every1, 1)), f"{where}: metrics {logged3} != {logged1}"
+    per_step, mean = r0["host"]  # the host's time issuing each region, per step and its mean
+    regions = ("forward", "backward", "optimizer")
+    assert all(h is not None and all(h[k] > 0 for k in regions) for h in per_step), f"{where}: host_s {per_step}"
+    assert mean is not None and sorted(mean) == sorted(regions), f"{where}: summary host_ms {mean}"

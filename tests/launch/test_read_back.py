@@ -47,9 +47,10 @@ def test_window_batches_and_records():
     assert window.batch(3).tolist() == [[3, 3, 3]] and data.made == list(range(3, 11))  # steps 3..10 at once
     assert window.batch(4).tolist() == [[4, 4, 4]] and data.made == list(range(3, 11))
     for step, loss in ((3, 2.5), (4, 2.0)):
-        window.add(step, torch.tensor(loss), torch.tensor(float(step)), 100, 0.1, None)
+        window.add(step, torch.tensor(loss), torch.tensor(float(step)), tokens=100, lr=0.1, ag_bytes=None)
     assert window.read_back() == [(3, 2.5, 3.0), (4, 2.0, 4.0)]
-    assert meter.recorded == [[(3, 2.5, 100, 0.1, None, 3.0), (4, 2.0, 100, 0.1, None, 4.0)]]
+    assert meter.recorded == [[{"step": s, "loss": v, "grad_norm": float(s), "tokens": 100, "lr": 0.1, "ag_bytes": None}
+                               for s, v in ((3, 2.5), (4, 2.0))]]
     no_clip = ReadBackWindow(_cfg(grad_clip=0.0), 0, meter, data, torch.device("cpu"))
-    no_clip.add(5, torch.tensor(1.5), None, 100, 0.1, None)
+    no_clip.add(5, torch.tensor(1.5), None, tokens=100, lr=0.1, ag_bytes=None)
     assert no_clip.read_back() == [(5, 1.5, None)]

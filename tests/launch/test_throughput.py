@@ -136,18 +136,22 @@ def test_throughput_table(tmp_path):
         paths.append(str(p))
     rows = throughput.table_rows([throughput.load_last_run(p) for p in paths])
     got = {(r[0], r[1]): r[2:] for r in rows}
-    assert got[("8b fsdp4", "bf16")] == ["1,000", "1.0%", "20.0", "~2.00 GiB", "", "1.00", "0.67"]
-    assert got[("8b fsdp4", "fp8_current +qinit")] == ["1,300", "1.3%", "20.0", "1.00 GiB", "", "1.30", "0.87"]
-    assert got[("8b fsdp4", "bf16 +compile")][-2:] == ["1.00", "0.80"]  # compiled runs: compiled bf16
+    assert got[("8b fsdp4", "bf16")] == ["1,000", "1.0%", "20.0", "~2.00 GiB", "", "1.00", "0.67", "—"]
+    assert got[("8b fsdp4", "fp8_current +qinit")] == ["1,300", "1.3%", "20.0", "1.00 GiB", "", "1.30", "0.87", "—"]
+    assert got[("8b fsdp4", "bf16 +compile")][-3:] == ["1.00", "0.80", "—"]  # compiled runs: compiled bf16
     assert got[("8b fsdp4", "torchao-float8 +compile")] == ["1,500", "1.5%", "20.0", "~1.00 GiB", "1/0", "1.25",
-                                                           "1.00"]
-    assert got[("8b fsdp4", "nvfp4 (failed)")] == ["—", "—", "10.0", "~2.00 GiB", "", "—", "—"]
-    assert got[("1b moe8top2 L4 fsdp4", "bf16")][-4:] == ["~1.00 MiB", "", "1.00", "—"]
-    assert got[("1b moe8top2 fsdp4", "mxfp8 (skipped)")] == ["—", "—", "—", "—", "", "—", "—"]
+                                                           "1.00", "—"]
+    assert got[("8b fsdp4", "nvfp4 (failed)")] == ["—", "—", "10.0", "~2.00 GiB", "", "—", "—", "—"]
+    assert got[("1b moe8top2 L4 fsdp4", "bf16")][-5:] == ["~1.00 MiB", "", "1.00", "—", "—"]
+    assert got[("1b moe8top2 fsdp4", "mxfp8 (skipped)")] == ["—", "—", "—", "—", "", "—", "—", "—"]
     # one table: header, separator, one row per run; 8b rows first (file order), eager before compiled
     table = throughput.format_table([throughput.load_last_run(p) for p in paths]).splitlines()
     assert table[0] == ("| preset | recipe | tokens/s | MFU | peak GiB | all-gather/step | graphs/breaks | × bf16 "
-                        "| × torchao |")
+                        "| × torchao | host ms fwd/bwd/opt of step |")
     assert len(table) == 2 + len(runs)
     order = [line.split(" | ")[1] for line in table[2:6]]
     assert order == ["bf16", "fp8_current +qinit", "nvfp4 (failed)", "bf16 +compile"], order
+    # the host column: mean host ms per region over the timed steps, and their step time
+    summary = {"host_ms": {"forward": 100.4, "backward": 180.6, "optimizer": 9.5}, "timed_steps": [3, 4]}
+    steps = [{"step": s, "step_time_s": t} for s, t in ((2, 9.0), (3, 0.19), (4, 0.21))]
+    assert throughput._host(summary, steps) == "100/181/10 of 200"

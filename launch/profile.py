@@ -1,0 +1,72 @@
+"""``--profile-step N``: the torch profiler around one training step on rank 0, its summary
+printed (step wall and kernel time, host time of the launcher's and FSDP2's regions, top
+kernels and host ops) and, with ``--profile-trace F``, its Chrome trace (gzipped for
+``.gz``; ``python -m benchmarks.trace_summary F`` reads it). Profiled steps run slower than
+unprofiled ones, op-heavy host code most: compare configurations with each other; the step
+records' ``host_s`` time the host without a profiler."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+@contextlib.contextmanager
+def profile_if(enabled: bool, *, rank: int, trace: str | None = None):
+    """Profile the enclosed step on rank 0 when ``enabled``; print its top kernels and the
+    host time of the launcher's regions (``hd::forward`` / ``backward`` / ``optimizer``);
+    with ``trace``, also write the step's Chrome trace there (gzipped for ``.gz``)."""
+    if not enabled or rank != 0:
+        yield
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    if trace:
+        _export_trace(prof, trace)
+    ev = prof.key_averages()
+    kernels = sorted((e for e in ev if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
+                     key=lambda e: -e.self_device_time_total)
+    gpu = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"profile: step wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms (all streams), "
+          f"{sum(e.count for e in kernels)} launches", flush=True)
+    regions: dict[str, list[float]] = {}  # FSDP's per-module labels summed over modules
+    for e in ev:
+        if e.key.startswith(("hd::", "FSDP::")):
+            r = regions.setdefault(e.key.split(" (")[0], [0, 0.0])
+            r[0] += e.count
+            r[1] += e.cpu_time_total / 1e3
+    for key, (count, ms) in regions.items():
+        print(f"  host {key:<40s} x{count:<4d} {ms:9.2f} ms", flush=True)
+    for e in kernels[:25]:
+        print(f"  gpu  x{e.count:<5d} {e.self_device_time_total / 1e3:8.2f} ms  {e.key[:120]}", flush=True)
+    ops = sorted((e for e in ev if e.self_cpu_time_total > 0 and not e.key.startswith(("hd::", "FSDP::"))),
+                 key=lambda e: -e.self_cpu_time_total)
+    for e in ops[:20]:  # where the host's own time went (profiler overhead included)
+        print(f"  cpu  x{e.count:<5d} {e.self_cpu_time_total / 1e3:8.2f} ms  {e.key[:120]}", flush=True)
+
+
+def _export_trace(prof, path: str) -> None:
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+        return
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+
+__all__ = ["profile_if"]
