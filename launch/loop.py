@@ -33,11 +33,11 @@ from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
 from hybrid_dist.launch.inspect_stats import StepInspector
-from hybrid_dist.launch.read_back import ReadBackWindow
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.profile import profile_if
 from hybrid_dist.launch.quantized_init import check_quantized_init
+from hybrid_dist.launch.read_back import ReadBackWindow
 from hybrid_dist.launch.torchao_baseline import TORCHAO_FLOAT8
 
 
@@ -188,6 +188,8 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
         if before is not None and nonfinite_anywhere(loss, norm):
             optimizer.zero_grad(set_to_none=True)  # no update from this batch on any rank
             checkpoint.load_quantizer_states(model, before, tokens.device)
+            if host is not None:
+                host["optimizer"] = time.perf_counter() - t2
             return loss, norm
         optimizer.step()
         if after_step is not None:
