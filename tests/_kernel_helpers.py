@@ -1,4 +1,5 @@
-"""Helpers shared by the GPU kernel tests."""
+"""Helpers of the tests that hold the CUDA kernels to the reference: raw bits, bitwise
+comparison of storages, one quantize through the registered kernel or the reference."""
 
 from __future__ import annotations
 

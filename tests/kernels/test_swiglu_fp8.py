@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import hybrid_dist as hd
 from hybrid_dist import kernels
-from tests.gpu._gpu_helpers import assert_storages_bitwise
+from tests._kernel_helpers import assert_storages_bitwise
 
 pytestmark = pytest.mark.gpu
 SHAPES = [(4096, 768), (8192, 4096), (1000, 2048)]

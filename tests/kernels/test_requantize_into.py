@@ -15,7 +15,7 @@ from hybrid_dist._tensor_ops import requantize_
 from hybrid_dist import hp_init
 from hybrid_dist.formats._quantizer import tensor_amax, tensor_amaxes
 from hybrid_dist.requantize_many import requantize_many_
-from tests.gpu._gpu_helpers import assert_storages_bitwise
+from tests._kernel_helpers import assert_storages_bitwise
 
 pytestmark = pytest.mark.gpu
 

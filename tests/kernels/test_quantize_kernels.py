@@ -18,7 +18,7 @@ import torch
 import hybrid_dist as hd
 from hybrid_dist.kernels.quant_tiles import (MXFP8_SWEEP, MXFP8_WORDS_SWEEP, NVFP4_2D_DEFAULT, NVFP4_DEFAULT,
                                              NVFP4_SWEEP, bf16_words)
-from tests.gpu._gpu_helpers import assert_storages_bitwise, kernel_quantize, n_bit_diffs, reference_quantize
+from tests._kernel_helpers import assert_storages_bitwise, kernel_quantize, n_bit_diffs, reference_quantize
 
 pytestmark = pytest.mark.gpu
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -7,7 +7,7 @@ import torch
 
 import hybrid_dist as hd
 from hybrid_dist.gemm import GemmConfig, gemm_nt, reference_gemm_nt
-from tests.gpu._gpu_helpers import n_bit_diffs
+from tests._kernel_helpers import n_bit_diffs
 
 pytestmark = pytest.mark.gpu
 M, K, N = 256, 512, 384

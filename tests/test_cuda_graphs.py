@@ -15,7 +15,7 @@ import torch
 
 import hybrid_dist as hd
 from hybrid_dist.formats import NVFP4State
-from tests.gpu._gpu_helpers import n_bit_diffs
+from tests._kernel_helpers import n_bit_diffs
 
 pytestmark = pytest.mark.gpu
 M, K, N, STEPS = 512, 1024, 768, 4
