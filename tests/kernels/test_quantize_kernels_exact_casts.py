@@ -11,7 +11,7 @@ kernels must be bitwise equal to the reference — every scale byte, FP8 byte an
 code, for every tile config of ``quant_tiles`` and every direction set. Stochastic
 rounding is compared with the reference fed the kernels' Philox stream (modelled in torch:
 ``tests/_nvfp4_sr_stream.py``): bitwise. The bitwise GPU comparison on
-random data is ``tests/gpu/test_quantize_kernels.py``.
+random data is ``tests/kernels/test_quantize_kernels.py``.
 """
 
 from __future__ import annotations
@@ -356,5 +356,5 @@ CHECKS = ("fp8_current_compiled", "nvfp4_empty", "fp8_batched", "fp8_batched_del
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernels_under_triton_interpreter(check):
     # one subprocess per check: xdist spreads them over the cores, each has its own timeout
-    run_under_triton_interpreter(f"from tests.test_quantize_kernels_interpreter import _check_{check} as c; c()\n"
-                                 f"print('{check} passed')", done=f"{check} passed")
+    run_under_triton_interpreter(f"from tests.kernels.test_quantize_kernels_exact_casts import _check_{check} as c\n"
+                                 f"c()\nprint('{check} passed')", done=f"{check} passed")

@@ -8,7 +8,7 @@ moves ``h = bf16(silu(a))`` by at most one bf16 ulp on rare elements, so amax wi
 bf16 ulps (relative 2^-7), dequantized values within one E4M3 ulp plus that, and the
 columnwise data the exact transpose of the rowwise data.
 
-The bitwise comparison on the GPU is ``tests/gpu/test_swiglu_fp8.py``.
+The bitwise comparison on the GPU is ``tests/kernels/test_swiglu_fp8.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _check_close(k, r, what, extra_rel=0.0):
     """Kernel and reference storages (row, col): transposes agree, fp8 values within one
     ulp — except where the reference rounds up to a power of two: the interpreter's cast
     drops that carry into the exponent and gives half of it (also seen by
-    ``test_quantize_kernels_interpreter``)."""
+    ``test_quantize_kernels_exact_casts``)."""
     kd = k[0].data.float() if k[0] is not None else k[1].data.float().t()
     rd = r[0].data.float() if r[0] is not None else r[1].data.float().t()
     tol = _e4m3_ulp(rd) + extra_rel * rd.abs() + 1e-12
@@ -69,5 +69,5 @@ def _check_swiglu():
 
 
 def test_swiglu_fp8_kernel_under_interpreter():
-    run_under_triton_interpreter("from tests.test_swiglu_fp8_interpreter import _check_swiglu; _check_swiglu()",
-                                 done="SWIGLU_OK")
+    run_under_triton_interpreter("from tests.kernels.test_swiglu_fp8_within_an_ulp import _check_swiglu\n"
+                                 "_check_swiglu()", done="SWIGLU_OK")

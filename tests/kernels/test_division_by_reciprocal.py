@@ -8,9 +8,8 @@
 stay normal) and compares with ``RN(a / 6)``. numpy has no fp32 FMA, so each FMA is
 evaluated exactly in float64 and rounded to fp32 once; where a float64 sum or quotient lands
 exactly on an fp32 rounding midpoint (the only place a double rounding could differ), the
-value is recomputed with ``fractions.Fraction``. The GPU test
-``tests/gpu/test_quantize_kernels.py::test_division_by_reciprocal_on_gpu`` runs the kernel
-helper itself on random ``(a, gs)`` pairs.
+value is recomputed with ``fractions.Fraction``. The GPU test ``tests/kernels/test_jit_common.py``
+runs the kernel helper itself on random ``(a, gs)`` pairs.
 """
 
 from __future__ import annotations

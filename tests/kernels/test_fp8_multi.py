@@ -155,5 +155,5 @@ CHECKS = ("amax", "cast", "write_back")
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_fp8_multi_under_triton_interpreter(check):
-    run_under_triton_interpreter(f"from tests.test_fp8_multi_interpreter import _check_{check} as c; c()\n"
+    run_under_triton_interpreter(f"from tests.kernels.test_fp8_multi import _check_{check} as c; c()\n"
                                  f"print('{check} passed')", done=f"{check} passed")
