@@ -13,7 +13,7 @@ against the float64 result: 40 dB promoted (bf16 rounding alone is ~52 dB), 25 d
 unpromoted (that report: up to ~2% relative error at K=4096 without promotion). Reasoned,
 not yet measured on a GPU. A wrong group, row tile, scale or mask is off by O(|ref|) and
 fails both. GroupedLinear against the ``hd.Linear`` loop: the 35 dB floor of
-``tests/moe/test_gpu.py``.
+``tests/moe/test_grouped_paths.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import hybrid_dist as hd
 from hybrid_dist.moe import GroupedLinear, grouped_quantized
 from tests._helpers import sqnr_db
 from tests.moe._reference import LinearLoop
-from tests.moe.test_gpu import FLOOR_DB, _SyncError
+from tests.moe.test_grouped_paths import FLOOR_DB, _SyncError
 
 pytestmark = pytest.mark.gpu
 

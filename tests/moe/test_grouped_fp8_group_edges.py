@@ -14,7 +14,7 @@ nearest even), an error below one bf16 ulp, ``2^-7 · |value|``. Bound:
 off by O(|ref|).
 
 ``TRITON_INTERPRET=1`` must be set before the kernels are defined: a subprocess. The GPU
-checks at realistic sizes are ``tests/gpu/test_grouped_fp8_gpu.py``.
+checks at realistic sizes are ``tests/moe/test_grouped_fp8_expert_shapes.py``.
 """
 
 from __future__ import annotations
@@ -149,11 +149,11 @@ def _check_grouped_linear():
 
 
 def test_grouped_fp8_under_triton_interpreter():
-    run_under_triton_interpreter("from tests.moe.test_grouped_fp8_interpreter import _check; _check()",
+    run_under_triton_interpreter("from tests.moe.test_grouped_fp8_group_edges import _check; _check()",
                                  done="grouped fp8 interpreter checks passed")
 
 
 def test_grouped_linear_on_grouped_fp8_under_triton_interpreter():
     run_under_triton_interpreter(
-        "from tests.moe.test_grouped_fp8_interpreter import _check_grouped_linear; _check_grouped_linear()",
+        "from tests.moe.test_grouped_fp8_group_edges import _check_grouped_linear; _check_grouped_linear()",
         done="grouped linear interpreter checks passed")
