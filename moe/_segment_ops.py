@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_dist.formats import traced_rng
+from hybrid_dist.library_op import library_op
 
 __all__ = ["segment_mm_rows", "segment_mm_tokens", "segment_state_rand"]
 
@@ -34,7 +35,7 @@ def _bounds(poff: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(ends[:-1], ends[1:]))
 
 
-@torch.library.custom_op("hybrid_dist::segment_mm_rows", mutates_args=())
+@library_op("hybrid_dist::segment_mm_rows")
 def segment_mm_rows(a: torch.Tensor, b: torch.Tensor, poff: torch.Tensor) -> torch.Tensor:
     """``a [C, K]`` fp32, ``b [E, R, K]`` fp32 → fp32 ``[C, R]`` (module doc)."""
     out = a.new_zeros(a.shape[0], b.shape[1])
@@ -49,7 +50,7 @@ def _(a, b, poff):
     return a.new_empty(a.shape[0], b.shape[1])
 
 
-@torch.library.custom_op("hybrid_dist::segment_mm_tokens", mutates_args=())
+@library_op("hybrid_dist::segment_mm_tokens")
 def segment_mm_tokens(a: torch.Tensor, b: torch.Tensor, poff: torch.Tensor) -> torch.Tensor:
     """``a [Ra, C]``, ``b [Rb, C]`` fp32 → fp32 ``[E, Ra, Rb]``; each segment made contiguous
     first, as the reference's per-expert operands are (module doc)."""
@@ -65,7 +66,7 @@ def _(a, b, poff):
     return a.new_empty(poff.shape[0] - 1, a.shape[0], b.shape[0])
 
 
-@torch.library.custom_op("hybrid_dist::segment_state_rand", mutates_args=())
+@library_op("hybrid_dist::segment_state_rand")
 def _segment_state_rand(like: torch.Tensor, uids: list[torch.Tensor], poff: torch.Tensor, width: int,
                         capacity: int, transposed: bool, draw: int) -> torch.Tensor:
     out = torch.zeros((width, capacity) if transposed else (capacity, width), device=like.device)
