@@ -57,8 +57,8 @@ class ReadBackWindow:
     def add(self, step: int, loss_mean: torch.Tensor, grad_norm: torch.Tensor | None, **record) -> None:
         """``record``: the step record's other fields (``Meter.steps``: tokens, lr, ag_bytes,
         host_s)."""
-        nan = loss_mean.new_full((), math.nan)
-        values = torch.stack([loss_mean, nan if grad_norm is None else grad_norm.float()])
+        norm = loss_mean.new_full((), math.nan) if grad_norm is None else grad_norm.float()
+        values = torch.stack([loss_mean, norm])
         self._pending.append((step, values, record))
 
     def due(self, step: int, inspected: bool) -> bool:
