@@ -40,19 +40,24 @@ def _scaled_mm_tensorwise(a: Float8Storage, b: Float8Storage, out_dtype, config)
                             out_dtype=out_dtype, use_fast_accum=config.use_fast_accum)
 
 
+_SCALING = getattr(F, "ScalingType", None)
+# the int codes of aten._scaled_mm_v2's recipe lists (F.scaled_mm converts its enums the same way)
+_BLOCK_1X128, _BLOCK_128X128 = ((int(_SCALING.BlockWise1x128.value), int(_SCALING.BlockWise128x128.value))
+                                if _SCALING is not None else (None, None))
+
+
 def _scaled_mm_blockwise(a: Float8BlockStorage, b: Float8BlockStorage, out_dtype):
-    scaling = getattr(F, "ScalingType", None)
-    if scaling is None or a.block_rows != 1 or out_dtype not in (torch.bfloat16, torch.float32):
+    if _SCALING is None or a.block_rows != 1 or out_dtype not in (torch.bfloat16, torch.float32):
         return None
     scale_a = a.scale_inv.t().contiguous().t()  # [Ra, C/128], outer-dim-major
     if b.block_rows == 1:
-        scale_b, recipe_b = b.scale_inv.t().contiguous().t(), scaling.BlockWise1x128
+        scale_b, recipe_b = b.scale_inv.t().contiguous().t(), _BLOCK_1X128
     else:  # [Rb/128, C/128] with the C blocks padded to a multiple of 4, passed transposed
         s = b.scale_inv
-        scale_b, recipe_b = F.pad(s, (0, -s.shape[1] % 4)).t(), scaling.BlockWise128x128
-    try:
-        return F.scaled_mm(a.data, b.data.t(), scale_a, scaling.BlockWise1x128, scale_b, recipe_b,
-                           output_dtype=out_dtype)
+        scale_b, recipe_b = F.pad(s, (0, -s.shape[1] % 4)).t(), _BLOCK_128X128
+    try:  # the aten op itself: Dynamo traces it (not F.scaled_mm's pybind ``torch._scaled_mm_v2``)
+        return torch.ops.aten._scaled_mm_v2.default(a.data, b.data.t(), [scale_a], [_BLOCK_1X128], [], [scale_b],
+                                                    [recipe_b], [], None, out_dtype)
     except torch.cuda.OutOfMemoryError:
         raise
     except (RuntimeError, NotImplementedError, ValueError):  # layout/shape not supported
