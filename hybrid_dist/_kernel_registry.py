@@ -21,11 +21,13 @@ _REQUANTIZE_MANY: dict[type, Callable] = {}
 _FUSED: dict[tuple[str, type], Callable] = {}  # (producer op, quantizer class) -> impl
 _GEMM: list[Callable] = []
 _DELAYED_ADVANCE: list[Callable] = []  # at most one: impl(history, scale, quantizer)
+_RHT_AMAX: list[Callable] = []  # at most one: impl(quantizer, x2d) -> fp32 []
 
 
 def register_quantize(quantizer_cls: type, impl: Callable) -> None:
     """``impl(quantizer, x2d, *, rowwise, columnwise, state, amax) -> (row, col)`` or
-    ``NotImplemented`` to defer to the reference for that call."""
+    ``NotImplemented`` to defer to the reference for that call. An NVFP4 impl also takes
+    ``rht_amax`` (the Hadamard direction's amax, see ``register_rht_amax``)."""
     _QUANTIZE[quantizer_cls] = impl
 
 
@@ -69,6 +71,13 @@ def register_gemm(impl: Callable) -> None:
     """``impl(a, b, *, out_dtype, config) -> Tensor`` or ``NotImplemented`` (registered once)."""
     if impl not in _GEMM:
         _GEMM.append(impl)
+
+
+def register_rht_amax(impl: Callable) -> None:
+    """``impl(nvfp4_quantizer, x2d) -> fp32 []``: the amax of ``x2d``'s columnwise direction
+    in its Hadamard domain, bitwise the value the NVFP4 quantize impl derives itself (so a
+    MAX over row shards reproduces the full tensor's quantization)."""
+    _RHT_AMAX[:] = [impl]
 
 
 def register_delayed_advance(impl: Callable) -> None:
@@ -123,6 +132,12 @@ def delayed_advance_impl_for(history: torch.Tensor):
     return _DELAYED_ADVANCE[0]
 
 
+def rht_amax_impl_for(x: torch.Tensor):
+    if x.device.type != "cuda" or not _RHT_AMAX:
+        return None
+    return _RHT_AMAX[0]
+
+
 def registered_quantizers() -> tuple[type, ...]:
     """Quantizer classes with a registered CUDA kernel (empty without CUDA + Triton)."""
     return tuple(_QUANTIZE)
@@ -131,5 +146,5 @@ def registered_quantizers() -> tuple[type, ...]:
 __all__ = ["amax_into_impl_for", "amaxes_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for",
            "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for", "register_amax_into",
            "register_amaxes_into", "register_delayed_advance", "register_fused_quantize", "register_gemm",
-           "register_quantize", "register_quantize_into", "register_requantize_many", "registered_quantizers",
-           "requantize_many_impl_for"]
+           "register_quantize", "register_quantize_into", "register_requantize_many", "register_rht_amax",
+           "registered_quantizers", "requantize_many_impl_for", "rht_amax_impl_for"]

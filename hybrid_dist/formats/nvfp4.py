@@ -45,6 +45,7 @@ from hybrid_dist.formats.numerics import (
     pack_fp4,
     unpack_fp4,
 )
+from hybrid_dist import _kernel_registry
 from hybrid_dist.formats import traced_rng
 from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
@@ -298,16 +299,24 @@ class NVFP4Quantizer(Quantizer):
         can be all-reduced (MAX) over a process group."""
         if not self.rht:
             raise ValueError("columnwise_rht_amax needs NVFP4Quantizer(rht=True); got rht=False")
+        impl = _kernel_registry.rht_amax_impl_for(x2d)
+        if impl is not None:  # the kernel's own value: bitwise what its quantize would derive
+            return impl(self, x2d.detach())
         return tensor_amax(apply_hadamard16(x2d.t().float(), hadamard16(self.rht_seed, x2d.device)))
 
     def quantize_columnwise_rht(self, x2d: torch.Tensor, *, amax: torch.Tensor, rht_amax: torch.Tensor,
                                 state=None) -> NVFP4Storage:
         """Columnwise (Hadamard) storage of ``x2d [M, K]`` (stored ``[K, M]``) with a
-        precomputed ``rht_amax`` (see ``columnwise_rht_amax``); reference backend only.
-        Bitwise equal to ``quantize_storages(x2d, rowwise=False, columnwise=True)`` when
-        ``rht_amax`` is that tensor's own value."""
+        precomputed ``rht_amax`` (see ``columnwise_rht_amax``), through the registered kernel
+        where one serves ``x2d``. Bitwise equal to ``quantize_storages(x2d, rowwise=False,
+        columnwise=True)`` when ``rht_amax`` is that tensor's own value."""
         if not self.rht:
             raise ValueError("quantize_columnwise_rht needs NVFP4Quantizer(rht=True); got rht=False")
         self.check_input(x2d, rowwise=False, columnwise=True)
         x2d = x2d.detach()
+        impl = _kernel_registry.quantize_impl_for(self, x2d)
+        if impl is not None:
+            out = impl(self, x2d, rowwise=False, columnwise=True, state=state, amax=amax, rht_amax=rht_amax)
+            if out is not NotImplemented:
+                return out[1]
         return self._storage(x2d.t(), amax, state, transposed=True, rht=True, rht_amax=rht_amax.float().to(x2d.device))

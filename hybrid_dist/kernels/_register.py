@@ -22,7 +22,7 @@ def register_all() -> None:
     from hybrid_dist.kernels.gemm import gemm_nt_cuda
     from hybrid_dist.kernels.mxfp8 import quantize_mxfp8
     from hybrid_dist.kernels.swiglu_fp8 import swiglu_quantize_fp8
-    from hybrid_dist.kernels.nvfp4 import quantize_nvfp4
+    from hybrid_dist.kernels.nvfp4 import columnwise_rht_amax_nvfp4, quantize_nvfp4
 
     registry.register_quantize(Float8Quantizer, quantize_fp8_tensor)
     registry.register_quantize(Float8BlockQuantizer, quantize_fp8_block)
@@ -32,6 +32,7 @@ def register_all() -> None:
     registry.register_requantize_many(Float8Quantizer, requantize_fp8_many)
     registry.register_quantize(MXFP8Quantizer, quantize_mxfp8)
     registry.register_quantize(NVFP4Quantizer, quantize_nvfp4)
+    registry.register_rht_amax(columnwise_rht_amax_nvfp4)
     registry.register_fused_quantize("swiglu", Float8Quantizer, swiglu_quantize_fp8)
     registry.register_gemm(gemm_nt_cuda)
     registry.register_delayed_advance(advance_)

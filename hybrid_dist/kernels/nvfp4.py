@@ -188,18 +188,23 @@ def _seed_tensor(q: NVFP4Quantizer, state, device, like: torch.Tensor) -> torch.
     return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 
 
-def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, config: TileConfig | None = None):
+def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, rht_amax=None,
+                   config: TileConfig | None = None):
     """Registry impl for :class:`NVFP4Quantizer` (see module doc for the exactness); any
     float input dtype (the tile kernels build columnwise blocks from 16 row sets, with no
-    8-bit transpose). ``config``: a tile config other than the default (eager only: tests
-    and benchmarks)."""
+    8-bit transpose). ``rht_amax``: the Hadamard direction's amax (``columnwise_rht_amax``,
+    e.g. MAX-reduced over row shards) instead of this tensor's own. ``config``: a tile config
+    other than the default (eager only: tests and benchmarks)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     dev = x2d.device
     derive_col = q.block_2d and not q.rht
     col_rht = columnwise and not derive_col and q.rht
     t = _rht_row(q.rht_seed, dev)
-    if amax is None:  # [max|x|, max|RHT(x)| or 0]: what the kernel reads
+    if col_rht and rht_amax is not None:
+        first = rht_amax if amax is None else amax
+        amaxes = torch.stack([first.float().to(dev).reshape(()), rht_amax.float().to(dev).reshape(())])
+    elif amax is None:  # [max|x|, max|RHT(x)| or 0]: what the kernel reads
         amaxes = nvfp4_amax(x2d, t, col_rht)
     elif col_rht:
         amaxes = torch.stack([amax.float().to(dev).reshape(()), nvfp4_amax(x2d, t, True)[1]])
@@ -225,6 +230,14 @@ def quantize_nvfp4(q: NVFP4Quantizer, x2d, *, rowwise, columnwise, state, amax, 
 
 
 nvfp4_amax = eager_or_op(nvfp4_amax_op, nvfp4_amax_tiles)
+
+
+def columnwise_rht_amax_nvfp4(q: NVFP4Quantizer, x2d: torch.Tensor) -> torch.Tensor:
+    """Registry impl (``register_rht_amax``): fp32 ``[]``, the amax pass's ``max|RHT(x)|``,
+    which ``quantize_nvfp4`` reads when no ``rht_amax`` is given."""
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    return nvfp4_amax(x2d, _rht_row(q.rht_seed, x2d.device), True)[1]
 
 
 nvfp4_quantize = eager_or_op(nvfp4_quantize_op, nvfp4_quantize_op.fn)
