@@ -8,6 +8,7 @@
 set -o pipefail
 NGPU=${NGPU:-4}
 STEPS=${STEPS:-4}
+PSTEPS=${PSTEPS:-1}  # profiled steps, ending at STEPS: with PSTEPS > 1 the later ones show the steady state
 MODEL=${MODEL:-"--preset 8b --layers 16 --batch-size 1 --seq-len 8192"}
 CONFIGS=${CONFIGS:-"--recipe bf16 --compile;--baseline torchao-float8 --compile;--recipe fp8_current --quantized-init --compile"}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -23,6 +24,6 @@ for i in "${!runs[@]}"; do
   [ -n "${TRACE_DIR:-}" ] && mkdir -p "$TRACE_DIR" && trace=(--profile-trace "$TRACE_DIR/trace_$((i + 1)).json.gz")
   # shellcheck disable=SC2086
   timeout -k 20 ${CAP:-150} torchrun --nproc-per-node "$NGPU" --master-port "$port" -m hybrid_dist.launch.train \
-    $MODEL $opts --fsdp "$NGPU" --steps "$STEPS" --profile-step "$STEPS" "${trace[@]}" --log-every 100 < /dev/null 2>&1 \
+    $MODEL $opts --fsdp "$NGPU" --steps "$STEPS" --profile-step $((STEPS - PSTEPS + 1)) --profile-steps "$PSTEPS" "${trace[@]}" --log-every 100 < /dev/null 2>&1 \
     | grep -E "^profile|^  host|^  gpu|^  cpu|^summary|Error" | grep -v "^W1"
 done

@@ -1,9 +1,10 @@
 """Where one profiled training step's GPU time goes, from its Chrome trace
-(``launch.train --profile-step N --profile-trace step.json.gz``).
+(``launch.train --profile-step N [--profile-steps K] --profile-trace step.json.gz``).
 
-Per trace: the step's GPU window, each stream's busy time (union of its kernels and
-copies), the compute stream's idle time per launcher region (``hd::forward`` /
-``backward`` / ``optimizer``), its longest idle gaps, and kernel time by category.
+Per trace (and, for several steps, the last step alone): the GPU window, each stream's busy
+time (union of its kernels and copies), the compute stream's idle time per launcher region
+(``hd::forward`` / ``backward`` / ``optimizer``), its longest idle gaps, and kernel time by
+category.
 Compare traces of different configurations taken on the same machine.
 Run: ``python -m benchmarks.trace_summary a.json.gz b.json.gz [--gaps 8]``.
 """
@@ -61,12 +62,23 @@ def load(path: str) -> list[dict]:
 
 
 def summarize(path: str, n_gaps: int) -> None:
+    """The whole trace; with several profiled steps also the last one alone (from its
+    forward's first kernel on), where the host ran ahead of the device."""
     ev = load(path)
     gpu = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu:
         print(f"## {path}: no GPU events")
         return
     regions = [e for e in ev if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation" and e["name"] in REGIONS]
+    _summarize_window(path, gpu, regions, n_gaps)
+    forwards = sorted(r["ts"] for r in regions if r["name"] == REGIONS[0])
+    if len(forwards) > 1:
+        last = forwards[-1]
+        _summarize_window(f"{path} (last step)", [e for e in gpu if e["ts"] >= last],
+                          [r for r in regions if r["ts"] >= last], n_gaps)
+
+
+def _summarize_window(path: str, gpu: list[dict], regions: list[dict], n_gaps: int) -> None:
     lo, hi = min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu)
     streams: dict[int, list[dict]] = {}
     for e in gpu:

@@ -61,7 +61,8 @@ class TrainConfig:
     run_name: str | None = None
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
-    profile_trace: str | None = None  # also write that step's Chrome trace here (gzipped if it ends in .gz)
+    profile_steps: int = 1          # profile this many consecutive steps from --profile-step (one trace)
+    profile_trace: str | None = None  # also write the profiled steps' Chrome trace here (gzipped if it ends in .gz)
     collective_timeout: float = 300.0  # seconds a collective may wait for the other ranks, after the first step
     first_step_timeout: float = 600.0  # the same until the first step is done (setup, compilation, resume)
     on_nonfinite: str = "stop"      # a NaN/inf loss: stop the job, or skip that step on every rank
@@ -69,7 +70,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-        for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every"):
+        for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every", "profile_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.layers < 0:
@@ -204,7 +205,9 @@ _HELP = {
                           "the job fails, once the first step is done; the error names the ranks behind",
     "first_step_timeout": "the same until every rank finished its first step (setup, compilation, resume)",
     "profile_step": "profile this step (torch.profiler) and print its top kernels and host regions on rank 0",
-    "profile_trace": "write the --profile-step step's Chrome trace to this path (gzipped when it ends in .gz; "
+    "profile_steps": "profile this many consecutive steps from --profile-step as one trace; the device is "
+                     "waited for only after the last, so the later ones show the steady state",
+    "profile_trace": "write the profiled steps' Chrome trace to this path (gzipped when it ends in .gz; "
                      "python -m benchmarks.trace_summary reads it)",
 }
 

@@ -35,7 +35,7 @@ from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeou
 from hybrid_dist.launch.inspect_stats import StepInspector
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
 from hybrid_dist.launch.presets import preset
-from hybrid_dist.launch.profile import profile_if
+from hybrid_dist.launch.profile import StepProfiler
 from hybrid_dist.launch.quantized_init import check_quantized_init
 from hybrid_dist.launch.read_back import ReadBackWindow
 from hybrid_dist.launch.torchao_baseline import TORCHAO_FLOAT8
@@ -314,6 +314,7 @@ def train(cfg: TrainConfig) -> dict:
     inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank(), device=device)
     losses, reported = [], set()
     window = ReadBackWindow(cfg, start, meter, data, device)
+    profiler = StepProfiler(cfg.profile_step, cfg.profile_steps, rank=dist.get_rank(), trace=cfg.profile_trace)
     heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
     with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start):
         for step in range(start + 1, cfg.steps + 1):
@@ -321,8 +322,7 @@ def train(cfg: TrainConfig) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             tokens = window.batch(step)
-            with profile_if(step == cfg.profile_step, rank=dist.get_rank(), trace=cfg.profile_trace), \
-                    inspector.capture(step):
+            with profiler.around(step), inspector.capture(step):
                 host = {}
                 loss, norm = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
                                         after_step=after_step, host=host)

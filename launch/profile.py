@@ -1,9 +1,11 @@
-"""``--profile-step N``: the torch profiler around one training step on rank 0, its summary
-printed (step wall and kernel time, host time of the launcher's and FSDP2's regions, top
-kernels and host ops) and, with ``--profile-trace F``, its Chrome trace (gzipped for
-``.gz``; ``python -m benchmarks.trace_summary F`` reads it). Profiled steps run slower than
-unprofiled ones, op-heavy host code most: compare configurations with each other; the step
-records' ``host_s`` time the host without a profiler."""
+"""``--profile-step N [--profile-steps K]``: the torch profiler around training steps N to
+N+K-1 on rank 0, its summary printed (wall and kernel time, host time of the launcher's and
+FSDP2's regions, top kernels and host ops) and, with ``--profile-trace F``, its Chrome trace
+(gzipped for ``.gz``; ``python -m benchmarks.trace_summary F`` reads it). The device is
+waited for before the first profiled step and after the last only, so with K > 1 the later
+steps show the steady state, where the host runs ahead of the device. Profiled steps run
+slower than unprofiled ones, op-heavy host code most: compare configurations with each
+other; the step records' ``host_s`` time the host without a profiler."""
 
 from __future__ import annotations
 
@@ -13,31 +15,50 @@ import time
 import torch
 
 
-@contextlib.contextmanager
-def profile_if(enabled: bool, *, rank: int, trace: str | None = None):
-    """Profile the enclosed step on rank 0 when ``enabled``; print its top kernels and the
-    host time of the launcher's regions (``hd::forward`` / ``backward`` / ``optimizer``);
-    with ``trace``, also write the step's Chrome trace there (gzipped for ``.gz``)."""
-    if not enabled or rank != 0:
-        yield
-        return
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.profiler.profile(activities=acts) as prof:
-        yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+class StepProfiler:
+    """``with prof.around(step):`` around each training step: profiles steps ``first`` to
+    ``first + count - 1`` on rank 0 as one trace and prints its summary after the last."""
+
+    def __init__(self, first: int, count: int, *, rank: int, trace: str | None = None):
+        self.first, self.last, self.rank, self.trace = first, first + count - 1, rank, trace
+        self._prof = None
+        self._t0 = 0.0
+
+    def profiles(self, step: int) -> bool:
+        return self.first > 0 and self.first <= step <= self.last
+
+    @contextlib.contextmanager
+    def around(self, step: int):
+        if self.rank != 0 or not self.profiles(step):
+            yield
+            return
+        if step == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+            self._prof = torch.profiler.profile(activities=acts)
+            self._prof.__enter__()
+        try:
+            yield
+        finally:
+            if step == self.last:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                prof, self._prof = self._prof, None
+                prof.__exit__(None, None, None)
+                _report(prof, time.perf_counter() - self._t0, self.last - self.first + 1, self.trace)
+
+
+def _report(prof, wall: float, steps: int, trace: str | None) -> None:
     if trace:
         _export_trace(prof, trace)
     ev = prof.key_averages()
     kernels = sorted((e for e in ev if e.self_device_time_total > 0 and e.device_type.name == "CUDA"),
                      key=lambda e: -e.self_device_time_total)
     gpu = sum(e.self_device_time_total for e in kernels) / 1e3
-    print(f"profile: step wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms (all streams), "
+    print(f"profile: {steps} step(s), wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms (all streams), "
           f"{sum(e.count for e in kernels)} launches", flush=True)
     regions: dict[str, list[float]] = {}  # FSDP's per-module labels summed over modules
     for e in ev:
@@ -69,4 +90,4 @@ def _export_trace(prof, path: str) -> None:
             shutil.copyfileobj(src, dst)
 
 
-__all__ = ["profile_if"]
+__all__ = ["StepProfiler"]

@@ -4,8 +4,8 @@ Each step's data-parallel mean loss and gradient norm stay on the device; the lo
 for the device and reads them back (one copy for the whole window) only at *read-back
 steps*: log steps, the last step, the first (compilation done) and the last untimed step
 (timing starts after it), before each checkpoint (nothing non-finite is saved), at inspected
-and profiled steps, and every step with ``--on-nonfinite skip`` (whose check syncs anyway).
-In between, the host queues step N+1 while the device finishes step N, as torchtitan's loop
+steps, after the last profiled step, and every step with ``--on-nonfinite skip`` (whose check
+syncs anyway). In between, the host queues step N+1 while the device finishes step N, as torchtitan's loop
 does between its log steps. Every step's values are still checked and written: a window's
 wall time is shared equally by its steps (``Meter.steps``).
 
@@ -28,7 +28,7 @@ def reads_back(step: int, cfg: TrainConfig, start: int, inspected: bool) -> bool
     """Whether the loop waits for the device after ``step`` (see the module note)."""
     return (step % cfg.log_every == 0 or step == cfg.steps or step == start + 1 or step == start + cfg.timing_warmup
             or bool(cfg.save_every and step % cfg.save_every == 0) or inspected or cfg.on_nonfinite == "skip"
-            or step == cfg.profile_step)
+            or step == cfg.profile_step + cfg.profile_steps - 1)
 
 
 class ReadBackWindow:
