@@ -39,6 +39,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def allocator_stats(device: torch.device) -> dict | None:
+    """The CUDA caching allocator's peak reserved bytes, its cudaMalloc calls and its retries
+    (an allocation that found no cached block and no free device memory: the allocator
+    synchronizes the device, frees its cache and tries again, which stalls the host's run-ahead)."""
+    if device.type != "cuda":
+        return None
+    st = torch.cuda.memory_stats(device)
+    return {"peak_reserved_bytes": st.get("reserved_bytes.all.peak", 0), "alloc_retries": st.get("num_alloc_retries", 0),
+            "device_mallocs": st.get("num_device_alloc", 0)}
+
+
 def timed_steps(steps: list[dict], warmup: int) -> list[dict]:
     """The step records that count for throughput: all but the first ``warmup`` (allocator
     warm-up, Triton JIT, torch.compile), and at least the last one."""
@@ -172,8 +183,8 @@ class Meter:
                    "final_loss": steps[-1]["loss"] if steps else None, "tokens_per_s": tps,
                    "timed_steps": [r["step"] for r in timed],
                    "mfu": (tps * self.flops_per_token / (self.world * self.peak)) if self.peak else None,
-                   "peak_mem_bytes": peak_memory_bytes(self.device), "host_ms": mean_host_ms(timed),
-                   "wall_s": time.perf_counter() - self._t0, **extra}
+                   "peak_mem_bytes": peak_memory_bytes(self.device), "allocator": allocator_stats(self.device),
+                   "host_ms": mean_host_ms(timed), "wall_s": time.perf_counter() - self._t0, **extra}
         self._emit(summary)
         if self._file:
             self._file.close()
@@ -193,5 +204,8 @@ def format_summary(s: dict) -> str:
     compiled = f"; compiled {cs['graphs']} graphs, {cs['graph_breaks']} graph breaks" if cs else ""
     h = s.get("host_ms")
     host = f"; host ms/step fwd {h['forward']:.0f}, bwd {h['backward']:.0f}, opt {h['optimizer']:.0f}" if h else ""
+    a = s.get("allocator")
+    alloc = (f" (reserved {a['peak_reserved_bytes'] / 2**30:.2f}, {a['device_mallocs']} cudaMalloc, "
+             f"{a['alloc_retries']} retries)") if a else ""
     return (f"summary: {s['steps']} steps, {loss}; {s['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "
-            f"peak mem {s['peak_mem_bytes'] / 2**30:.2f} GiB, {s['wall_s']:.1f} s{compiled}{host}")
+            f"peak mem {s['peak_mem_bytes'] / 2**30:.2f} GiB{alloc}, {s['wall_s']:.1f} s{compiled}{host}")
