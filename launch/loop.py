@@ -314,7 +314,8 @@ def train(cfg: TrainConfig) -> dict:
     inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank(), device=device)
     losses, reported = [], set()
     window = ReadBackWindow(cfg, start, meter, data, device)
-    profiler = StepProfiler(cfg.profile_step, cfg.profile_steps, rank=dist.get_rank(), trace=cfg.profile_trace)
+    profiler = StepProfiler(cfg.profile_step, cfg.profile_steps, rank=dist.get_rank(), trace=cfg.profile_trace,
+                            host=not cfg.profile_device_only)
     heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
     with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start):
         for step in range(start + 1, cfg.steps + 1):
