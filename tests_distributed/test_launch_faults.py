@@ -9,7 +9,8 @@
   restart (``TORCHELASTIC_RESTART_COUNT`` > 0) the run resumes from it by itself.
 * Resuming at a larger world size (1 → 2 ranks) works and continues bitwise-close.
 * A non-finite loss stops every rank with ``NonFiniteLoss`` and writes no checkpoint
-  after it.
+  after it; a non-finite gradient norm is named at its step (read back later), with the
+  first non-finite parameter, the same on every rank.
 * Rank files load with ``weights_only=True``.
 """
 
@@ -220,7 +221,7 @@ class _NanGradient(torch.autograd.Function):
         return g * float("nan")
 
 
-def _nan_gradient_run(rank, world_size, tmp):
+def _nan_gradient_run(rank, world_size, tmp, quantized_init):
     import torch.nn.functional as F
 
     from hybrid_dist.launch import loop
@@ -240,13 +241,21 @@ def _nan_gradient_run(rank, world_size, tmp):
 
     loop.train_step = step
     try:
-        return _error(lambda: loop.train(_cfg(recipe="fp8_current", log_every=4, metrics=os.path.join(tmp, "m.jsonl"))))
+        return _error(lambda: loop.train(_cfg(recipe="fp8_current", log_every=4, quantized_init=quantized_init,
+                                              metrics=os.path.join(tmp, "m.jsonl"))))
     finally:
         loop.train_step = real_step
 
 
-def test_nonfinite_gradient_norm_stops_at_its_step(tmp_path):
+@pytest.mark.parametrize("quantized_init", [False, True])
+def test_nonfinite_gradient_norm_stops_at_its_step(tmp_path, quantized_init):
     """A NaN gradient with a finite loss at step 3 (rank 1 only): both ranks stop, naming
-    step 3 and the gradient norm, although the losses are read back at step 4."""
-    for rank, err in enumerate(run_ranks(_nan_gradient_run, 2, str(tmp_path), timeout=300)):
+    step 3 and the gradient norm, although the losses are read back at step 4, and the same
+    first non-finite parameter at the read-back (step 3's clipped update made every
+    parameter NaN, so the first in module order). With ``--quantized-init`` the parameters are
+    quantized DTensor shards and their fp32 masters are checked."""
+    errors = run_ranks(_nan_gradient_run, 2, str(tmp_path), quantized_init, timeout=300)
+    for rank, err in enumerate(errors):
         assert err.startswith("NonFiniteLoss: step 3: the gradient norm is nan"), f"rank {rank}: {err}"
+        assert "; first non-finite after step 4: tok_embeddings.weight value (" in err, f"rank {rank}: {err}"
+    assert errors[0] == errors[1], errors
