@@ -2,8 +2,11 @@
 
 * A save killed half-way leaves ``step_<N>.partial/``: resume takes the newest finished
   step and continues bitwise like the uninterrupted run.
-* A flipped byte in a checkpoint shard, and swapped rank files, raise ``ValueError``
-  naming the file.
+* A flipped byte in a checkpoint shard or a rank file, and swapped rank files, raise
+  ``ValueError`` naming the file on every rank; so does a crafted ``rank1.pt`` (a pickle
+  that would run a command), which loads with ``weights_only=True`` and runs nothing.
+* A resumed run's metrics ``start`` record names the step it resumed at, and
+  ``plot.load_run`` keeps each step once.
 * A checkpoint directory already holding this run's steps is refused without
   ``--resume``; one holding another run's steps is refused always; after a ``torchrun``
   restart (``TORCHELASTIC_RESTART_COUNT`` > 0) the run resumes from it by itself.
@@ -11,7 +14,7 @@
 * A non-finite loss stops every rank with ``NonFiniteLoss`` and writes no checkpoint
   after it; a non-finite gradient norm is named at its step (read back later), with the
   first non-finite parameter, the same on every rank.
-* Rank files load with ``weights_only=True``.
+* Intact rank files load with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -43,19 +46,60 @@ def _error(fn) -> str:
     return "no error"
 
 
+class _RunsACommand:
+    """Pickles as a call of ``os.system``: what a crafted rank file would run if it were
+    loaded with ``weights_only=False``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _rerecord(step_dir: str) -> None:
+    """Rewrite ``step_dir``'s COMPLETE record with its files' current sizes and CRCs (so only
+    what the files hold is wrong)."""
+    import json
+
+    from hybrid_dist.launch import checkpoint
+
+    record = checkpoint.complete_record(step_dir)
+    record["files"] = {f: checkpoint._file_record(os.path.join(step_dir, f)) for f in record["files"]}
+    with open(os.path.join(step_dir, "COMPLETE"), "w") as fh:
+        json.dump(record, fh)
+
+
+def _flip_byte(path: str, at: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
 def _faults(rank, world_size, tmp):
+    import json
+
     import torch.distributed as dist
     from hybrid_dist.launch.loop import train
+    from hybrid_dist.launch.plot import load_run
 
     out = {}
     ckpt = os.path.join(tmp, "ckpt")
-    out["full"] = train(_cfg(checkpoint_dir=ckpt, save_every=2))["losses"]
+    metrics = os.path.join(tmp, "m.jsonl")
+    out["full"] = train(_cfg(checkpoint_dir=ckpt, save_every=2, metrics=metrics))["losses"]
     # a save killed half-way: the newest step loses its COMPLETE record and becomes .partial
     if rank == 0:
         os.replace(os.path.join(ckpt, "step_000006"), os.path.join(ckpt, "step_000006.partial"))
         os.remove(os.path.join(ckpt, "step_000006.partial", "COMPLETE"))
     dist.barrier()
-    out["resumed"] = train(_cfg(resume=ckpt))["losses"]  # from step 4
+    out["resumed"] = train(_cfg(resume=ckpt, metrics=metrics))["losses"]  # from step 4
+    if rank == 0:  # the resumed run marks where it resumed; the reader keeps each step once
+        with open(metrics) as fh:
+            out["starts"] = [r["start_step"] for r in map(json.loads, fh) if r["event"] == "start"]
+        run = load_run(metrics)
+        out["metrics_steps"], out["metrics_losses"] = run["steps"], run["losses"]
     out["refused_same_run"] = _error(lambda: train(_cfg(checkpoint_dir=ckpt, save_every=2)))
     out["refused_other_run"] = _error(lambda: train(_cfg(checkpoint_dir=ckpt, save_every=2, recipe="bf16")))
     os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
@@ -69,14 +113,26 @@ def _faults(rank, world_size, tmp):
     if rank == 0:
         shutil.copytree(step4, bad)
         shard = min(f for f in os.listdir(bad) if f.endswith(".distcp"))
-        with open(os.path.join(bad, shard), "r+b") as fh:
-            fh.seek(100)
-            b = fh.read(1)
-            fh.seek(100)
-            fh.write(bytes([b[0] ^ 0xFF]))
+        _flip_byte(os.path.join(bad, shard), 100)
         out["shard"] = shard
     dist.barrier()
     out["corrupt"] = _error(lambda: train(_cfg(resume=bad)))
+    bad_rank = os.path.join(tmp, "bad_rank")
+    if rank == 0:
+        shutil.copytree(step4, bad_rank)
+        _flip_byte(os.path.join(bad_rank, "rank1.pt"), 200)
+    dist.barrier()
+    out["corrupt_rank_file"] = _error(lambda: train(_cfg(resume=bad_rank)))
+    # a crafted rank1.pt (its record rewritten to match): refused, and its command never runs
+    crafted, marker = os.path.join(tmp, "crafted"), os.path.join(tmp, "command_ran")
+    if rank == 0:
+        shutil.copytree(step4, crafted)
+        torch.save({"step": 4, "rank": 1, "world_size": 2, "quantizer_states": _RunsACommand(marker)},
+                   os.path.join(crafted, "rank1.pt"))
+        _rerecord(crafted)
+    dist.barrier()
+    out["crafted"] = _error(lambda: train(_cfg(resume=crafted)))
+    out["command_ran"] = os.path.exists(marker)
     swapped = os.path.join(tmp, "swapped")
     if rank == 0:
         shutil.copytree(step4, swapped)
@@ -84,14 +140,7 @@ def _faults(rank, world_size, tmp):
         os.replace(r0, r0 + ".tmp")
         os.replace(r1, r0)
         os.replace(r0 + ".tmp", r1)
-        from hybrid_dist.launch import checkpoint
-
-        record = checkpoint.complete_record(swapped)  # re-record the sizes/CRCs: only the identity is wrong
-        record["files"] = {f: checkpoint._file_record(os.path.join(swapped, f)) for f in record["files"]}
-        import json
-
-        with open(os.path.join(swapped, "COMPLETE"), "w") as fh:
-            json.dump(record, fh)
+        _rerecord(swapped)  # only the identity is wrong
         out["weights_only"] = sorted(torch.load(r1, weights_only=True))
     dist.barrier()
     out["swapped"] = _error(lambda: train(_cfg(resume=swapped)))
@@ -113,11 +162,21 @@ def test_checkpoint_faults_and_nonfinite_loss_2_ranks(tmp_path):
     assert "already holds this run's checkpoints" in r0["refused_same_run"], r0["refused_same_run"]
     assert "holds checkpoints of another run" in r0["refused_other_run"], r0["refused_other_run"]
     assert r0["restarted"] == r0["full"][4:], f"{where}: torchrun restart resumed {r0['restarted']}"
+    assert r0["starts"] == [0, 4], f"{where}: start records of the metrics file: {r0['starts']}"
+    assert r0["metrics_steps"] == list(range(1, STEPS + 1)), r0["metrics_steps"]
+    assert r0["metrics_losses"] == r0["full"][:4] + r0["resumed"], (r0["metrics_losses"], r0["resumed"])
     assert r0["shard"] in r0["corrupt"] and "corrupted" in r0["corrupt"], r0["corrupt"]
+    for r in (r0, r1):
+        assert "rank1.pt is corrupted" in r["corrupt_rank_file"], r["corrupt_rank_file"]
+        assert r["crafted"].startswith("ValueError") and "rank1.pt is not a rank file" in r["crafted"], r["crafted"]
+        assert "system" in r["crafted"], r["crafted"]  # the blocked global is named
+        assert not r["command_ran"], "loading the crafted rank1.pt ran its command"
     assert "rank files swapped" in r0["swapped"] and "rank files swapped" in r1["swapped"], (r0["swapped"],
                                                                                              r1["swapped"])
     assert r0["weights_only"] == ["quantizer_states", "rank", "step", "world_size"]
     assert r0["nonfinite"].startswith("NonFiniteLoss: step") and r1["nonfinite"].startswith("NonFiniteLoss"), \
+        (r0["nonfinite"], r1["nonfinite"])
+    assert "first non-finite after step" in r0["nonfinite"] and r0["nonfinite"] == r1["nonfinite"], \
         (r0["nonfinite"], r1["nonfinite"])
     assert all(int(s.split("_")[1]) < int(r0["nonfinite"].split()[2].rstrip(":")) for s in r0["nan_saved"]), \
         f"a checkpoint was written at or after the non-finite step: {r0['nan_saved']} ({r0['nonfinite']})"
