@@ -10,7 +10,9 @@
 * A checkpoint directory already holding this run's steps is refused without
   ``--resume``; one holding another run's steps is refused always; after a ``torchrun``
   restart (``TORCHELASTIC_RESTART_COUNT`` > 0) the run resumes from it by itself.
-* Resuming at a larger world size (1 → 2 ranks) works and continues bitwise-close.
+* Resuming at a larger world size (1 → 2 ranks; 2 → 4 in the slow tier, each rank ``r``
+  holding rank ``r mod 2``'s quantizer states) works and continues close (bitwise at the
+  same world size).
 * A non-finite loss stops every rank with ``NonFiniteLoss`` and writes no checkpoint
   after it; a non-finite gradient norm is named at its step (read back later), with the
   first non-finite parameter, the same on every rank.
@@ -26,6 +28,7 @@ import shutil
 import pytest
 import torch
 
+from tests._tiers import slow
 from tests_distributed._harness import run_ranks
 
 STEPS = 6
@@ -202,6 +205,56 @@ def test_resume_at_a_larger_world_size(tmp_path, recipe):
     r0, _ = run_ranks(_two_rank_resume, 2, str(tmp_path), timeout=300)
     assert len(r0) == STEPS - 3 and all(math.isfinite(x) for x in r0), f"1 -> 2 ranks resumed losses {r0}"
     assert abs(r0[0] - full[3]) < 0.5, f"1 -> 2 ranks: first resumed loss {r0[0]} far from {full[3]}"
+
+
+def _save_at(rank, world_size, tmp, recipe, ckpt):
+    from hybrid_dist.launch.loop import train
+
+    return train(_cfg(recipe=recipe, checkpoint_dir=os.path.join(tmp, ckpt), save_every=3))["losses"]
+
+
+def _resume_larger(rank, world_size, tmp, recipe, ckpt):
+    """Rank ``r``'s quantizer states after loading (they must be those of rank ``r mod
+    saved``), then the losses of the resumed run."""
+    from torch.utils._pytree import tree_flatten
+
+    from hybrid_dist.launch import checkpoint
+    from hybrid_dist.launch.loop import build_model, init_distributed, make_optimizer, train
+    from hybrid_dist.launch.mesh import ParallelDims
+
+    step3 = os.path.join(tmp, ckpt, "step_000003")
+    cfg = _cfg(recipe=recipe, resume=step3)
+    device = init_distributed()
+    dims = ParallelDims(world_size=world_size, hsdp=1, fsdp=-1, tp=1, ep=1)
+    model, _, _ = build_model(cfg, dims, dims.build_meshes("cpu"), device)
+    checkpoint.load(step3, model, make_optimizer(model, cfg), device)
+    saved_world = checkpoint.complete_record(step3)["world_size"]
+    saved = torch.load(os.path.join(step3, f"rank{rank % saved_world}.pt"), weights_only=True)["quantizer_states"]
+    got, want = ([t for t in tree_flatten(s)[0] if isinstance(t, torch.Tensor)]
+                 for s in (checkpoint.quantizer_states(model, device), saved))
+    mapped = len(want) > 0 and len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    return mapped, len(want), train(cfg)["losses"]
+
+
+@slow
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
+def test_resume_at_2_and_4_ranks_from_2(tmp_path, recipe):
+    """2 ranks save at step 3; 4 ranks resume (each rank ``r`` takes rank ``r mod 2``'s
+    quantizer states: amax histories and scales bitwise), and so do 2 ranks again."""
+    full, _ = run_ranks(_save_at, 2, str(tmp_path), recipe, "two", timeout=300)
+    for world in (4, 2):
+        results = run_ranks(_resume_larger, world, str(tmp_path), recipe, "two", timeout=600)
+        where = f"{recipe}, tiny L1, 2 -> {world} gloo ranks"
+        for rank, (mapped, n_states, losses) in enumerate(results):
+            if recipe == "fp8_delayed":
+                assert n_states > 0 and mapped, f"{where}: rank {rank} does not hold rank {rank % 2}'s " \
+                    f"quantizer states ({n_states} saved tensors)"
+            assert len(losses) == STEPS - 3 and all(math.isfinite(x) for x in losses), f"{where}: {losses}"
+        r0 = results[0][2]
+        if world == 2:
+            assert r0 == full[3:], f"{where}: resumed {r0} != uninterrupted {full[3:]}"
+        else:  # twice the data ranks: another global batch, so a tolerance
+            assert abs(r0[0] - full[3]) < 0.5, f"{where}: first resumed loss {r0[0]} far from {full[3]}"
 
 
 def _skip_step(rank, world_size):
