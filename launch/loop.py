@@ -53,7 +53,16 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "RANK" in os.environ:  # under torchrun
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if "RANK" in os.environ and attempt:  # a torchrun restart
+            # torchrun's default (static) rendezvous keeps one store across restarts: without a
+            # prefix per attempt the ranks would read the earlier attempt's gloo/NCCL addresses
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"hd_attempt_{attempt}", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout)
+        elif "RANK" in os.environ:  # under torchrun
             dist.init_process_group(backend, timeout=timeout)
         else:  # run as one process: a one-rank group over an in-memory store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
