@@ -10,8 +10,8 @@
   only once a step failed: one flag per parameter and gradient, one all-reduce (MAX) of all
   of them and one host sync, so every rank names the same parameter.
 * ``nonfinite_amaxes(model)``: the quantizer slots whose delayed-scaling amax history
-  holds a NaN or inf. Delayed scaling keeps its last finite scale when an amax is not
-  finite, so the loss stays finite while the input was not: this is where it shows.
+  holds a NaN or inf on any rank. Delayed scaling keeps its last finite scale when an amax
+  is not finite, so the loss stays finite while the input was not: this is where it shows.
 """
 
 from __future__ import annotations
@@ -102,10 +102,15 @@ def _delayed_states(state, where: str):
 
 def nonfinite_amaxes(model: nn.Module) -> list[str]:
     """``"<module>/<tensor type>"`` of every delayed-scaling slot with a non-finite amax in
-    its history (one device sync for the whole model when every amax is finite)."""
+    its history on any rank (activation amaxes are per rank): one flag per slot, one MAX
+    all-reduce and one host sync; a collective when a process group is up and the model
+    has delayed-scaling slots."""
     slots = [(f"{name}/{t}{where}", s.amax_history)
              for name, mod in model.named_modules() for plan in getattr(mod, "_plans", {}).values()
              for t, state in plan.states.items() for where, s in _delayed_states(state, "")]
-    if not slots or bool(torch.isfinite(torch.cat([h.reshape(-1) for _, h in slots])).all()):
+    if not slots:
         return []
-    return [name for name, h in slots if not bool(torch.isfinite(h).all())]
+    bad = torch.stack([(~torch.isfinite(h)).any() for _, h in slots]).float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return [name for (name, _), b in zip(slots, bad.tolist()) if b]

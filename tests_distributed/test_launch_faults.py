@@ -371,3 +371,47 @@ def test_nonfinite_gradient_norm_stops_at_its_step(tmp_path, quantized_init):
         assert err.startswith("NonFiniteLoss: step 3: the gradient norm is nan"), f"rank {rank}: {err}"
         assert "; first non-finite after step 4: tok_embeddings.weight value (" in err, f"rank {rank}: {err}"
     assert errors[0] == errors[1], errors
+
+
+def _inf_input_run(rank, world_size):
+    import contextlib
+    import io
+
+    from hybrid_dist.launch import loop
+
+    real_build, calls = loop.build_model, []
+
+    def build(*args, **kwargs):  # layers.0.attention.wq sees an inf input at step 3, on rank 1 only
+        model, mcfg, recipe = real_build(*args, **kwargs)
+
+        def poison(module, inputs):
+            calls.append(1)
+            if rank == 1 and len(calls) == 3:  # rank 0 must report what rank 1 saw
+                x = inputs[0].clone()
+                x.view(-1)[0] = float("inf")
+                return (x,)
+            return None
+
+        model.layers["0"].attention.wq.register_forward_pre_hook(poison)
+        return model, mcfg, recipe
+
+    loop.build_model = build
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            losses = loop.train(_cfg(recipe="fp8_delayed", log_every=2))["losses"]
+    finally:
+        loop.build_model = real_build
+    return losses, [ln for ln in out.getvalue().splitlines() if ln.startswith("warning:")]
+
+
+def test_inf_input_under_delayed_scaling_is_reported_once():
+    """fp8_delayed: an inf in one layer's input at step 3 on rank 1 keeps the loss finite
+    (the last finite scale is kept) and is reported on rank 0 once, at the next log step,
+    naming the layer and tensor role (activation amaxes are per rank: the check reduces
+    its flags over the ranks)."""
+    (losses, warnings), (_, warnings1) = run_ranks(_inf_input_run, 2, timeout=300)
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
+    assert len(warnings) == 1 and warnings[0].startswith("warning: step 4: non-finite amax recorded by ") \
+        and "layers.0.attention.wq/input" in warnings[0], warnings
+    assert warnings1 == [], f"rank 1 printed {warnings1}"
