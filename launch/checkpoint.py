@@ -16,14 +16,16 @@ the run's identity, and a CRC-32 and size of every file) and renames the directo
 ``step_<N>/``. So a save killed half-way leaves only a ``.partial`` directory, which resume
 ignores: ``--resume DIR`` takes the newest step with a ``COMPLETE`` record. Before loading,
 every file is checked against its record (a share per rank) and each rank file against its
-rank; a mismatch raises ``ValueError`` naming the file. Rank files hold only tensors,
-numbers and strings and load with ``weights_only=True``.
+rank; a mismatch raises ``ValueError`` naming the file on every rank. Rank files hold only
+tensors, numbers and strings and load with ``weights_only=True``: one holding anything else
+(a crafted pickle) runs nothing and raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import zlib
@@ -249,12 +251,33 @@ def verify(step_dir: str, names=None) -> dict:
     return record
 
 
+def _read_rank_file(path: str, src: int) -> dict:
+    """``rank<src>.pt`` of step directory ``path``, loaded with ``weights_only=True`` and
+    checked to be rank ``src``'s; ``ValueError`` naming the file otherwise."""
+    try:
+        local = torch.load(os.path.join(path, f"rank{src}.pt"), weights_only=True)
+    except pickle.UnpicklingError as e:  # objects other than tensors, numbers and strings: nothing ran
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "GLOBAL" in ln.upper()), lines[-1] if lines else "")
+        raise ValueError(f"checkpoint {path!r}: rank{src}.pt is not a rank file of this launcher: it holds "
+                         f"objects that load only with weights_only=False, which is never used ({why.strip()})") \
+            from None
+    if local.get("rank", src) != src:
+        raise ValueError(f"checkpoint {path!r}: rank{src}.pt holds the state of rank {local.get('rank')} "
+                         "(rank files swapped or copied between checkpoints)")
+    return local
+
+
 def load(path: str, model: nn.Module, optimizer, device: torch.device) -> int:
     """Restore model, optimizer and quantizer states; return the step the checkpoint was taken at."""
     path = resolve(path)
-    problem = None
-    try:  # each rank checks its share of the files; all ranks raise the first problem found
-        verify(path, _my_share(path, complete_record(path)["files"]))
+    record = complete_record(path)
+    # another world size: rank r takes the quantizer states of rank r mod the saved world size
+    src = dist.get_rank() % int(record["world_size"])
+    problem, local = None, None
+    try:  # each rank checks its share of the files and its rank file; all raise the first problem
+        verify(path, _my_share(path, record["files"]))
+        local = _read_rank_file(path, src)
     except ValueError as e:
         problem = str(e)
     problems = [None] * dist.get_world_size()
@@ -271,12 +294,5 @@ def load(path: str, model: nn.Module, optimizer, device: torch.device) -> int:
         state["optim"]["state"] = _rename(model, state["optim"]["state"], to_disk=False)
         set_state_dict(model, optimizer, model_state_dict=_rename(model, state["model"], to_disk=False),
                        optim_state_dict=state["optim"])
-    # another world size: rank r takes the quantizer states of rank r mod the saved world size
-    src = dist.get_rank() % int(complete_record(path)["world_size"])
-    rank_file = os.path.join(path, f"rank{src}.pt")
-    local = torch.load(rank_file, weights_only=True)
-    if local.get("rank", src) != src:
-        raise ValueError(f"checkpoint {path!r}: rank{src}.pt holds the state of rank {local.get('rank')} "
-                         "(rank files swapped or copied between checkpoints)")
     load_quantizer_states(model, local["quantizer_states"], device)
     return int(local["step"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 import os
 import time
@@ -30,7 +31,7 @@ from hybrid_dist.launch.mesh import ParallelDims
 from hybrid_dist.launch.metrics import Meter
 from hybrid_dist.launch.model import Transformer, apply_recipe
 from hybrid_dist.launch.grad_clip import clip_grad_norm_
-from hybrid_dist.launch.guards import NonFiniteLoss, nonfinite_amaxes, nonfinite_anywhere
+from hybrid_dist.launch.guards import NonFiniteLoss, first_nonfinite, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
 from hybrid_dist.launch.inspect_stats import StepInspector
 from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
@@ -52,7 +53,16 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "RANK" in os.environ:  # under torchrun
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if "RANK" in os.environ and attempt:  # a torchrun restart
+            # torchrun's default (static) rendezvous keeps one store across restarts: without a
+            # prefix per attempt the ranks would read the earlier attempt's gloo/NCCL addresses
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"hd_attempt_{attempt}", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout)
+        elif "RANK" in os.environ:  # under torchrun
             dist.init_process_group(backend, timeout=timeout)
         else:  # run as one process: a one-rank group over an in-memory store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -261,9 +271,12 @@ def resume_source(cfg: TrainConfig) -> str | None:
     return resume
 
 
-def check_loss(loss: float, step: int, cfg: TrainConfig, *, grad_norm: float | None = None) -> None:
+def check_loss(loss: float, step: int, cfg: TrainConfig, *, grad_norm: float | None = None,
+               locate=None) -> None:
     """A non-finite (data-parallel mean) loss or (global) gradient norm: a warning with
-    ``--on-nonfinite skip``, else ``NonFiniteLoss`` on every rank."""
+    ``--on-nonfinite skip``, else ``NonFiniteLoss`` on every rank. ``locate()``: where the
+    state is non-finite now (called only then; a collective: every rank sees the same
+    values, so all call it)."""
     if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
         return
     what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm} (loss {loss:.4f})"
@@ -272,9 +285,19 @@ def check_loss(loss: float, step: int, cfg: TrainConfig, *, grad_norm: float | N
             print(f"warning: step {step}: {what} on some rank; the step was skipped (--on-nonfinite skip)",
                   flush=True)
         return
+    where = f"; {locate()}" if locate is not None else ""
     raise NonFiniteLoss(
-        f"step {step}: {what} (every rank stops; no checkpoint is written from this state). Resume "
+        f"step {step}: {what}{where} (every rank stops; no checkpoint is written from this state). Resume "
         f"from the last checkpoint with a lower --lr or --grad-clip, or check the data.")
+
+
+def nonfinite_place(model, optimizer, device: torch.device, read_at: int) -> str:
+    """The first non-finite parameter (``guards.first_nonfinite``) after step ``read_at``,
+    the read-back step at which a non-finite step was found."""
+    place = first_nonfinite(model, optimizer, device=device)
+    if place is None:
+        return f"every parameter and gradient is finite after step {read_at}"
+    return f"first non-finite after step {read_at}: {place}"
 
 
 @contextlib.contextmanager
@@ -338,9 +361,10 @@ def train(cfg: TrainConfig) -> dict:
             if not window.due(step, records is not None):
                 heartbeat.beat(step)
                 continue
-            for s, loss_v, norm_v in window.read_back():
+            locate = functools.partial(nonfinite_place, model, optimizer, device, step)  # called only on failure
+            for s, loss_v, norm_v in window.read_back():  # the first non-finite step of the window stops the run
                 losses.append(loss_v)
-                check_loss(loss_v, s, cfg, grad_norm=norm_v)  # the same values on every rank: all stop or skip together
+                check_loss(loss_v, s, cfg, grad_norm=norm_v, locate=locate)  # same values on every rank: all stop
             if step % cfg.log_every == 0 or step == cfg.steps:
                 report_nonfinite_amaxes(model, step, reported)
             if cfg.save_every and step % cfg.save_every == 0:

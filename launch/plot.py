@@ -21,15 +21,18 @@ from hybrid_dist.launch.plot_inspect import STATS, draw_heatmap
 
 
 def load_run(path: str) -> dict:
-    """``{"name", "steps", "losses", "tokens_per_s", "entropy_floor"}`` of the last run in ``path``."""
+    """``{"name", "steps", "losses", "tokens_per_s", "entropy_floor"}`` of the last run in ``path``.
+    A resumed run's ``start`` record (``start_step`` N > 0) replaces the steps after N that
+    the earlier run logged (those it ran again), so each step appears once."""
     start, steps = None, []
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
             if rec.get("event") == "start" and rec.get("start_step", 0) == 0:
                 start, steps = rec, []  # a fresh run replaces earlier ones appended to the file
-            elif rec.get("event") == "start" and start is None:
-                start = rec
+            elif rec.get("event") == "start":
+                start = start or rec
+                steps = [r for r in steps if r["step"] <= rec["start_step"]]
             elif rec.get("event") == "step":
                 steps.append(rec)
     if not steps:

@@ -1,7 +1,9 @@
 """``launch.guards.nonfinite_amaxes`` names the delayed-scaling slots whose amax history
 holds a NaN or inf: an inf input to an ``fp8_delayed`` layer shows there (its output stays
 finite: the last finite scale is kept), a finite one does not, and hybrid or per-expert
-states are searched too; and one job at a time writes a ``--metrics`` file."""
+states are searched too; ``first_nonfinite`` names the first parameter in module order whose
+value (the fp32 master of a quantized one) or gradient is not finite; and one job at a time
+writes a ``--metrics`` file."""
 
 from __future__ import annotations
 
@@ -53,3 +55,42 @@ def test_metrics_file_has_one_writer(tmp_path):
     first.step(1, 1.0, 10, 1e-3)
     first.finish({})
     meter().finish({})  # free again once the first has finished
+
+
+def test_first_nonfinite_walks_the_model_in_module_order():
+    """The first parameter in module order whose value or gradient is non-finite is named
+    (with how many are); None when all are finite."""
+    from hybrid_dist.launch.guards import first_nonfinite
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    model(torch.randn(4, 8)).sum().backward()
+    assert first_nonfinite(model) is None
+    with torch.no_grad():
+        model[2].weight[1, 1] = float("inf")
+    model[1].bias.grad[0] = float("nan")
+    assert first_nonfinite(model) == "1.bias grad (2 of 6 parameters)", first_nonfinite(model)
+    with torch.no_grad():
+        model[1].bias[3] = float("-inf")
+    assert first_nonfinite(model) == "1.bias value and grad (2 of 6 parameters)", first_nonfinite(model)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    assert first_nonfinite(model) == "0.weight value (3 of 6 parameters)", first_nonfinite(model)
+
+
+def test_first_nonfinite_checks_the_masters_of_quantized_parameters():
+    """Quantized parameters (``quantized_model_init``) are requantized from their fp32
+    masters in ``MasterWeightOptimizer``: a NaN master is named although the quantized
+    values stay finite."""
+    from hybrid_dist.launch.guards import first_nonfinite
+
+    torch.manual_seed(0)
+    with hd.quantized_model_init(hd.recipe_from_name("fp8_current")):
+        model = nn.Sequential(hd.Linear(32, 32, bias=False), hd.Linear(32, 32, bias=False))
+    assert all(isinstance(p, hd.QuantizedTensor) for p in model.parameters())
+    opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    assert first_nonfinite(model, opt) is None
+    with torch.no_grad():
+        opt.master_of(model[1].weight)[2, 3] = float("nan")
+    assert first_nonfinite(model) is None  # the quantized values are unchanged
+    assert first_nonfinite(model, opt) == "1.weight value (1 of 2 parameters)", first_nonfinite(model, opt)

@@ -51,3 +51,19 @@ def test_plot_rejects_file_without_steps(tmp_path):
     p.write_text(json.dumps({"event": "start", "name": "x"}) + "\n")
     with pytest.raises(ValueError, match="no step records"):
         plot.load_run(str(p))
+
+
+def test_load_run_takes_a_resumed_runs_steps_once(tmp_path):
+    """A run killed after logging step 5 and resumed from its step-3 checkpoint appends a
+    ``start`` record with ``start_step`` 3: steps 4 and 5 come from the resumed run, once."""
+    p = tmp_path / "r.jsonl"
+    _write_run(p, "r", [5.0, 4.0, 3.0, 2.5, 2.4], 400.0)
+    with open(p, "a") as f:
+        f.write(json.dumps({"event": "start", "name": "r", "start_step": 3}) + "\n")
+        for step, loss in ((4, 2.6), (5, 2.3), (6, 2.2)):
+            f.write(json.dumps({"event": "step", "step": step, "loss": loss, "tokens": 200, "tokens_per_s": 400.0,
+                                "step_time_s": 0.5}) + "\n")
+    run = plot.load_run(str(p))
+    assert run["steps"] == [1, 2, 3, 4, 5, 6], run["steps"]
+    assert run["losses"] == [5.0, 4.0, 3.0, 2.6, 2.3, 2.2], run["losses"]
+    assert run["entropy_floor"] == 1.08  # from the fresh run's start record

@@ -1,5 +1,7 @@
-"""``python -m hybrid_dist.launch.train``: bad flags give one line on stderr and exit code 2
-before anything is built; without ``torchrun`` the job runs as one process."""
+"""``python -m hybrid_dist.launch.train``: bad flags, a layout that does not fit the world
+size and a shape that does not fit a recipe's blocks give one line on stderr (naming the
+module) and exit code 2 before the model is built; without ``torchrun`` the job runs as
+one process."""
 
 from __future__ import annotations
 
@@ -22,6 +24,30 @@ def test_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hybrid_dist.launch.train: error: ") and says in err[0], err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--fsdp", "3"], "hsdp*fsdp*tp = 1*3*1 = 3, but the world size is 1; the degrees must multiply"),
+    (["--recipe", "nvfp4", "--batch-size", "1", "--seq-len", "8"],
+     "attention.wq input has local shape [8, 256] (tp=1, tokens per rank=8), which recipe 'nvfp4' cannot "
+     "quantize columnwise"),
+])
+def test_bad_layout_or_block_is_one_line_before_the_model_is_built(capsys, monkeypatch, argv, says):
+    """Checks that need the world size (the mesh) or the recipe's blocks: one line naming
+    the flag or the module, exit 2, and no model built."""
+    from hybrid_dist.launch import loop
+
+    built = []
+
+    def transformer(*args, **kwargs):
+        built.append(1)
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loop, "Transformer", transformer)
+    assert main(["--preset", "tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hybrid_dist.launch.train: error: ") and says in err[0], err
+    assert not built
 
 
 def test_runs_as_one_process_without_torchrun():
