@@ -62,7 +62,7 @@ class TrainConfig:
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
     profile_steps: int = 1          # profile this many consecutive steps from --profile-step (one trace)
-    profile_device_only: bool = False  # record device activity only (little host overhead), not host ops
+    profile_device_only: bool = False  # record device activity only, not host ops
     profile_trace: str | None = None  # also write the profiled steps' Chrome trace here (gzipped if it ends in .gz)
     collective_timeout: float = 300.0  # seconds a collective may wait for the other ranks, after the first step
     first_step_timeout: float = 600.0  # the same until the first step is done (setup, compilation, resume)
@@ -208,8 +208,8 @@ _HELP = {
     "profile_step": "profile this step (torch.profiler) and print its top kernels and host regions on rank 0",
     "profile_steps": "profile this many consecutive steps from --profile-step as one trace; the device is "
                      "waited for only after the last, so the later ones show the steady state",
-    "profile_device_only": "profile device activity only, not host ops: slows the host far less (a "
-                           "steady-state device timeline; no host regions in the summary)",
+    "profile_device_only": "profile device activity only, not host ops (no host regions in the summary; "
+                           "the CUDA activity tracing still slows the host)",
     "profile_trace": "write the profiled steps' Chrome trace to this path (gzipped when it ends in .gz; "
                      "python -m benchmarks.trace_summary reads it)",
 }

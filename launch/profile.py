@@ -18,7 +18,7 @@ import torch
 class StepProfiler:
     """``with prof.around(step):`` around each training step: profiles steps ``first`` to
     ``first + count - 1`` on rank 0 as one trace and prints its summary after the last.
-    ``host=False``: device activity only (on CUDA), which slows the host far less."""
+    ``host=False``: device activity only (on CUDA), no host ops."""
 
     def __init__(self, first: int, count: int, *, rank: int, trace: str | None = None, host: bool = True):
         self.first, self.last, self.rank, self.trace, self.host = first, first + count - 1, rank, trace, host
