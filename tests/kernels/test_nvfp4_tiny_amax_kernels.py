@@ -14,6 +14,7 @@ The same check on random data on the GPU: ``tests/kernels/test_jit_common.py``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests._helpers import run_under_triton_interpreter
@@ -66,3 +67,28 @@ def _check():
 def test_nvfp4_kernels_bitwise_the_reference_on_a_tiny_tensor():
     run_under_triton_interpreter("from tests.kernels.test_nvfp4_tiny_amax_kernels import _check; _check()",
                                  done="TINY_OK")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amax", [1e-37, 1e-38, 1e-40], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_nvfp4_kernels_bitwise_the_reference_on_tiny_random_tensors_gpu(amax, dtype):
+    """Random tiny tensors on the GPU (no exact-cast constraint there): the words kernel
+    (1×16 from bf16), the tile kernel (fp32, 2D), every direction set, bitwise; RHT within
+    the tile kernel's bound elsewhere, so left out."""
+    from tests._kernel_helpers import assert_storages_bitwise, kernel_quantize, reference_quantize
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import hybrid_dist as hd
+
+    g = torch.randn(256, 512, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = (g / g.abs().max() * amax).to(dtype).cuda()
+    x[:16, :16] = 0.0
+    for block_2d in (False, True):
+        q = hd.NVFP4Quantizer(block_2d=block_2d)
+        for rw, cw in DIRS:
+            k, r = kernel_quantize(q, x, rowwise=rw, columnwise=cw), reference_quantize(q, x, rowwise=rw, columnwise=cw)
+            what = f"nvfp4 tiny amax={amax} {dtype} 2d={block_2d} dirs={rw, cw}"
+            assert_storages_bitwise(k[0], r[0], f"{what} rowwise")
+            assert_storages_bitwise(k[1], r[1], f"{what} columnwise")
