@@ -14,7 +14,8 @@ is sign(bit 3) + E2M1 magnitude (see ``_numerics``). Scale rules (as TE):
 
     global_scale = amax / (448 · 6)                      (amax 0 → 1)
     block_scale  = e4m3( min(amax_block / 6 / global_scale, 448) )
-    q            = e2m1( x / (block_scale · global_scale) )   (RNE, or stochastic)
+    encode       = min(1 / (block_scale · global_scale), fp32 max)    (0 where block_scale is 0)
+    q            = e2m1( x · encode )                  (RNE, or stochastic)
     x            ≈ q · block_scale · global_scale
 
 Options: ``rht`` applies the 16×16 random Hadamard transform ``T`` (``numerics.hadamard16``,
@@ -51,6 +52,7 @@ from hybrid_dist.formats._quantizer import Quantizer, tensor_amax
 from hybrid_dist.formats._storage import DirectionStorage, FieldAxes
 
 NV_BLOCK = 16
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,7 +216,9 @@ def nvfp4_quantize_rows(
     per_element = block_amax / torch.full_like(block_amax, E2M1_MAX)
     block_scale = cast_to_fp8(per_element / global_scale, torch.float8_e4m3fn)
     denom = block_scale.float() * global_scale
-    encode = torch.where(denom > 0, torch.reciprocal(denom), torch.zeros_like(denom))
+    # a tiny tensor (gs down at 2**-128) gives a subnormal denom whose reciprocal overflows:
+    # clamped at the fp32 max, as TE (an inf would turn every element into ±6)
+    encode = torch.where(denom > 0, torch.reciprocal(denom).clamp(max=FP32_MAX), torch.zeros_like(denom))
     scaled = (blocks * encode[:, None, :, None]).clamp(-E2M1_MAX, E2M1_MAX).reshape(r, c)
     codes = e2m1_encode(scaled, rand)
     return pack_fp4(codes), block_scale

@@ -241,27 +241,44 @@ def rcp_fast(d):
         "fma.rn.f32 $0, r, e, r; }", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1)
 
 
+TINY_GS = tl.constexpr(2.0**-91)  # below: a tensor amax under ~2**-80, outside div_by_rcp's exact domain
+
+
 @triton.jit
 def nvfp4_block_scale(bamax, gs):
     """NVFP4 block scale: E4M3 ``sat(amax_block / 6 / gs)`` and the fp32 encode multiplier
-    ``1/(bs·gs)`` (0 if 0), as ``formats.nvfp4.nvfp4_quantize_rows``, for a scalar ``gs``.
+    ``min(1/(bs·gs), fp32 max)`` (0 if ``bs·gs`` is 0), as ``formats.nvfp4.nvfp4_quantize_rows``,
+    for a scalar ``gs``.
 
-    The two quotients are ``div_by_rcp`` with ``RN(1/6)`` and ``RN(1/gs)`` (one division per
-    program: the compiler shares it between the inlined calls), bitwise the reference's
-    IEEE divisions whenever the tensor amax behind ``gs`` is at least ``2**-80``: a block
-    whose ``amax/6`` is under ``2**-100`` (where the remainder could underflow) then has
-    ``amax/6/gs < 2**-10.6`` and an E4M3 scale of 0 either way. ``gs = inf`` (an inf amax)
-    divides as ``min(gs, fp32 max)``: ``a/inf = 0`` for finite ``a``, NaN for ``inf``, as IEEE.
+    For ``gs >= 2**-91`` (a tensor amax of at least ``2**-80``) the two quotients are
+    ``div_by_rcp`` with ``RN(1/6)`` and ``RN(1/gs)`` (one division per program: the compiler
+    shares it between the inlined calls), bitwise the reference's IEEE divisions there: a
+    block whose ``amax/6`` is under ``2**-100`` (where the remainder could underflow) then
+    has ``amax/6/gs < 2**-10.6`` and an E4M3 scale of 0 either way. ``gs = inf`` (an inf
+    amax) divides as ``min(gs, fp32 max)``: ``a/inf = 0`` for finite ``a``, NaN for ``inf``,
+    as IEEE. The encode multiplier is ``rcp_fast(bs·gs)``: on that domain ``gs`` lies in
+    ``[2**-91, 2**116.6]`` and a nonzero E4M3 ``bs`` in ``[2**-9, 448]``, so ``bs·gs`` is 0,
+    NaN (masked to 0 below) or within ``[2**-100, 2**125.4]``, inside its exact range, and
+    the clamp at the fp32 max could not change it, so it is left out.
 
-    The encode multiplier is ``rcp_fast(bs·gs)``: on that amax domain ``gs`` lies in
-    ``[2**-91.4, 2**116.6]`` and a nonzero E4M3 ``bs`` in ``[2**-9, 448]``, so ``bs·gs`` is
-    0, NaN (masked to 0 below) or within ``[2**-100.4, 2**125.4]``, inside its exact range.
-    Against ``rcp.rn`` (same values) it gained 4% / 3% on the 1D / RHT fused passes (one H100
-    run). The stochastic-rounding kernel of 32-bit uniforms was slower with it (0.72 against
-    0.63 ms); the 8-bit one is faster with it: 0.3268 → 0.3035 ms (SR) and 0.3569 → 0.3379
-    (RHT+SR), one H100 run, 16384×8192."""
-    r6 = tl.full([], RCP6_BITS, tl.int32).to(tl.float32, bitcast=True)
-    rcp_gs = div_rn(1.0, gs)
-    bs = cast_fp8(div_by_rcp(div_by_rcp(bamax, 6.0, r6), tl.minimum(gs, FP32_MAX), rcp_gs), 448.0, tl.float8e4nv)
-    denom = bs.to(tl.float32) * gs
-    return bs, tl.where(denom > 0, rcp_fast(denom), 0.0)
+    A smaller ``gs`` (a tiny tensor; ``gs`` bottoms out at ``2**-128``, where ``RN(1/gs)``
+    is inf) takes IEEE divisions instead, one uniform branch per call: ``bs·gs`` may then be
+    subnormal and its reciprocal above the fp32 max, which is clamped there, as
+    TransformerEngine does (``fminf(1/(S_dec_b · S_dec), FLT_MAX)``).
+
+    Against ``rcp.rn`` (same values) ``rcp_fast`` gained 4% / 3% on the 1D / RHT fused passes
+    (one H100 run). The stochastic-rounding kernel of 32-bit uniforms was slower with it
+    (0.72 against 0.63 ms); the 8-bit one is faster with it: 0.3268 → 0.3035 ms (SR) and
+    0.3569 → 0.3379 (RHT+SR), one H100 run, 16384×8192."""
+    if gs >= TINY_GS:
+        r6 = tl.full([], RCP6_BITS, tl.int32).to(tl.float32, bitcast=True)
+        rcp_gs = div_rn(1.0, gs)
+        bs = cast_fp8(div_by_rcp(div_by_rcp(bamax, 6.0, r6), tl.minimum(gs, FP32_MAX), rcp_gs), 448.0,
+                      tl.float8e4nv)
+        denom = bs.to(tl.float32) * gs
+        enc = tl.where(denom > 0, rcp_fast(denom), 0.0)
+    else:
+        bs = cast_fp8(div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), gs), 448.0, tl.float8e4nv)
+        denom = bs.to(tl.float32) * gs
+        enc = tl.where(denom > 0, tl.minimum(div_rn(tl.zeros_like(denom) + 1.0, denom), FP32_MAX), 0.0)
+    return bs, enc

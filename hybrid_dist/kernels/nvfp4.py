@@ -8,9 +8,10 @@ E4M3; columnwise ``data [K, M/2]`` + ``block_scale [K/br, M/16]``; ``br`` = 16 f
 
 Exactness against the reference (``formats.nvfp4``):
 
-* scales, RNE codes and packing: bitwise, every direction and block shape, for a tensor
-  amax of at least ``2**-80`` (the block scale divides by reciprocals: ``_jit_common.
-  nvfp4_block_scale``; below that a block scale may differ in its last bit);
+* scales, RNE codes and packing: bitwise, every direction and block shape, for every
+  tensor amax (the block scale divides by reciprocals from ``2**-80`` up and by IEEE
+  divisions below, where a tiny tensor's encode multipliers are clamped at the fp32 max:
+  ``_jit_common.nvfp4_block_scale``);
 * columnwise with ``rht``: the kernel computes ``y = T x`` per 16-group from the
   reference's exact products ``x_q · T[p, q]`` with a butterfly summation (fp32), the
   reference with a matmul: equal whenever the fp32 sums are exact (they are for most

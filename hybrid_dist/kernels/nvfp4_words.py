@@ -22,7 +22,7 @@ once by ``_rht_words``: bitwise the tile kernel's ``T x`` for ``|x| < 2**124``.
 Philox stream (the even k of word ``c`` draw counter ``(m/16)·K + 2c``, the odd k ``+1``;
 columnwise counters offset by ``⌈M/16⌉·K``). SR of both directions stays on ``nvfp4_tiles``.
 
-Guarantee: bitwise the reference in every direction for a tensor amax ≥ ``2**-80`` (RHT
+Guarantee: bitwise the reference in every direction for every tensor amax (RHT
 within the tile kernel's bound, ``kernels.nvfp4``; SR bitwise the reference fed the same
 stream). Why it is built this way: ``docs/design.md`` §8.
 """

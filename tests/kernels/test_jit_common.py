@@ -1,7 +1,8 @@
 """``kernels._jit_common``'s NVFP4 block scale on the GPU: the divisions by a reciprocal
 (``div_by_rcp``) and ``rcp.rn`` against the reference's IEEE divisions, bitwise, on random
-fp32 block amaxes down to 100 binades below the tensor amax, and global scales from tensor amaxes ``2**-80 .. 2**100``
-(the documented domain), plus zeros, infinities and an inf global scale.
+fp32 block amaxes down to 100 binades below the tensor amax, and global scales from tensor amaxes ``2**-140 .. 2**100``
+(below ``2**-80`` the IEEE divisions, down to a tiny tensor's global scale ``2**-128`` whose
+encode multiplier is clamped at the fp32 max), plus zeros, infinities and an inf global scale.
 """
 
 from __future__ import annotations
@@ -32,23 +33,27 @@ def _reference(a, gs):
     """``formats.nvfp4.nvfp4_quantize_rows``' block-scale lines on the block amaxes ``a``."""
     bs = cast_to_fp8(a / torch.full_like(a, 6.0) / gs, torch.float8_e4m3fn)
     denom = bs.float() * gs
-    return bs, torch.where(denom > 0, torch.reciprocal(denom), torch.zeros_like(denom))
+    enc = torch.reciprocal(denom).clamp(max=torch.finfo(torch.float32).max)
+    return bs, torch.where(denom > 0, enc, torch.zeros_like(denom))
 
 
 def _random_fp32(n, lo_exp, hi_exp, gen):
-    """Positive fp32 with uniformly random significand bits and exponents in [lo, hi)."""
-    e = torch.randint(max(lo_exp, -126) + 127, hi_exp + 127, (n,), generator=gen, device="cuda", dtype=torch.int32)
+    """Positive fp32 with uniformly random significand bits and exponents in [lo, hi)
+    (``lo >= -149``; below ``-126`` subnormal: normal values scaled down by ``2**64``)."""
+    shift = 64 if lo_exp < -126 else 0
+    e = torch.randint(lo_exp + shift + 127, hi_exp + shift + 127, (n,), generator=gen, device="cuda",
+                      dtype=torch.int32)
     m = torch.randint(0, 1 << 23, (n,), generator=gen, device="cuda", dtype=torch.int32)
-    return ((e << 23) | m).view(torch.float32)
+    return ((e << 23) | m).view(torch.float32) * 2.0**-shift
 
 
-@pytest.mark.parametrize("amax_exp", [-80, -40, -3, 0, 2, 11, 60, 100])
+@pytest.mark.parametrize("amax_exp", [-140, -128, -126, -120, -100, -92, -80, -40, -3, 0, 2, 11, 60, 100])
 def test_nvfp4_block_scale_bitwise_the_ieee_divisions(amax_exp):
     gen = torch.Generator(device="cuda").manual_seed(amax_exp + 1000)
     n = 1 << 20
     amax = _random_fp32(1, amax_exp, amax_exp + 1, gen)  # the tensor amax behind gs
     gs = nvfp4_global_scale(amax).reshape(())
-    a = torch.minimum(_random_fp32(n, amax_exp - 100, amax_exp + 1, gen), amax)  # block amax <= amax
+    a = torch.minimum(_random_fp32(n, max(amax_exp - 100, -149), amax_exp + 1, gen), amax)  # block amax <= amax
     a[:4] = torch.tensor([0.0, float("inf"), 2.0**-149, 3.4e38], device="cuda").clamp(max=amax.item())
     bs, enc = torch.empty(n, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(n, device="cuda")
     _block_scale_probe[(triton.cdiv(n, 1024),)](a, gs, bs, enc, n, BLOCK=1024)
