@@ -16,7 +16,8 @@ naming an ``hd.Recipe`` or a function returning one (``hybrid_dist.launch.config
 ``filter_fqns`` leaves out those containing one of its entries. Only plain
 ``Linear.Config`` entries are converted (subclasses with their own forward, e.g.
 ``ScaledBiasRowwiseLinear``, stay). Each layer's plan (quantizers, delayed-scaling and
-stochastic-rounding states) is built when the model is built, so a compiled first step
+stochastic-rounding states) is built when the model is built and again by torchtitan's
+``init_states`` (on the device the model was materialised on), so a compiled first step
 meets no state creation.
 
 ``quantized_all_gather=True`` is the FSDP2 extension (torchtitan's float8 all-gather
@@ -83,6 +84,15 @@ def _classes() -> dict[str, type]:
                 w = self.weight
                 self.weight = nn.Parameter(HighPrecisionParam(w.detach(), self.plan_for(self.recipe).weight),
                                            requires_grad=w.requires_grad)
+
+        def _init_self_parameters(self) -> None:
+            """torchtitan's initialisation (``init_states``, after the model left the meta
+            device): the parameters as torchtitan's ``Linear``, then the plan built anew on
+            the weight's device, so its quantizer states (stochastic-rounding streams,
+            amax histories) are fresh and real before a first, possibly compiled, step."""
+            super()._init_self_parameters()
+            self._plans.clear()
+            self.plan_for(self.recipe)
 
     class HybridLinearConverter(QuantizationConverter):
         """Replace matching ``Linear.Config`` entries by :class:`HybridLinear` configs."""
