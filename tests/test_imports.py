@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = "hybrid_dist"
-INTEGRATIONS = ("fsdp2", "tensor_parallel", "moe", "launch")  # installed as hybrid_dist.<name>
+INTEGRATIONS = ("fsdp2", "tensor_parallel", "moe", "launch", "integrations")  # installed as hybrid_dist.<name>
 # The package root assembles the library: it imports the kernels (which fill the kernel
 # registry) and hybrid_dist.fsdp2 (which registers the FSDP2 hooks), so it is exempt from
 # the core's layering rule. Everything else in the core is below every integration.
