@@ -315,6 +315,20 @@ def named_laggards(heartbeat: Heartbeat, current_step, cfg: TrainConfig, start: 
         raise CollectiveTimeout(timeout_message(heartbeat, step, seconds)) from e
 
 
+def _make_meter(cfg: TrainConfig, dims: ParallelDims, model, mcfg, recipe, start: int, data, device):
+    """``(meter, measured, hp_ag_bytes)``: whether hybrid_dist.fsdp2 counts the quantized
+    all-gathers (sharded quantized parameters), and the estimated high-precision bytes."""
+    measured = _has_sharded_quantized_params(model)
+    hp_ag_bytes = all_gather_bytes_per_step(model, dims, 2 if compute_dtype(cfg, device) == torch.bfloat16 else 4,
+                                            skip_quantized=measured)
+    meter = Meter(total_steps=cfg.steps, flops_per_token=mcfg.flops_per_token(cfg.seq_len),
+                  world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
+                  log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=measured,
+                  ag_bytes_per_step=hp_ag_bytes, timing_warmup=cfg.timing_warmup,
+                  run=_run_info(cfg, dims, mcfg, recipe, start, data))
+    return meter, measured, hp_ag_bytes
+
+
 def train(cfg: TrainConfig) -> dict:
     device = init_distributed(max(cfg.first_step_timeout, cfg.collective_timeout))
     dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
@@ -325,14 +339,7 @@ def train(cfg: TrainConfig) -> dict:
                      seed=cfg.seed, dp_rank=meshes.dp.get_local_rank(), dtype=cfg.data_dtype)
     resume = resume_source(cfg)
     start = checkpoint.load(resume, model, optimizer, device) if resume else 0
-    measured = _has_sharded_quantized_params(model)  # hybrid_dist.fsdp2 counts quantized all-gathers
-    hp_ag_bytes = all_gather_bytes_per_step(model, dims, 2 if compute_dtype(cfg, device) == torch.bfloat16 else 4,
-                                            skip_quantized=measured)
-    meter = Meter(total_steps=cfg.steps, flops_per_token=mcfg.flops_per_token(cfg.seq_len),
-                  world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
-                  log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=measured,
-                  ag_bytes_per_step=hp_ag_bytes, timing_warmup=cfg.timing_warmup,
-                  run=_run_info(cfg, dims, mcfg, recipe, start, data))
+    meter, measured, hp_ag_bytes = _make_meter(cfg, dims, model, mcfg, recipe, start, data, device)
     after_step = torchao_baseline.after_step(model) if cfg.baseline == TORCHAO_FLOAT8 else None
     inspector = StepInspector(model, every=cfg.inspect_every, start=start, rank=dist.get_rank(), device=device)
     losses, reported = [], set()
