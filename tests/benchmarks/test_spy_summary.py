@@ -13,6 +13,7 @@ TRAIN = f"{P};<module> (train.py:1);train (loop.py:380);train_step (loop.py:170)
 LINES = [
     f"{TRAIN};forward (model.py:60);__call__ (eval_frame.py:400) 30",
     f"{TRAIN};forward (model.py:60);_compile_inner (convert_frame.py:700) 500",  # compiling: left out
+    f"{TRAIN};cast (fp8_tensor.py:9);launch (_launch.py:124);JITFunction._do_compile (jit.py:3) 40",  # Triton JIT
     f"{TRAIN};MasterWeightOptimizer.step (optim.py:120);requantize_many_ (requantize_many.py:30) 10",
     f"{TRAIN};backward (_tensor.py:600);_engine_run_backward (graph.py:800) 5",
     f"{P};_worker (threading.py:1);CompiledFunction.backward (runtime_wrappers.py:2000);call (x.py:3) 50",
