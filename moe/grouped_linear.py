@@ -49,7 +49,7 @@ from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.moe.grouped_operands import expert_weight_storages
 from hybrid_dist.moe.split_quantize import split_quantize, token_multiple
 
-__all__ = ["GroupedLinear", "GroupedPlan"]
+__all__ = ["GroupedLinear", "GroupedPlan", "apply_grouped_linear"]
 
 
 class GroupedPlan:
@@ -127,6 +127,29 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+def apply_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                         plan: GroupedPlan, *, io: dict[str, Any] | None = None, name: str = "") -> torch.Tensor:
+    """``GroupedLinear``'s quantized forward with an explicit plan: ``y [T, N]`` of ``x [T, K]``
+    (rows sorted by expert), ``weight [E, N, K]`` and ``tokens_per_expert [E]`` (int, on x's
+    device), through the path the module doc picks. Unless it runs inside a backward (an
+    activation recompute), it starts a new pass of the plan's input and weight states. ``io``: as
+    ``GroupedLinear.forward``; ``name`` only labels errors. Inputs are not checked here."""
+    if io is None and _grouped_mm.fits(plan, x, weight):
+        return _grouped_mm.grouped_mm_linear(x, weight, tokens_per_expert)
+    if not in_backward():
+        plan.advance("input")
+        plan.advance("weight")
+    packed_io = io is not None and ("x_packed" in io or "packed" in io)
+    if (io is None or packed_io) and grouped_quantized.fits(plan, x, weight):
+        return grouped_quantized.grouped_linear(x, weight, tokens_per_expert, plan, io)
+    if packed_io:
+        raise ValueError(f"GroupedLinear {name!r}: packed expert-parallel operands, but this call does "
+                         "not take the packed path (see packed_exchange)")
+    if grouped_reference.fits(plan, x, io):
+        return grouped_reference.grouped_linear(x, weight, tokens_per_expert, plan)
+    return _GroupedLinearFn.apply(x, weight, tokens_per_expert, plan, io)
+
+
 class GroupedLinear(RecipeModuleMixin, nn.Module):
     """E bias-free Linears ``[in_features → out_features]`` applied to token groups.
 
@@ -168,21 +191,7 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         recipe = self.active_recipe()
         if recipe is None:
             return _grouped_mm.high_precision(x, self.weight, tokens_per_expert)
-        plan = self.plan(recipe)
-        if io is None and _grouped_mm.fits(plan, x, self.weight):
-            return _grouped_mm.grouped_mm_linear(x, self.weight, tokens_per_expert)
-        if not in_backward():
-            plan.advance("input")
-            plan.advance("weight")
-        packed_io = io is not None and ("x_packed" in io or "packed" in io)
-        if (io is None or packed_io) and grouped_quantized.fits(plan, x, self.weight):
-            return grouped_quantized.grouped_linear(x, self.weight, tokens_per_expert, plan, io)
-        if packed_io:
-            raise ValueError(f"GroupedLinear {self.name!r}: packed expert-parallel operands, but this call does "
-                             "not take the packed path (see packed_exchange)")
-        if grouped_reference.fits(plan, x, io):
-            return grouped_reference.grouped_linear(x, self.weight, tokens_per_expert, plan)
-        return _GroupedLinearFn.apply(x, self.weight, tokens_per_expert, plan, io)
+        return apply_grouped_linear(x, self.weight, tokens_per_expert, self.plan(recipe), io=io, name=self.name)
 
     def packed_exchange(self, x: torch.Tensor, tensor_type: str) -> int | None:
         """The padding multiple an expert-parallel exchange of ``tensor_type`` (``"input"`` or
