@@ -134,10 +134,16 @@ class RecipeModuleMixin:
         """Every plan built so far (one per recipe this module has run under)."""
         return list(self._plans.values())
 
+    def _plan_anchor(self) -> torch.Tensor | None:
+        """The parameter whose device the plans' states live on: ``weight``, else (a module
+        with several weights, e.g. torchtitan's experts) its first own parameter."""
+        params = self.__dict__.get("_parameters", {})
+        return params.get("weight", next(iter(params.values()), None))
+
     def _make_plan_kernel_keys(self, plans) -> None:
         """``_place_states`` for ``plans`` on the weight's device, if it is a CUDA device
         (eager only): when a plan is built and when the module moves (``_apply``)."""
-        weight = self.__dict__.get("_parameters", {}).get("weight")
+        weight = self._plan_anchor()
         if weight is not None and weight.is_cuda and not torch.compiler.is_compiling():
             for plan in plans:
                 for state in plan.states.values():
@@ -152,7 +158,7 @@ class RecipeModuleMixin:
         """``{recipe name: {tensor_type: nested tensors}}``: the delayed-scaling and
         stochastic-rounding states of every plan (see the note above); ``{}`` when there
         are none."""
-        weight = self.__dict__.get("_parameters", {}).get("weight")
+        weight = self._plan_anchor()
         device = weight.device if weight is not None else torch.device("cpu")
         out: dict[str, dict] = {}
         for plan in self._plans.values():
