@@ -12,7 +12,7 @@ does the same with :class:`HybridLinear` — an ``hd.Linear`` that is also a tor
 
 ``recipe``: a name from ``hd.RECIPE_NAMES``, ``package.module:attr`` or ``path/file.py:attr``
 naming an ``hd.Recipe`` or a function returning one (``hybrid_dist.launch.config.load_recipe``).
-``fqns`` converts only Linears whose qualified name contains one of its entries (empty: all);
+``fqns`` converts only Linears (and experts) whose qualified name contains one of its entries (empty: all);
 ``filter_fqns`` leaves out those containing one of its entries. Only plain
 ``Linear.Config`` entries are converted (subclasses with their own forward, e.g.
 ``ScaledBiasRowwiseLinear``, stay). Each layer's plan (quantizers, delayed-scaling and
@@ -26,12 +26,20 @@ high precision, that FSDP2 shards in high precision and all-gathers quantized pe
 (a shard that does not align with the format's blocks is gathered in high precision and
 quantized after the gather). torchtitan builds the model on the meta device and initialises
 it after ``fully_shard``, so weights stay high precision parameters here; quantized
-parameters (``hd.quantized_model_init``) are not made by this converter. MoE
-``GroupedExperts`` are not converted (their parameters ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD``
-would not map onto ``hybrid_dist.moe.GroupedLinear``'s ``weight`` without renaming
-state-dict keys).
+parameters (``hd.quantized_model_init``) are not made by this converter.
 
-torchtitan is imported the first time ``HybridLinear`` or ``HybridLinearConverter`` is used.
+``convert_experts=True`` (the default) also replaces each MoE ``GroupedExperts.Config`` (FQN
+filtered as the Linears) by a :class:`HybridGroupedExperts` config: the same parameters
+``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` (state-dict keys, shapes, sharding plans unchanged),
+its three GEMMs through ``hybrid_dist.moe.apply_grouped_linear`` under the recipe's
+``grouped_linear`` roles (``integrations/torchtitan_experts.py``). Experts the recipe cannot
+serve, and ``GroupedExperts`` subclasses with their own forward, stay torchtitan's (one
+warning per reason, naming them). The MoE router's ``gate`` is a plain Linear (out_features =
+the number of experts, often no block multiple): leave it out with ``filter_fqns=["router.gate"]``,
+as torchtitan's float8 converter does. ``quantized_all_gather`` applies to Linears only.
+
+torchtitan is imported the first time ``HybridLinear``, ``HybridGroupedExperts`` or
+``HybridLinearConverter`` is used.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ from torch import nn
 
 import hybrid_dist as hd
 from hybrid_dist.fsdp2 import HighPrecisionParam
+from hybrid_dist.integrations.torchtitan_experts import convert_experts, experts_class
 
-__all__ = ["HybridLinear", "HybridLinearConverter"]
+__all__ = ["HybridGroupedExperts", "HybridLinear", "HybridLinearConverter"]
 
 
 def __getattr__(name: str):
@@ -102,11 +111,13 @@ def _classes() -> dict[str, type]:
             recipe: str = "mxfp8_fwd_nvfp4_bwd"
             """A named recipe, ``package.module:attr`` or ``path/file.py:attr``."""
             fqns: list[str] = field(default_factory=list)
-            """Convert only Linears whose FQN contains one of these (empty: all)."""
+            """Convert only Linears and experts whose FQN contains one of these (empty: all)."""
             filter_fqns: list[str] = field(default_factory=list)
-            """Never convert Linears whose FQN contains one of these."""
+            """Never convert Linears or experts whose FQN contains one of these."""
             quantized_all_gather: bool = False
             """FSDP2 all-gathers each weight quantized per direction (weights stay high precision)."""
+            convert_experts: bool = True
+            """Also run MoE ``GroupedExperts`` under the recipe, where it serves their shapes."""
 
         def __init__(self, config: Config):
             from hybrid_dist.launch.config import load_recipe
@@ -115,7 +126,7 @@ def _classes() -> dict[str, type]:
             self.recipe = load_recipe(config.recipe)
 
         def wants(self, fqn: str) -> bool:
-            """Whether the Linear at ``fqn`` is converted."""
+            """Whether the Linear or experts module at ``fqn`` is converted."""
             cfg = self.config
             return ((not cfg.fqns or any(f in fqn for f in cfg.fqns))
                     and not any(f in fqn for f in cfg.filter_fqns))
@@ -134,8 +145,11 @@ def _classes() -> dict[str, type]:
                     parent[attr] = new
                 else:
                     setattr(parent, attr, new)
+            if self.config.convert_experts:
+                model_config = convert_experts(model_config, self.recipe, self.wants)
             return model_config
 
     for cls in (HybridLinear, HybridLinearConverter):
         cls.__qualname__ = cls.__name__  # shown in reprs and torchtitan's logs as the public name
-    return {"HybridLinear": HybridLinear, "HybridLinearConverter": HybridLinearConverter}
+    return {"HybridGroupedExperts": experts_class(), "HybridLinear": HybridLinear,
+            "HybridLinearConverter": HybridLinearConverter}
