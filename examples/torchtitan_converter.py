@@ -1,6 +1,7 @@
 """Train torchtitan's Llama 3 with a hybrid recipe chosen by configuration alone.
 
     python examples/torchtitan_converter.py                              # tiny, CPU, ~20 s
+    python examples/torchtitan_converter.py --moe                        # tiny Qwen3 MoE, experts too
     python examples/torchtitan_converter.py --recipe examples/per_layer_recipe.py:recipe
     python examples/torchtitan_converter.py --flavor debugmodel --device cuda --steps 100
 
@@ -17,7 +18,9 @@ float8 converter is; ``torchtitan.train`` then runs it with everything torchtita
 This script builds the model the same way (``model_registry(flavor, converters=[...])``, or
 for the tiny default the same config helpers at dim 64 with SDPA attention, since
 FlexAttention has no CPU backward), materialises it from the meta device as torchtitan's
-trainer does, and trains it next to the unconverted model on a few fixed batches.
+trainer does, and trains it next to the unconverted model on a few fixed batches. With
+``--moe`` the tiny model is torchtitan's Qwen3 MoE (4 experts of hidden dim 64, top 2): its
+``GroupedExperts`` become ``HybridGroupedExperts`` (the router's 4-wide gate is left out).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from hybrid_dist.integrations.torchtitan import HybridLinear, HybridLinearConverter
+from hybrid_dist.integrations.torchtitan import HybridGroupedExperts, HybridLinear, HybridLinearConverter
 
 
 def tiny_config(layers: int):
@@ -51,9 +54,29 @@ def tiny_config(layers: int):
     return cfg
 
 
+def tiny_moe_config(layers: int):
+    """torchtitan's Qwen3 MoE config at dim 64, 4 experts (top 2), vocab 256, SDPA attention."""
+    from torchtitan.models import qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    dim, head_dim, vocab = 64, 16, 256
+    cfg = qwen3.Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_moe_layers(
+            n_layers=layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=64, num_experts=4,
+            top_k=2, attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=1024, theta=1e6)))
+    for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    return cfg
+
+
 def model_config(args, converters: list):
     if args.flavor == "tiny":
-        cfg = tiny_config(args.layers)
+        cfg = tiny_moe_config(args.layers) if args.moe else tiny_config(args.layers)
         for c in converters:
             cfg = c.build().convert(cfg)
         return cfg
@@ -92,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--recipe", default="mxfp8_fwd_nvfp4_bwd", help="a named recipe or module:attr / file.py:attr")
     p.add_argument("--flavor", default="tiny", help="tiny (CPU), or a torchtitan llama3 flavor (debugmodel, 8B, ...)")
     p.add_argument("--layers", type=int, default=2, help="blocks of the tiny model")
+    p.add_argument("--moe", action="store_true", help="the tiny model is a Qwen3 MoE (experts converted too)")
     p.add_argument("--quantized-all-gather", action="store_true", help="FSDP2 gathers weights quantized")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=4)
@@ -99,13 +123,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    converter = HybridLinearConverter.Config(recipe=args.recipe, quantized_all_gather=args.quantized_all_gather)
-    out, converted = {}, 0
+    converter = HybridLinearConverter.Config(recipe=args.recipe, quantized_all_gather=args.quantized_all_gather,
+                                             filter_fqns=["router.gate"] if args.moe else [])
+    out = {}
     for name, converters in (("unconverted", []), (args.recipe, [converter])):
         model = build(model_config(args, converters), args.device, seed=0)
-        converted = converted or sum(isinstance(m, HybridLinear) for m in model.modules())
         out[name] = train(model, args, model.tok_embeddings.num_embeddings)
-    print(f"{converted} Linears converted to HybridLinear")
+    linears = sum(isinstance(m, HybridLinear) for m in model.modules())
+    experts = sum(isinstance(m, HybridGroupedExperts) for m in model.modules())
+    print(f"{linears} Linears converted to HybridLinear" + (f", {experts} experts to HybridGroupedExperts"
+                                                            if args.moe else ""))
     for name, losses in out.items():
         print(f"{name:40s} loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     return out
