@@ -51,7 +51,7 @@ from torch import nn
 
 import hybrid_dist as hd
 from hybrid_dist.fsdp2 import HighPrecisionParam
-from hybrid_dist.integrations.torchtitan_experts import convert_experts, experts_class
+from hybrid_dist.integrations.torchtitan_experts import convert_experts, experts_class, replace_config
 
 __all__ = ["HybridGroupedExperts", "HybridLinear", "HybridLinearConverter"]
 
@@ -139,12 +139,7 @@ def _classes() -> dict[str, type]:
                     in_features=lin.in_features, out_features=lin.out_features, bias=lin.bias,
                     param_init=lin.param_init, sharding_config=lin.sharding_config, name=fqn,
                     quantized_all_gather=self.config.quantized_all_gather, _recipe=self.recipe)
-                if parent is None:
-                    model_config = new
-                elif isinstance(parent, list):
-                    parent[attr] = new
-                else:
-                    setattr(parent, attr, new)
+                model_config = replace_config(model_config, parent, attr, new)
             if self.config.convert_experts:
                 model_config = convert_experts(model_config, self.recipe, self.wants)
             return model_config

@@ -47,7 +47,7 @@ from hybrid_dist.moe import GroupedPlan, apply_grouped_linear
 from hybrid_dist.recipe_module import RecipeModuleMixin
 from hybrid_dist.warn import warn_once
 
-__all__ = ["ExpertsPlan", "convert_experts", "experts_class", "unsupported_reason"]
+__all__ = ["ExpertsPlan", "convert_experts", "experts_class", "replace_config", "unsupported_reason"]
 
 WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 
@@ -154,6 +154,18 @@ def experts_class() -> type:
     return HybridGroupedExperts
 
 
+def replace_config(root, parent, attr, new):
+    """``root`` with the config at ``parent[attr]`` (a list slot or an attribute; ``parent``
+    None: the root itself, as ``traverse`` yields it) replaced by ``new``."""
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return root
+
+
 def convert_experts(model_config, recipe: hd.Recipe, wants) -> object:
     """Replace each ``GroupedExperts.Config`` whose FQN ``wants(fqn)`` accepts by a
     ``HybridGroupedExperts.Config`` where ``recipe`` serves it; warn once per reason for
@@ -173,12 +185,7 @@ def convert_experts(model_config, recipe: hd.Recipe, wants) -> object:
             left.setdefault(reason, []).append(fqn)
             continue
         new = cls.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name=fqn, _recipe=recipe)
-        if parent is None:
-            model_config = new
-        elif isinstance(parent, list):
-            parent[attr] = new
-        else:
-            setattr(parent, attr, new)
+        model_config = replace_config(model_config, parent, attr, new)
     for reason, fqns in left.items():
         more = f" and {len(fqns) - 1} more" if len(fqns) > 1 else ""
         warnings.warn(f"HybridLinearConverter: MoE experts {fqns[0]!r}{more} are not converted under recipe "
