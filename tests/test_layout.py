@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 NOT_AREAS = {"tests", "tests_distributed", "hybrid_dist"}
-PLACE_SUFFIXES = ("_gpu.py", "_interpreter.py")  # where a test runs, not what it tests
+PLACE_SUFFIXES = ("_gpu.py", "_cuda.py", "_nccl.py", "_interpreter.py")  # where a test runs, not what it tests
 
 
 def _package_areas() -> set[str]:
@@ -46,6 +46,7 @@ def test_every_test_folder_is_a_package_area():
 
 
 def test_no_test_file_is_named_by_where_it_runs():
-    bad = [str(p.relative_to(REPO)) for p in sorted(TESTS.rglob("test_*.py")) if p.name.endswith(PLACE_SUFFIXES)]
+    files = sorted([*TESTS.rglob("test_*.py"), *(REPO / "tests_distributed").rglob("test_*.py")])
+    bad = [str(p.relative_to(REPO)) for p in files if p.name.endswith(PLACE_SUFFIXES)]
     assert not bad, (f"test files named by where they run ({', '.join(PLACE_SUFFIXES)}): {bad}; "
                      "name them by what they check and mark them gpu or slow")

@@ -97,6 +97,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 900.0):
     return _run(fn, world_size, args, backend="gloo", timeout=timeout)
 
 
+def nccl_world() -> int:
+    """4 when this host has 4 CUDA devices, else 2; skips the test with fewer than 2."""
+    import pytest
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, found {n}")
+    return 4 if n >= 4 else 2
+
+
 def run_nccl(fn, world_size: int, *args, timeout: float = 600.0):
     """``fn(rank, world_size, *args)`` on one NCCL process per CUDA device."""
     return _run(fn, world_size, args, backend="nccl", timeout=timeout)

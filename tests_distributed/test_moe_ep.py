@@ -1,6 +1,6 @@
 """Expert parallel over gloo (EP = 2, 4): the MoE layer equals EP = 1, quantized and
 high-precision dispatch are bitwise equal, and the bytes on the wire are what the formats
-say.
+say; over one NCCL rank (``gpu``), the packed FP8 dispatch is bitwise the high-precision one.
 
 EP = 1 reference: one process holds all experts and runs the routed experts on the
 concatenation of every rank's tokens (so expert e sees the same rows, in the same order,
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import hybrid_dist as hd
 from hybrid_dist.moe import MoE
 from tests._tiers import slow
-from tests_distributed._harness import run_ranks
+from tests_distributed._harness import run_nccl, run_ranks
 
 H, FFN, E, TOP_K, T = 64, 64, 8, 2, 32  # T tokens per rank
 # (recipe, training): fp8_current sends both payloads quantized; mxfp8/nvfp4 training fall
@@ -179,3 +179,44 @@ def _packed_worker(rank, world):
 def test_packed_quantized_dispatch_equals_hp_dispatch():
     bad = [b for per_rank in run_ranks(_packed_worker, 2) for b in per_rank]
     assert not bad, "\n".join(bad)
+
+
+def _cuda_step(quantized):
+    h, ffn, e, top_k, t = 256, 256, 4, 2, 512
+    torch.manual_seed(0)
+    moe = MoE(h, ffn, e, top_k, recipe=hd.recipe_from_name("fp8_current"), ep_group=dist.group.WORLD,
+              quantized_dispatch=quantized, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y, aux = moe(x)
+    (y.float() * dy.float()).sum().add(aux).backward()
+    grads = {n: p.grad for n, p in moe.named_parameters()}
+    return {"y": y.detach(), "dx": x.grad, **grads}
+
+
+def _cuda_packed_compare(rank, world):
+    import hybrid_dist.moe.device_split as ds
+
+    calls = []
+    place = ds.packed_fp8_rows
+    ds.packed_fp8_rows = lambda *a, **k: calls.append(1) or place(*a, **k)
+    quantized = _cuda_step(True)
+    n_packed = len(calls)
+    hp = _cuda_step(False)
+    differ = {k: int((_bits(quantized[k]) != _bits(hp[k])).sum()) for k in hp}
+    return n_packed, differ
+
+
+@pytest.mark.gpu
+def test_ep1_packed_quantized_dispatch_is_bitwise_the_hp_dispatch():
+    """One NCCL rank, ``fp8_current``: the received FP8 rows go straight into the packed
+    grouped GEMMs (``device_split.packed_fp8_rows``: ``io["x_packed"]`` in the forward,
+    ``io["dy_packed"]`` in the backward), and the output and every gradient are bitwise
+    those of the high-precision dispatch (which quantizes after the exchange on the same
+    packed path)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ((n_packed, differ),) = run_nccl(_cuda_packed_compare, 1)
+    assert n_packed == 2, f"EP=1 fp8_current: packed_fp8_rows ran {n_packed} times (dispatch fwd + combine bwd: 2)"
+    assert not any(differ.values()), f"EP=1 fp8_current, quantized vs high-precision dispatch: elements differ {differ}"

@@ -1,4 +1,5 @@
-"""gather_along_first_dim / reduce_scatter_along_first_dim on gloo (TP = 2 and 4).
+"""gather_along_first_dim / reduce_scatter_along_first_dim on gloo (TP = 2 and 4), and the
+same checks over NCCL (``gpu``: 2 or 4 GPUs of one host, path (b) against the CUDA kernels).
 
 One 4-rank run checks every configuration on the world group (TP=4) and on two
 2-rank subgroups (TP=2). Each rank returns the configurations that failed; the parent
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -23,7 +25,7 @@ import hybrid_dist as hd
 from hybrid_dist.formats.nvfp4 import NVFP4Storage
 from hybrid_dist.tensor_parallel import gather_along_first_dim, record_wire_bytes, reduce_scatter_along_first_dim
 from tests._helpers import assert_storage_equal
-from tests_distributed._harness import run_ranks
+from tests_distributed._harness import nccl_world, run_nccl, run_ranks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 K = 128
@@ -202,8 +204,6 @@ def test_gather_paths_bitwise_and_bytes():
 def test_nvfp4_precomputed_rht_amax_matches_quantize():
     """The additive NVFP4 entry points used by path (b): with the tensor's own
     Hadamard-domain amax, ``quantize_columnwise_rht`` equals ``quantize`` bitwise."""
-    import pytest
-
     q = hd.NVFP4Quantizer(rht=True, rht_seed=5)
     x = _full_input(3, 16).reshape(-1, K)
     _, col = q.quantize_storages(x, rowwise=False, columnwise=True)
@@ -211,3 +211,11 @@ def test_nvfp4_precomputed_rht_amax_matches_quantize():
     assert_storage_equal(col2, col, "nvfp4 rht columnwise with precomputed amax")
     with pytest.raises(ValueError, match="rht=True"):
         hd.NVFP4Quantizer().columnwise_rht_amax(x)
+
+
+@pytest.mark.gpu
+def test_gather_paths_bitwise_and_bytes_nccl():
+    """The same checks over NCCL on 2 or 4 GPUs of one host."""
+    results = run_nccl(_rank_fn, nccl_world(), "cuda")
+    fails = [f"rank {r}: {m}" for r, (fs, _) in enumerate(results) for m in fs]
+    assert not fails, "\n".join(fails[:20])

@@ -37,7 +37,7 @@ import hybrid_dist as hd
 from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel, PrepareHybridModuleInput
 from tests._helpers import as_bits, sqnr_db
 from tests._tiers import by_recipe
-from tests_distributed._harness import run_ranks
+from tests_distributed._harness import nccl_world, run_nccl, run_ranks
 
 REL_TOL = 1e-5
 SR_SQNR_DB = 8.0
@@ -290,5 +290,15 @@ def test_tp_mlp_equals_single_process(recipe):
     # one test per recipe (4 ranks each): pytest-xdist spreads them, each has its own timeout
     prepared = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block")
     results = run_ranks(_rank_fn, 4, (recipe,), prepared, timeout=900.0)
+    fails = [f"rank {r}: {m}" for r, (fs, _) in enumerate(results) for m in fs]
+    assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:30])
+
+
+@pytest.mark.gpu
+def test_tp_mlp_equals_single_process_nccl():
+    """The TP/SP MLP and gate/up blocks over NCCL on 2 or 4 GPUs, every named recipe (GEMMs
+    within tolerance: cuBLAS may split K differently for a sharded shape)."""
+    names = tuple(hd.RECIPE_NAMES)
+    results = run_nccl(_rank_fn, nccl_world(), names, names, "cuda")
     fails = [f"rank {r}: {m}" for r, (fs, _) in enumerate(results) for m in fs]
     assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:30])

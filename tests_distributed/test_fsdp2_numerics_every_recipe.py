@@ -1,4 +1,5 @@
-"""The FSDP2 numeric tests under NCCL on 2–4 CUDA devices (``@pytest.mark.gpu``).
+"""FSDP2 numerics of every named recipe on 2–4 CUDA devices (``@pytest.mark.gpu``), and a
+per-layer probe of the first forward.
 
 Same functions and assertions as the gloo tests (``test_fsdp2_numerics``), run by an NCCL
 launcher here: one process per device, ``init_process_group("nccl")``. Skipped without
