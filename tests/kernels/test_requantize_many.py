@@ -2,8 +2,7 @@
 run: a constant number of launches for any number of parameters, pointer tables cached by
 address (and rebuilt when a buffer moves), the pairs it cannot serve left to ``requantize_``,
 and ``MasterWeightOptimizer`` handing all its quantized parameters over in one call. The
-kernels' numbers: ``tests/kernels/test_fp8_multi.py`` (interpreter) and
-``tests/kernels/test_requantize_into.py``."""
+kernels' numbers: ``tests/kernels/test_fp8_multi.py`` (interpreter and GPU)."""
 
 from __future__ import annotations
 
