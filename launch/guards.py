@@ -63,9 +63,10 @@ def _local_values(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def first_nonfinite(model: nn.Module, optimizer=None, *, device: torch.device | None = None) -> str | None:
     """``"<parameter> value|grad|value and grad (k of n parameters)"`` for the first
-    parameter (named as in the unwrapped model) in ``model.named_parameters()`` order whose values (``_values``: the fp32
-    master under ``MasterWeightOptimizer``) or gradient hold a NaN or inf on any rank (each
-    rank checks its local shard of a DTensor); None when every one is finite. A collective
+    parameter (named as in the unwrapped model) in ``model.named_parameters()`` order whose
+    values (``_values``: the fp32 master under ``MasterWeightOptimizer``) or gradient hold a
+    NaN or inf on any rank (each rank checks its local shard of a DTensor); None when every
+    one is finite. A collective
     when a process group is up: every rank must call it. ``device``: where the flags are
     reduced (the process group's device; default the first parameter's)."""
     named = list(model.named_parameters())
@@ -110,7 +111,11 @@ def nonfinite_amaxes(model: nn.Module) -> list[str]:
              for t, state in plan.states.items() for where, s in _delayed_states(state, "")]
     if not slots:
         return []
-    bad = torch.stack([(~torch.isfinite(h)).any() for _, h in slots]).float()
+    hist = [h.reshape(-1) for _, h in slots]
+    if len({h.numel() for h in hist}) == 1:  # one history length (the usual case): three launches
+        bad = (~torch.isfinite(torch.stack(hist))).any(dim=1).float()
+    else:
+        bad = torch.stack([(~torch.isfinite(h)).any() for h in hist]).float()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return [name for (name, _), b in zip(slots, bad.tolist()) if b]
