@@ -21,9 +21,10 @@ def test_profiles_only_its_steps_and_rank_0():
 
 
 def test_trace_spans_the_profiled_steps(tmp_path, capsys):
+    """Without CUDA, --profile-device-only still records the host (there is no device)."""
     trace = tmp_path / "steps.json.gz"
     assert main(["--preset", "tiny", "--steps", "4", "--log-every", "100", "--profile-step", "2",
-                 "--profile-steps", "2", "--profile-trace", str(trace)]) == 0
+                 "--profile-steps", "2", "--profile-trace", str(trace), "--profile-device-only"]) == 0
     out = capsys.readouterr().out
     assert "profile: 2 step(s)" in out, out[-2000:]
     with gzip.open(trace, "rt") as f:
