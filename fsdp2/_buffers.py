@@ -88,10 +88,10 @@ def _transport(t: torch.Tensor, axis: int) -> torch.Tensor:
     return t.movedim(axis, 0).contiguous()
 
 
-def _stored_into(dst: torch.Tensor | None, gathered: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
+def stored_into(dst: torch.Tensor | None, gathered: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
     """Transport layout -> stored layout, copied into ``dst`` (a new contiguous tensor if
     ``None``); 2D CUDA fields through the tiled transpose kernel."""
-    src = _stored(gathered, axis, dtype)
+    src = stored(gathered, axis, dtype)
     if axis != 0 and src.dim() == 2 and src.is_cuda and (dst is None or dst.is_contiguous()):
         from hybrid_dist.kernels.transpose import transpose_into
 
@@ -148,7 +148,7 @@ def fsdp_transport_buffers(st: DirectionStorage, meta: DirectionGatherMeta) -> l
     ]
 
 
-def _stored(gathered: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
+def stored(gathered: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
     """Transport layout -> stored layout (a view; contiguous only when ``axis == 0``)."""
     gathered = gathered.view(dtype)
     return gathered if axis == 0 else gathered.movedim(0, axis)
@@ -184,7 +184,7 @@ def fsdp_assign_gathered(
                 if not alias:
                     owned.append(t)
             else:
-                t = _stored_into(None, gathered[i], meta.axes[f], meta.dtypes[f])
+                t = stored_into(None, gathered[i], meta.axes[f], meta.dtypes[f])
                 owned.append(t)
             tensors[f] = t
         # per-tensor scalars are shared, not copied: a persistent shard's live fields (its
@@ -193,17 +193,17 @@ def fsdp_assign_gathered(
         return meta.cls(**meta.meta, **tensors), owned
     if gathered is not None:
         for i, f in enumerate(meta.fields):
-            dst, src = getattr(out, f), _stored(gathered[i], meta.axes[f], meta.dtypes[f])
-            if not _same_memory(dst, src):
+            dst, src = getattr(out, f), stored(gathered[i], meta.axes[f], meta.dtypes[f])
+            if not same_memory(dst, src):
                 with torch.autograd._unsafe_preserve_version_counter(dst):
-                    _stored_into(dst, gathered[i], meta.axes[f], meta.dtypes[f])
+                    stored_into(dst, gathered[i], meta.axes[f], meta.dtypes[f])
         for f, s in meta.scalars.items():
             if getattr(out, f) is not s:  # shared with the shard: nothing to copy
-                _copy_keep_version(getattr(out, f), s)
+                copy_keep_version(getattr(out, f), s)
     return out, []
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.shape == b.shape and a.stride() == b.stride()
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -211,7 +211,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _copy_keep_version(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_keep_version(dst: torch.Tensor, src: torch.Tensor) -> None:
     """In-place refresh that autograd does not see as a modification: backward saved
     these buffers in forward, and FSDP refills them before backward (as its own buffers)."""
     with torch.autograd._unsafe_preserve_version_counter(dst):

@@ -37,9 +37,13 @@ import torch
 from hybrid_dist.fsdp2._accounting import record_all_gather
 from hybrid_dist.fsdp2._buffers import (
     DirectionGatherMeta,
+    copy_keep_version,
     fsdp_assign_gathered,
     fsdp_gather_meta,
     fsdp_transport_buffers,
+    same_memory,
+    stored,
+    stored_into,
 )
 from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
@@ -95,13 +99,25 @@ def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast, *, tempora
     if plan is None or plan.storages[0] is not storages[0] or plan.storages[1] is not storages[1]:
         plan = plans[key] = _Plan(storages, *_gather_plan(t, pass_, world, shape, cast, temporary))
     meta = plan.meta
-    bufs = [b for i, dm in plan.sources() for b in fsdp_transport_buffers(storages[i], dm)]
-    inputs = [_pack(bufs, meta.capacity)] if meta.mode == "packed" else bufs
-    if plan.input_bytes is None:  # the plan's first gather: its signature must match every other pass's
-        _check_stable(t, meta.mode, inputs)
-        plan.input_bytes = sum(b.numel() * b.element_size() for b in inputs)
+    inputs = plan.inputs
+    if inputs is None:
+        bufs = [b for i, dm in plan.sources() for b in fsdp_transport_buffers(storages[i], dm)]
+        inputs = (_pack(bufs, meta.capacity),) if meta.mode == "packed" else tuple(bufs)
+        if plan.input_bytes is None:  # the plan's first gather: its signature must match every other pass's
+            _check_stable(t, meta.mode, inputs)
+            plan.input_bytes = sum(b.numel() * b.element_size() for b in inputs)
+        if meta.mode != "packed" and all(_aliases_field(b, storages, plan) for b in inputs):
+            plan.inputs = inputs  # views of the shard's own fields: valid for every later gather
     record_all_gather(pass_, input_bytes=plan.input_bytes, payload_bytes=plan.payload, world_size=world)
-    return tuple(inputs), meta
+    return inputs, meta
+
+
+def _aliases_field(buf: torch.Tensor, storages, plan: "_Plan") -> bool:
+    """True when the transport buffer ``buf`` is a view of one of the shard's fields (no
+    copy was made): the shard is updated in place, so the same view serves every gather."""
+    ptr = buf.untyped_storage().data_ptr()
+    return any(getattr(storages[i], f).untyped_storage().data_ptr() == ptr
+               for i, dm in plan.sources() for f in dm.fields)
 
 
 @dataclasses.dataclass
@@ -112,6 +128,7 @@ class _Plan:
     meta: GatherMeta
     payload: int  # bytes of data this pass carries (before padding)
     input_bytes: int | None = None  # all-gather input bytes, set by the first gather
+    inputs: tuple | None = None  # the all-gather inputs when they are views of the shard's fields
 
     def sources(self) -> list[tuple[int, DirectionGatherMeta]]:
         """Per gathered direction, the storage (0 rowwise, 1 columnwise) whose transport
@@ -171,8 +188,8 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
     """First call: ``(unsharded QuantizedTensor, owned inner tensors)``; later calls
     refresh ``out`` in place (FSDP re-allocated the inner tensors before calling)."""
     _claim_scalars_for_current_stream(meta)
-    views = _gathered_views(outputs, meta)
     if out is None:
+        views = _gathered_views(outputs, meta)
         storages, owned = {}, []
         for d, dm in meta.dirs.items():
             st, own = fsdp_assign_gathered(views.get(d), dm, meta.world_size, alias=meta.mode != "packed")
@@ -182,9 +199,63 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
         return qt, tuple(owned)
     target = out._local_tensor if hasattr(out, "_local_tensor") else out
     _expose_rowwise(target, meta.pass_ != BACKWARD)
-    for d in meta.gathered:
-        fsdp_assign_gathered(views[d], meta.dirs[d], meta.world_size, out=target.storage_of(d))
+    _refresh_program(target, outputs, meta).run()
     return None
+
+
+@dataclasses.dataclass
+class _Refresh:
+    """What refreshing one unsharded tensor from one pass's all-gather outputs copies.
+
+    FSDP2 reuses each parameter's all-gather output tensors on every gather (it frees and
+    re-allocates their storage around a reshard; a view of them stays valid) and passes
+    fresh views of them to ``post_all_gather``. Fields that alias the outputs need no copy;
+    the others (columnwise fields in transport layout, per-tensor scalars that are not the
+    shard's own) are copied. The program is built on the first refresh of a pass and reused
+    while the outputs' base tensors, the metadata and the target's storages are the same."""
+
+    bases: tuple  # the base tensors of the all-gather outputs it was built for
+    meta: GatherMeta
+    storages: tuple  # the target's storage objects of the gathered directions
+    copies: list  # (dst, gathered field in transport layout, axis, dtype)
+    scalars: list  # (dst, src)
+
+    def matches(self, bases: tuple, meta: GatherMeta, storages: tuple) -> bool:
+        return (self.meta is meta and len(bases) == len(self.bases)
+                and all(a is b for a, b in zip(bases, self.bases))
+                and all(a is b for a, b in zip(storages, self.storages)))
+
+    def run(self) -> None:
+        for dst, gathered, axis, dtype in self.copies:
+            with torch.autograd._unsafe_preserve_version_counter(dst):
+                stored_into(dst, gathered, axis, dtype)
+        for dst, src in self.scalars:
+            copy_keep_version(dst, src)
+
+
+def _refresh_program(target, outputs, meta: GatherMeta) -> _Refresh:
+    """The cached :class:`_Refresh` of ``target`` for these outputs (see its note); built
+    when missing or stale. "packed" outputs are fresh copies (``_unpack``) and are never
+    cached."""
+    bases = tuple(o if o._base is None else o._base for o in outputs)
+    storages = tuple(target.storage_of(d) for d in meta.gathered)
+    programs = target.__dict__.setdefault("_hd_refresh", {})
+    program = programs.get(meta.pass_)
+    if program is not None and program.matches(bases, meta, storages):
+        return program
+    views = _gathered_views(outputs, meta)
+    copies, scalars = [], []
+    for d, st in zip(meta.gathered, storages):
+        dm = meta.dirs[d]
+        for i, f in enumerate(dm.fields):
+            dst = getattr(st, f)
+            if not same_memory(dst, stored(views[d][i], dm.axes[f], dm.dtypes[f])):
+                copies.append((dst, views[d][i], dm.axes[f], dm.dtypes[f]))
+        scalars += [(getattr(st, f), s) for f, s in dm.scalars.items() if getattr(st, f) is not s]
+    program = _Refresh(bases, meta, storages, copies, scalars)
+    if meta.mode != "packed":
+        programs[meta.pass_] = program
+    return program
 
 
 def _claim_scalars_for_current_stream(meta: GatherMeta) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from hybrid_dist.amax_sync import global_amaxes
 from hybrid_dist.fsdp2._accounting import record_all_gather
-from hybrid_dist.fsdp2._buffers import _copy_keep_version
+from hybrid_dist.fsdp2._buffers import copy_keep_version
 from hybrid_dist.fsdp2._hooks import gather_inputs, post_all_gather
 from hybrid_dist.fsdp2._pass import gather_pass
 from hybrid_dist.hybrid import stateless
@@ -88,7 +88,7 @@ def hp_post_all_gather(p, outputs, meta, param_dtype, *, out=None):
         return qt, tuple(_dedup(owned))
     for d in _DIRECTIONS:
         for f, t in out.storage_of(d).tensors().items():
-            _copy_keep_version(t, getattr(new.storage_of(d), f))
+            copy_keep_version(t, getattr(new.storage_of(d), f))
     return None
 
 
