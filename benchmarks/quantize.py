@@ -5,12 +5,11 @@ Bytes counted: the input read once plus every output byte written (the fewest a 
 kernel must move); formats with a per-tensor current amax read the input a second time,
 which is counted too (``reads`` column). Run: ``python -m benchmarks.quantize``.
 
-``--sweep``: instead, one table of the MXFP8 / NVFP4 fused passes per tile config of
-``hybrid_dist.kernels.quant_tiles`` (and the previous ``*_v1`` kernels as the baseline),
-each pass timed alone (NVFP4 with precomputed global scales; the amax pass in its own
-rows). ``differs`` = bytes of the outputs that differ from the v1 kernel's (0 expected,
-except the RHT columnwise direction: different fp32 summation order; and stochastic
-rounding: v1 draws 32-bit uniforms, the current kernels 8 bits per element).
+``--sweep``: one table of the MXFP8 / NVFP4 fused passes per tile config of
+``kernels.mxfp8.configs`` and ``kernels.nvfp4.configs``, each pass timed alone (NVFP4 with
+precomputed global scales; the amax pass in its own rows). ``differs`` = bytes of the
+outputs that differ from the first row of the case (MXFP8: the rowwise-only kernel run in
+both directions; NVFP4: the tile kernel at its default config): 0 expected.
 """
 
 from __future__ import annotations
@@ -66,12 +65,13 @@ def _row(name, label, fn, ref_out, copy):
 
 
 def _sweep_mxfp8(x, copy) -> list[list]:
-    from hybrid_dist.kernels.mxfp8 import mxfp8_quantize_tiles
-    from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
-    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
+    from hybrid_dist.kernels.mxfp8.configs import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
+    from hybrid_dist.kernels.mxfp8.quantize import mxfp8_quantize_tiles
+    from hybrid_dist.kernels.mxfp8.rowwise import mxfp8_quantize_rowwise
 
-    base = mxfp8_quantize_v1(x, E4M3, True, True)
-    rows = [_row("mxfp8 row+col", "v1 (32x256/w4)", lambda: mxfp8_quantize_v1(x, E4M3, True, True), None, copy)]
+    base = mxfp8_quantize_rowwise(x, E4M3, True, True)
+    rows = [_row("mxfp8 row+col", "rowwise kernel (32x256/w4)", lambda: mxfp8_quantize_rowwise(x, E4M3, True, True),
+                 None, copy)]
     for words, sweep in ((False, MXFP8_SWEEP), (True, MXFP8_WORDS_SWEEP)):
         for cfg in sweep:
             label = f"{'words' if words else 'row sets'} {cfg.label()}"
@@ -81,29 +81,23 @@ def _sweep_mxfp8(x, copy) -> list[list]:
 
 
 def _sweep_nvfp4(x, copy) -> list[list]:
-    from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
-    from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
-    from hybrid_dist.kernels.nvfp4_v1 import nvfp4_amax_v1, nvfp4_quantize_v1
-    from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
+    from hybrid_dist.kernels.nvfp4.configs import NVFP4_SWEEP, nvfp4_default
+    from hybrid_dist.kernels.nvfp4.quantize import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
 
     t = _rht_row(0, x.device)
     amax = x.float().abs().amax().repeat(2)
-    gs = nvfp4_global_scale(amax)
     seed = torch.tensor([1234], dtype=torch.int64, device=x.device)
     rows = []
     for name, rht, sr, br in NVFP4_SWEEP_CASES:
         derive = br == 16 and not rht
         args = (True, True, derive, rht, sr, br)
-        base = nvfp4_quantize_v1(x, gs, seed, *args)
-        rows.append(_row(f"{name} row+col", "v1 (autotuned)", lambda a=args: nvfp4_quantize_v1(x, gs, seed, *a),
-                         None, copy))
+        base = nvfp4_quantize_tiles(x, t, amax, seed, *args, nvfp4_default(br), words=False)[:4]
         for cfg in NVFP4_SWEEP:
             rows.append(_row(f"{name} row+col", cfg.label(),
                              lambda a=args, cfg=cfg: nvfp4_quantize_tiles(x, t, amax, seed, *a, cfg)[:4], base, copy))
     for rht in (False, True):
-        name = f"nvfp4 amax pass{' +rht' if rht else ''}"
-        rows.append(_row(name, "v1", lambda r=rht: (nvfp4_amax_v1(x, r),), None, copy))
-        rows.append(_row(name, "new", lambda r=rht: (nvfp4_amax_tiles(x, t, r),), None, copy))
+        rows.append(_row(f"nvfp4 amax pass{' +rht' if rht else ''}", "64x128/w4",
+                         lambda r=rht: (nvfp4_amax_tiles(x, t, r),), None, copy))
     return rows
 
 
@@ -148,9 +142,10 @@ def _sass_row(fn, signature, constexprs, cfg, name):
 
 
 def sass() -> None:
-    from hybrid_dist.kernels.mxfp8 import _mxfp8_kernel
-    from hybrid_dist.kernels.nvfp4_tiles import nvfp4_quantize_kernel
-    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_SWEEP
+    from hybrid_dist.kernels.mxfp8.configs import MXFP8_SWEEP
+    from hybrid_dist.kernels.mxfp8.quantize import _mxfp8_kernel
+    from hybrid_dist.kernels.nvfp4.configs import NVFP4_SWEEP
+    from hybrid_dist.kernels.nvfp4.tiles import nvfp4_quantize_kernel
 
     i32, c = "i32", "constexpr"
     mx_sig = {"x_ptr": "*bf16", "row_ptr": "*fp8e4nv", "row_s_ptr": "*u8", "col_ptr": "*fp8e4nv", "col_s_ptr": "*u8",
