@@ -15,7 +15,8 @@ import torch
 
 import hybrid_dist as hd
 from benchmarks._bench import host_ms, print_table
-from hybrid_dist.kernels import _launch, fp8_tensor
+from hybrid_dist.kernels import _launch
+from hybrid_dist.kernels.fp8 import tensor as fp8_tensor
 
 
 def host_us(fn, n: int = 2000) -> float:

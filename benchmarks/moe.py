@@ -5,7 +5,7 @@ table. Run: ``python -m benchmarks.moe`` (``--recipes fp8_current,mxfp8`` for a 
 
 On CUDA, quantized recipes run the sync-free grouped path (``moe/grouped_quantized.py``:
 ``split_quantize_packed`` + ``torch._scaled_grouped_mm`` for E4M3 pairs, the Triton
-grouped FP8 kernels of ``kernels/grouped_fp8`` for pairs with an E5M2 operand (dgrad and
+grouped FP8 kernels of ``kernels/fp8/grouped_gemm`` for pairs with an E5M2 operand (dgrad and
 wgrad of fp8_current / fp8_delayed), dequantize-to-bf16 + ``torch._grouped_mm``
 otherwise); a recipe it does not serve runs the reference per-expert loop, marked
 "(reference loop)". The baseline is the same ``torch._grouped_mm`` calls on bf16

@@ -1,4 +1,4 @@
-"""NVFP4 1D words kernel (``kernels/nvfp4_words.py``) with and without the lane-quad row scales,
+"""NVFP4 1D words kernel (``kernels/nvfp4/words.py``) with and without the lane-quad row scales,
 uncapped and capped at 128 and 96 registers (the row+col default), side by side in one run:
 fused pass alone (amax given), 16384×8192 bf16, row+col; every variant's outputs compared
 bitwise with the no-quad kernel's.
@@ -10,9 +10,9 @@ import torch
 
 from benchmarks._bench import bench_ms, bytes_equal, print_table
 from hybrid_dist.kernels._jit_common import cdiv
-from hybrid_dist.kernels.nvfp4 import _nvfp4_shapes, _rht_row, nvfp4_amax_tiles
-from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel
-from hybrid_dist.kernels.quant_tiles import TileConfig
+from hybrid_dist.kernels.nvfp4.quantize import _nvfp4_shapes, _rht_row, nvfp4_amax_tiles
+from hybrid_dist.kernels.nvfp4.words import nvfp4_words_kernel
+from hybrid_dist.kernels.tile_config import TileConfig
 
 M, K = 16384, 8192
 

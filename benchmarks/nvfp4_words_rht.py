@@ -1,5 +1,5 @@
 """NVFP4 1×16 with a Hadamard-domain columnwise direction (RHT): the fused pass of the tile
-kernel (``nvfp4_tiles``) against the words kernel (``nvfp4_words``), side by side in one run,
+kernel (``nvfp4.tiles``) against the words kernel (``nvfp4.words``), side by side in one run,
 at 16384×8192 bf16, row+col (the ``nvfp4`` recipe's inputs) and columnwise only (the
 ``mxfp8_fwd_nvfp4_bwd`` recipe's). Every output is checked bitwise against the tile kernel's.
 Then the stochastic-rounding tile kernel (without and with RHT) at register caps. Prints two
@@ -13,8 +13,9 @@ import dataclasses
 import torch
 
 from benchmarks._bench import bench_ms, bytes_equal, print_table
-from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
-from hybrid_dist.kernels.quant_tiles import NVFP4_DEFAULT, NVFP4_WORDS_BOTH, NVFP4_WORDS_RHT_DEFAULT, TileConfig
+from hybrid_dist.kernels.nvfp4.quantize import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
+from hybrid_dist.kernels.nvfp4.configs import NVFP4_DEFAULT, NVFP4_WORDS_BOTH, NVFP4_WORDS_RHT_DEFAULT
+from hybrid_dist.kernels.tile_config import TileConfig
 
 M, K = 16384, 8192
 # the defaults first (row+col: 96 registers; one direction: 80), then the caps and tiles they

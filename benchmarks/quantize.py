@@ -5,12 +5,15 @@ Bytes counted: the input read once plus every output byte written (the fewest a 
 kernel must move); formats with a per-tensor current amax read the input a second time,
 which is counted too (``reads`` column). Run: ``python -m benchmarks.quantize``.
 
-``--sweep``: instead, one table of the MXFP8 / NVFP4 fused passes per tile config of
-``hybrid_dist.kernels.quant_tiles`` (and the previous ``*_v1`` kernels as the baseline),
-each pass timed alone (NVFP4 with precomputed global scales; the amax pass in its own
-rows). ``differs`` = bytes of the outputs that differ from the v1 kernel's (0 expected,
-except the RHT columnwise direction: different fp32 summation order; and stochastic
-rounding: v1 draws 32-bit uniforms, the current kernels 8 bits per element).
+``--fast-paths``: each kept fast path (MXFP8's rowwise-only kernel and words kernel,
+NVFP4's words kernel) against the general kernel of its format on the same input, medians
+of interleaved rounds, and whether the outputs are bitwise equal (they must be).
+
+``--sweep``: one table of the MXFP8 / NVFP4 fused passes per tile config of
+``kernels.mxfp8.configs`` and ``kernels.nvfp4.configs``, each pass timed alone (NVFP4 with
+precomputed global scales; the amax pass in its own rows). ``differs`` = bytes of the
+outputs that differ from the first row of the case (MXFP8: the rowwise-only kernel run in
+both directions; NVFP4: the tile kernel at its default config): 0 expected.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import argparse
 import torch
 
 import hybrid_dist as hd
-from benchmarks._bench import bench_ms, copy_gbps, print_table
+from benchmarks._bench import bench_ms, bytes_equal, copy_gbps, interleaved_ms, print_table
 
 M, K = 16384, 8192
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -66,12 +69,13 @@ def _row(name, label, fn, ref_out, copy):
 
 
 def _sweep_mxfp8(x, copy) -> list[list]:
-    from hybrid_dist.kernels.mxfp8 import mxfp8_quantize_tiles
-    from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
-    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
+    from hybrid_dist.kernels.mxfp8.configs import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
+    from hybrid_dist.kernels.mxfp8.quantize import mxfp8_quantize_tiles
+    from hybrid_dist.kernels.mxfp8.rowwise import mxfp8_quantize_rowwise
 
-    base = mxfp8_quantize_v1(x, E4M3, True, True)
-    rows = [_row("mxfp8 row+col", "v1 (32x256/w4)", lambda: mxfp8_quantize_v1(x, E4M3, True, True), None, copy)]
+    base = mxfp8_quantize_rowwise(x, E4M3, True, True)
+    rows = [_row("mxfp8 row+col", "rowwise kernel (32x256/w4)", lambda: mxfp8_quantize_rowwise(x, E4M3, True, True),
+                 None, copy)]
     for words, sweep in ((False, MXFP8_SWEEP), (True, MXFP8_WORDS_SWEEP)):
         for cfg in sweep:
             label = f"{'words' if words else 'row sets'} {cfg.label()}"
@@ -81,29 +85,23 @@ def _sweep_mxfp8(x, copy) -> list[list]:
 
 
 def _sweep_nvfp4(x, copy) -> list[list]:
-    from hybrid_dist.formats.nvfp4 import nvfp4_global_scale
-    from hybrid_dist.kernels.nvfp4 import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
-    from hybrid_dist.kernels.nvfp4_v1 import nvfp4_amax_v1, nvfp4_quantize_v1
-    from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
+    from hybrid_dist.kernels.nvfp4.configs import NVFP4_SWEEP, nvfp4_default
+    from hybrid_dist.kernels.nvfp4.quantize import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
 
     t = _rht_row(0, x.device)
     amax = x.float().abs().amax().repeat(2)
-    gs = nvfp4_global_scale(amax)
     seed = torch.tensor([1234], dtype=torch.int64, device=x.device)
     rows = []
     for name, rht, sr, br in NVFP4_SWEEP_CASES:
         derive = br == 16 and not rht
         args = (True, True, derive, rht, sr, br)
-        base = nvfp4_quantize_v1(x, gs, seed, *args)
-        rows.append(_row(f"{name} row+col", "v1 (autotuned)", lambda a=args: nvfp4_quantize_v1(x, gs, seed, *a),
-                         None, copy))
+        base = nvfp4_quantize_tiles(x, t, amax, seed, *args, nvfp4_default(br), words=False)[:4]
         for cfg in NVFP4_SWEEP:
             rows.append(_row(f"{name} row+col", cfg.label(),
                              lambda a=args, cfg=cfg: nvfp4_quantize_tiles(x, t, amax, seed, *a, cfg)[:4], base, copy))
     for rht in (False, True):
-        name = f"nvfp4 amax pass{' +rht' if rht else ''}"
-        rows.append(_row(name, "v1", lambda r=rht: (nvfp4_amax_v1(x, r),), None, copy))
-        rows.append(_row(name, "new", lambda r=rht: (nvfp4_amax_tiles(x, t, r),), None, copy))
+        rows.append(_row(f"nvfp4 amax pass{' +rht' if rht else ''}", "64x128/w4",
+                         lambda r=rht: (nvfp4_amax_tiles(x, t, r),), None, copy))
     return rows
 
 
@@ -117,6 +115,79 @@ def sweep(mxfp8_only: bool = False) -> None:
     dev = torch.cuda.get_device_name()
     print_table(["kernel pass", "tile config", "ms", "GB/s", "x copy", "differs"], rows,
                 f"quantize tile sweep {M}x{K} bf16 on {dev} (one pass each; GB/s = input once + outputs)")
+
+
+FAST_PATH_ROUNDS = 7
+NVFP4_WORDS_CASES = [  # (case, rowwise, columnwise, rht, stochastic rounding): where the words kernel applies
+    ("1x16 row+col", True, True, False, False),
+    ("1x16 row only", True, False, False, False),
+    ("1x16 col only", False, True, False, False),
+    ("1x16 row+col, col RHT", True, True, True, False),
+    ("1x16 col only RHT", False, True, True, False),
+    ("1x16 row only SR", True, False, False, True),
+    ("1x16 col only RHT+SR", False, True, True, True),
+]
+
+
+def fast_path_cases(x) -> list[tuple]:
+    """``(format, case, general, fast)`` for every kept fast path on ``x``: two callables that
+    return the output tensors of the general kernel of the format and of the fast path."""
+    from hybrid_dist.kernels.mxfp8.quantize import mxfp8_quantize_tiles
+    from hybrid_dist.kernels.mxfp8.rowwise import mxfp8_quantize_rowwise
+    from hybrid_dist.kernels.nvfp4.quantize import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
+
+    cases = [("mxfp8", "row only: rowwise kernel", lambda: mxfp8_quantize_tiles(x, E4M3, True, False, words=False),
+              lambda: mxfp8_quantize_rowwise(x, E4M3, True, False))]
+    for case, rw, cw in (("row+col", True, True), ("col only", False, True)):
+        cases.append(("mxfp8", f"{case}: words kernel",
+                      lambda rw=rw, cw=cw: mxfp8_quantize_tiles(x, E4M3, rw, cw, words=False),
+                      lambda rw=rw, cw=cw: mxfp8_quantize_tiles(x, E4M3, rw, cw, words=True)))
+    t = _rht_row(0, x.device)
+    amax = nvfp4_amax_tiles(x, t, True).clone()
+    seed = torch.tensor([1234], dtype=torch.int64, device=x.device)
+    for case, rw, cw, rht, sr in NVFP4_WORDS_CASES:
+        args = (x, t, amax, seed, rw, cw, False, rht, sr, 1)
+        cases.append(("nvfp4", f"{case}: words kernel", lambda a=args: nvfp4_quantize_tiles(*a, words=False),
+                      lambda a=args: nvfp4_quantize_tiles(*a, words=True)))
+    return cases
+
+
+def fast_path_rows(cases, rounds: int, timer=interleaved_ms) -> list[list]:
+    """One row per case: ``[format, case, general ms, fast path ms, speedup, bitwise]``: the
+    medians over ``rounds`` interleaved rounds (``timer``: ``interleaved_ms``'s contract), the
+    speedup the median of the per-round ratios, ``bitwise`` whether every output tensor of
+    the fast path equals the general kernel's byte for byte (and has its shape)."""
+    fns = {}
+    for i, (_, _, general, fast) in enumerate(cases):
+        fns[i, "general"], fns[i, "fast"] = general, fast
+    ms, errors = timer(fns, rounds)
+    rows = []
+    for i, (fmt, case, general, fast) in enumerate(cases):
+        err = errors.get((i, "general")) or errors.get((i, "fast"))
+        if err:
+            rows.append([fmt, case, err, "", "", ""])
+            continue
+        g, f = general(), fast()
+        same = len(g) == len(f) and all(a.shape == b.shape for a, b in zip(g, f)) and bytes_equal(g, f)
+        ratios = [a / b for a, b in zip(ms[i, "general"], ms[i, "fast"])]
+        rows.append([fmt, case, _median(ms[i, "general"]), _median(ms[i, "fast"]), _median(ratios),
+                     "yes" if same else "NO"])
+    return rows
+
+
+def _median(v: list[float]) -> float:
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def fast_paths(rounds: int = FAST_PATH_ROUNDS) -> None:
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    rows = fast_path_rows(fast_path_cases(x), rounds)
+    dev = torch.cuda.get_device_name()
+    print_table(["format", "case", "general ms", "fast path ms", "speedup", "bitwise"], rows,
+                f"quantize fast paths against the general kernel, {M}x{K} bf16 on {dev} "
+                f"(medians of {rounds} interleaved rounds)")
 
 
 def _sass_row(fn, signature, constexprs, cfg, name):
@@ -148,9 +219,10 @@ def _sass_row(fn, signature, constexprs, cfg, name):
 
 
 def sass() -> None:
-    from hybrid_dist.kernels.mxfp8 import _mxfp8_kernel
-    from hybrid_dist.kernels.nvfp4_tiles import nvfp4_quantize_kernel
-    from hybrid_dist.kernels.quant_tiles import MXFP8_SWEEP, NVFP4_SWEEP
+    from hybrid_dist.kernels.mxfp8.configs import MXFP8_SWEEP
+    from hybrid_dist.kernels.mxfp8.quantize import _mxfp8_kernel
+    from hybrid_dist.kernels.nvfp4.configs import NVFP4_SWEEP
+    from hybrid_dist.kernels.nvfp4.tiles import nvfp4_quantize_kernel
 
     i32, c = "i32", "constexpr"
     mx_sig = {"x_ptr": "*bf16", "row_ptr": "*fp8e4nv", "row_s_ptr": "*u8", "col_ptr": "*fp8e4nv", "col_s_ptr": "*u8",
@@ -212,6 +284,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fast-paths", action="store_true",
+                        help="each fast path against its format's general kernel (time, bitwise)")
     parser.add_argument("--sweep", action="store_true", help="time every MXFP8/NVFP4 tile config")
     parser.add_argument("--mxfp8-only", action="store_true", help="with --sweep: the MXFP8 configs only")
     parser.add_argument("--sass", action="store_true", help="offline: registers and SASS size per tile config")
@@ -221,6 +295,8 @@ if __name__ == "__main__":
         once()
     elif args.sass:
         sass()
+    elif args.fast_paths:
+        fast_paths()
     elif args.sweep:
         sweep(args.mxfp8_only)
     else:

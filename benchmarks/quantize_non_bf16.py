@@ -5,7 +5,7 @@ Replaced paths: FP8 blocks and NVFP4 (and NVFP4 stochastic rounding: equal only 
 distribution, the reference draws from ``torch.rand``) ran the reference backend; MXFP8
 quantized ``x`` and a torch transpose of it rowwise; FP8
 per-tensor wrote rowwise only and torch transposed it, which fp32 still does
-(``kernels.fp8_tensor``'s note on fp32 inputs), fp16 now in one fused launch.
+(``kernels.fp8.tensor``'s note on fp32 inputs), fp16 now in one fused launch.
 Run: ``python -m benchmarks.quantize_non_bf16 [--dtype float16]``.
 """
 

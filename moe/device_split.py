@@ -101,7 +101,7 @@ class _Layout:
 
 
 def _fp8_kernel_fits(x) -> bool:
-    """Per-tensor FP8 through the Triton ``kernels.fp8_rows`` kernel (else the torch form)."""
+    """Per-tensor FP8 through the Triton ``kernels.fp8.rows`` kernel (else the torch form)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1) or torch.compiler.is_compiling():
         return False
     return importlib.util.find_spec("triton") is not None
@@ -113,7 +113,7 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     x, e = lay.x, lay.num_experts
     on_triton = _fp8_kernel_fits(x)
     if on_triton:  # one Triton pass: tiles max-reduce per expert (exact)
-        from hybrid_dist.kernels.fp8_rows import expert_amax, fp8_rows
+        from hybrid_dist.kernels.fp8.rows import expert_amax, fp8_rows
 
         amax = expert_amax(x, lay.eid, e)
     else:  # max |x| per row in one pass, then per expert (exact: a max of representable values)

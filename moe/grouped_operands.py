@@ -135,7 +135,7 @@ def batched_fp8_weights(weight, plan, *, need_dgrad: bool) -> tuple[WeightOperan
     q = _batched_fp8_quantizer(weight, plan.weight)
     if q is None:
         return None
-    from hybrid_dist.kernels.fp8_tensor import quantize_fp8_batched  # Triton: CUDA installs only
+    from hybrid_dist.kernels.fp8.tensor import quantize_fp8_batched  # Triton: CUDA installs only
 
     e, n, k = weight.shape
     states = plan.states["weight"] if q.scaling == "delayed" else None

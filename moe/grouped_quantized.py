@@ -19,7 +19,7 @@ Each GEMM picks, from its operand pair:
   multiples of 16, which FP8 needs).
 * both per-tensor FP8 with an E5M2 operand (the gradients of ``fp8_current`` /
   ``fp8_delayed``: dgrad E5M2 × E4M3, wgrad E5M2 × E4M3) on CUDA: the Triton grouped
-  kernels of ``kernels/grouped_fp8`` (mixed-dtype FP8 wgmma, fp32 accumulation, the two
+  kernels of ``kernels/fp8/grouped_gemm`` (mixed-dtype FP8 wgmma, fp32 accumulation, the two
   per-expert ``scale_inv`` multiplied on the accumulator, bf16 out; empty wgrad groups
   written as zeros). On CPU (and while ``torch.compile`` traces) the pair takes the bf16
   path below.
@@ -124,7 +124,7 @@ _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _triton_fp8(a, b) -> bool:
-    """Per-tensor FP8 pair (any E4M3/E5M2 mix) on CUDA with Triton: ``kernels/grouped_fp8``
+    """Per-tensor FP8 pair (any E4M3/E5M2 mix) on CUDA with Triton: ``kernels/fp8/grouped_gemm``
     (also on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``: its CPU test)."""
     on_device = a.data.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     return (isinstance(a, Float8Storage) and isinstance(b, Float8Storage) and on_device
@@ -143,7 +143,7 @@ def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config, dest,
         out = _scaled_grouped_mm(sa.data, sb.data.view(e, r, kc).transpose(1, 2), row_scales(a.scale, row_expert),
                                  scale_b, offs, config.use_fast_accum)
     elif _triton_fp8(sa, sb):
-        from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8  # Triton: CUDA installs only
+        from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows_fp8  # Triton: CUDA installs only
 
         return grouped_rows_fp8(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs,
                                 fast_accum=config.use_fast_accum, tokens=(tok_offs, dest.numel()))
@@ -161,7 +161,7 @@ def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, conf
     e, sa, sb = counts.numel(), a.storage, b.storage
     ra, rb = sa.shape2d[0], sb.shape2d[0]
     if not _both_e4m3(sa, sb) and _triton_fp8(sa, sb):  # writes zeros for empty groups
-        from hybrid_dist.kernels.grouped_fp8 import grouped_tokens_fp8  # Triton: CUDA installs only
+        from hybrid_dist.kernels.fp8.grouped_gemm import grouped_tokens_fp8  # Triton: CUDA installs only
 
         return grouped_tokens_fp8(sa.data, sb.data, a.scale, b.scale, offs, fast_accum=config.use_fast_accum)
     if _both_e4m3(sa, sb):

@@ -6,7 +6,7 @@ the kernels are compared with bitwise.
   seed >> 32)``.
 * ``kernel_sr_rand``: per element of one direction, the uniform ``rand`` for which
   ``numerics.e2m1_encode(v, rand)`` rounds up exactly when the kernel does: the kernel
-  rounds up when ``(u - lo) / gap >= 1 - n`` with ``n = (r8 + 1/2) / 256`` (``_e2m1.
+  rounds up when ``(u - lo) / gap >= 1 - n`` with ``n = (r8 + 1/2) / 256`` (``kernels.nvfp4._e2m1.
   e2m1_sr_mad``), the reference when ``rand < (u - lo) / gap``, so ``rand`` is the fp32 just
   below ``1 - n``. Element ``(m, k)`` of ``x [M, K]`` takes byte ``m % 4`` of word
   ``(m % 16) / 4`` of counter ``(m / 16)·K + k`` (rowwise), ``⌈M/16⌉·K`` more (columnwise).
@@ -88,7 +88,7 @@ class KernelStreamNVFP4(NVFP4Quantizer):
 def fixed_kernel_seed(seed: int):
     """Within the block, the NVFP4 kernels' per-call seed is ``seed`` (not the state's kernel
     key): their output is then comparable with ``KernelStreamNVFP4``'s."""
-    from hybrid_dist.kernels import nvfp4
+    from hybrid_dist.kernels.nvfp4 import quantize as nvfp4
 
     draw = nvfp4._seed_tensor
     nvfp4._seed_tensor = lambda q, state, device, like: torch.tensor([seed], dtype=torch.int64, device=device)

@@ -122,7 +122,7 @@ def stacked_delayed_states(states: "list[DelayedScalingState]", device) -> tuple
 
 
 def advance_stacked(states: "list[DelayedScalingState]", quantizer: "Float8Quantizer") -> None:
-    """``advance`` every state: one launch on CUDA (``kernels.fp8_delayed``), else each in torch."""
+    """``advance`` every state: one launch on CUDA (``kernels.fp8.delayed``), else each in torch."""
     hist = states[0].amax_history
     impl = None if torch.compiler.is_compiling() else delayed_advance_impl_for(hist)
     if impl is not None:

@@ -1,5 +1,8 @@
 """CUDA kernels: Triton quantize kernels, the fused SwiGLU → quantize kernel, the CUDA GEMM
 dispatch and the delayed-scaling update, each registered per quantizer class or operand pair.
+The kernels of each format live in ``fp8/``, ``mxfp8/`` and ``nvfp4/``; the helpers they
+share (``_jit_common``, ``_launch``, ``_zeros``, ``_words``, ``tile_config``, ``transpose``,
+``scale_staging``) and the GEMM path (``gemm``, ``dequant``) beside them.
 
 The reference backend (pure torch, ``hybrid_dist.formats``) is the ground truth and runs
 everywhere. Importing this package on a machine with CUDA and Triton fills the registry

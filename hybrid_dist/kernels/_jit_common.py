@@ -126,34 +126,10 @@ def global_decode_scale(amax):
 
 
 @triton.jit
-def e2m1_rne(v):
-    """E2M1 code (int32, sign in bit 3) of ``v`` scaled into [-6, 6], ties to even."""
-    mag = tl.minimum(tl.abs(v), 6.0)
-    code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-    code += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-    code += (mag > 5.0).to(tl.int32)
-    return code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3)
-
-
-@triton.jit
 def _e2m1_grid(idx):
     """E2M1 magnitude of a 3-bit code (0, .5, 1, 1.5, 2, 3, 4, 6)."""
     half = idx.to(tl.float32) * 0.5
     return tl.where(idx <= 4, half, tl.where(idx == 5, 3.0, tl.where(idx == 6, 4.0, 6.0)))
-
-
-@triton.jit
-def e2m1_stochastic(v, rand):
-    """E2M1 code rounding up with probability ``(|v| - lo) / (hi - lo)`` (unbiased)."""
-    mag = tl.minimum(tl.abs(v), 6.0)
-    lo = (mag >= 0.5).to(tl.int32) + (mag >= 1.0).to(tl.int32) + (mag >= 1.5).to(tl.int32)
-    lo += (mag >= 2.0).to(tl.int32) + (mag >= 3.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)
-    lo = tl.minimum(lo, 6)
-    lo_val = _e2m1_grid(lo)
-    hi_val = _e2m1_grid(lo + 1)
-    p_up = div_rn(mag - lo_val, hi_val - lo_val)
-    code = lo + (rand < p_up).to(tl.int32)
-    return code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3)
 
 
 @triton.jit
@@ -264,12 +240,8 @@ def nvfp4_block_scale(bamax, gs):
     A smaller ``gs`` (a tiny tensor; ``gs`` bottoms out at ``2**-128``, where ``RN(1/gs)``
     is inf) takes IEEE divisions instead, one uniform branch per call: ``bs·gs`` may then be
     subnormal and its reciprocal above the fp32 max, which is clamped there, as
-    TransformerEngine does (``fminf(1/(S_dec_b · S_dec), FLT_MAX)``).
-
-    Against ``rcp.rn`` (same values) ``rcp_fast`` gained 4% / 3% on the 1D / RHT fused passes
-    (one H100 run). The stochastic-rounding kernel of 32-bit uniforms was slower with it
-    (0.72 against 0.63 ms); the 8-bit one is faster with it: 0.3268 → 0.3035 ms (SR) and
-    0.3569 → 0.3379 (RHT+SR), one H100 run, 16384×8192."""
+    TransformerEngine does (``fminf(1/(S_dec_b · S_dec), FLT_MAX)``). Why ``rcp_fast``:
+    ``docs/design.md`` §8."""
     if gs >= TINY_GS:
         r6 = tl.full([], RCP6_BITS, tl.int32).to(tl.float32, bitcast=True)
         rcp_gs = div_rn(1.0, gs)

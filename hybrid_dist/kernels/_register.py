@@ -15,14 +15,14 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 
 
 def register_all() -> None:
-    from hybrid_dist.kernels.fp8_block import quantize_fp8_block
-    from hybrid_dist.kernels.fp8_delayed import advance_
-    from hybrid_dist.kernels.fp8_multi import amaxes_into, requantize_fp8_many
-    from hybrid_dist.kernels.fp8_tensor import _amax_2d, quantize_fp8_tensor, quantize_fp8_tensor_into
+    from hybrid_dist.kernels.fp8.block import quantize_fp8_block
+    from hybrid_dist.kernels.fp8.delayed import advance_
+    from hybrid_dist.kernels.fp8.multi import amaxes_into, requantize_fp8_many
+    from hybrid_dist.kernels.fp8.tensor import _amax_2d, quantize_fp8_tensor, quantize_fp8_tensor_into
     from hybrid_dist.kernels.gemm import gemm_nt_cuda
-    from hybrid_dist.kernels.mxfp8 import quantize_mxfp8
-    from hybrid_dist.kernels.swiglu_fp8 import swiglu_quantize_fp8
-    from hybrid_dist.kernels.nvfp4 import columnwise_rht_amax_nvfp4, quantize_nvfp4
+    from hybrid_dist.kernels.mxfp8.quantize import quantize_mxfp8
+    from hybrid_dist.kernels.fp8.swiglu import swiglu_quantize_fp8
+    from hybrid_dist.kernels.nvfp4.quantize import columnwise_rht_amax_nvfp4, quantize_nvfp4
 
     registry.register_quantize(Float8Quantizer, quantize_fp8_tensor)
     registry.register_quantize(Float8BlockQuantizer, quantize_fp8_block)

@@ -1,4 +1,4 @@
-"""The arithmetic of ``kernels._e2m1``'s PTX E2M1 encoder, emulated with torch fp32 ops
+"""The arithmetic of ``kernels.nvfp4._e2m1``'s PTX E2M1 encoder, emulated with torch fp32 ops
 (IEEE round to nearest, subnormals kept), equals ``numerics.e2m1_encode``.
 
 The encoder rounds on the FMA pipe: ``u = min(|v|, 6)``, ``m = 1.5 · 2**(22+E)`` with
@@ -6,7 +6,7 @@ The encoder rounds on the FMA pipe: ``u = min(|v|, 6)``, ``m = 1.5 · 2**(22+E)`
 code ``= bits(r · 2**-126) >> 22``. Checked here on every fp32 bit pattern within 2**12 ulps
 of each E2M1 grid point and rounding threshold, and on random values; the same emulation
 matched on every fp32 in (-8, 8) (2**31 patterns, run once by hand). The GPU test of the
-NVFP4 kernels checks the PTX itself bitwise (``tests/kernels/test_quantize_kernels.py``).
+NVFP4 kernels checks the PTX itself bitwise (``tests/kernels/nvfp4/``).
 
 The stochastic encoder (``e2m1_sr_mad``) adds ``gap · n`` (``n = (r8 + 1/2) / 256``) with an
 ``fma.rz`` and truncates with the magic add in round-toward-zero; emulated in float64 (exact

@@ -15,7 +15,8 @@ import torch
 knobs = pytest.importorskip("triton").knobs  # the kernel modules import Triton (absent on CPU-only installs)
 
 from hybrid_dist.formats import Float8Quantizer  # noqa: E402
-from hybrid_dist.kernels import _launch, _zeros, fp8_tensor  # noqa: E402
+from hybrid_dist.kernels import _launch, _zeros  # noqa: E402
+from hybrid_dist.kernels.fp8 import tensor as fp8_tensor  # noqa: E402
 from hybrid_dist.kernels._jit_common import cdiv  # noqa: E402
 from tests._kernel_helpers import kernel_quantize, n_bit_diffs  # noqa: E402
 

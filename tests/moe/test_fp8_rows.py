@@ -1,4 +1,4 @@
-"""``kernels/fp8_rows`` (per-expert FP8 cast into the packed layout) under the Triton
+"""``kernels/fp8/rows`` (per-expert FP8 cast into the packed layout) under the Triton
 interpreter on CPU: bitwise the torch form of ``split_quantize_packed``, and the per-expert
 amax (``expert_amax``: tiles spanning several experts, an empty expert) equal to a loop of
 ``max |x|`` per expert.
@@ -36,7 +36,7 @@ def _inputs(gen):
 
 def _check():
     from hybrid_dist.formats.numerics import cast_to_fp8
-    from hybrid_dist.kernels.fp8_rows import expert_amax, fp8_rows
+    from hybrid_dist.kernels.fp8.rows import expert_amax, fp8_rows
     from hybrid_dist.moe.device_split import _Layout
     from tests._helpers import assert_bitwise_equal
 

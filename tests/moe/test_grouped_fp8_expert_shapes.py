@@ -1,4 +1,4 @@
-"""GPU (``@pytest.mark.gpu``, skipped without CUDA): ``kernels/grouped_fp8`` at DeepSeek-V3-
+"""GPU (``@pytest.mark.gpu``, skipped without CUDA): ``kernels/fp8/grouped_gemm`` at DeepSeek-V3-
 like expert shapes (E=8, K=7168, N=2048, ~8k tokens split unevenly with an empty expert),
 and ``GroupedLinear`` with the E5M2-gradient recipes running its dgrad/wgrad on them.
 
@@ -68,7 +68,7 @@ def _bounds(splits):
 @pytest.mark.parametrize("fast", [False, True], ids=["promote", "fast_accum"])
 @pytest.mark.parametrize("gemm,dtypes", [("fprop", (E4M3, E4M3)), ("dgrad", (E5M2, E4M3)), ("dgrad", (E4M3, E5M2))])
 def test_grouped_rows_fp8(gemm, dtypes, fast):
-    from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8
+    from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows_fp8
 
     kc, r = (K, N) if gemm == "fprop" else (N, K)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -87,7 +87,7 @@ def test_grouped_rows_fp8(gemm, dtypes, fast):
 @pytest.mark.parametrize("fast", [False, True], ids=["promote", "fast_accum"])
 @pytest.mark.parametrize("dtypes", [(E5M2, E4M3), (E4M3, E4M3)])
 def test_grouped_tokens_fp8(dtypes, fast):
-    from hybrid_dist.kernels.grouped_fp8 import grouped_tokens_fp8
+    from hybrid_dist.kernels.fp8.grouped_gemm import grouped_tokens_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     offs, c = _offs(SPLITS)
@@ -105,7 +105,7 @@ def test_grouped_tokens_fp8(dtypes, fast):
 
 
 def test_grouped_fp8_kernels_no_host_sync():
-    from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8, grouped_tokens_fp8
+    from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows_fp8, grouped_tokens_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     offs, c = _offs(SPLITS)

@@ -1,4 +1,4 @@
-"""``kernels/grouped_fp8`` (grouped FP8 GEMMs, any E4M3/E5M2 pair) under the Triton
+"""``kernels/fp8/grouped_gemm`` (grouped FP8 GEMMs, any E4M3/E5M2 pair) under the Triton
 interpreter on CPU against a float64 reference, one 64×64×32 tile config (module doc of
 the kernel file): uneven groups whose boundaries (multiples of 16) split tiles, an empty
 group (first, middle or last), Kc and R not multiples of the tile, padding rows past
@@ -53,7 +53,7 @@ def _bound_check(out, ref, abs_sum, what):
 
 
 def _check_rows(gen, pair, sizes, fast):
-    from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8
+    from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows_fp8
 
     e, offs = len(sizes), _offs(sizes)
     a, b = _fp8((C, KC), pair[0], gen), _fp8((e, R, KC), pair[1], gen)
@@ -74,7 +74,7 @@ def _check_rows(gen, pair, sizes, fast):
 
 
 def _check_tokens(gen, pair, sizes, fast):
-    from hybrid_dist.kernels.grouped_fp8 import grouped_tokens_fp8
+    from hybrid_dist.kernels.fp8.grouped_gemm import grouped_tokens_fp8
 
     e, offs = len(sizes), _offs(sizes)
     a, b = _fp8((R, C), pair[0], gen), _fp8((RB, C), pair[1], gen)
@@ -132,7 +132,7 @@ def _check_grouped_linear():
     bar of ``test_grouped_quantized`` (the kernels skip the bf16 rounding of the scaled
     operand of that path's bf16 fold, so they meet its floor or better)."""
     import hybrid_dist as hd
-    from hybrid_dist.kernels.grouped_fp8 import grouped_rows_fp8, grouped_tokens_fp8
+    from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows_fp8, grouped_tokens_fp8
     from tests._helpers import sqnr_db
     from tests.moe.test_grouped_quantized import FLOOR_DB, run_paths
 

@@ -43,9 +43,9 @@ def tiny_input(shape, gen, *, normal_only: bool) -> torch.Tensor:
 
 def _check():
     import hybrid_dist as hd
-    from hybrid_dist.kernels import nvfp4
-    from hybrid_dist.kernels.quant_tiles import NVFP4_SWEEP
-    from tests.kernels.test_quantize_kernels_exact_casts import _storages_equal
+    from hybrid_dist.kernels.nvfp4 import quantize as nvfp4
+    from hybrid_dist.kernels.nvfp4.configs import NVFP4_SWEEP
+    from tests.kernels._quantize_checks import storages_equal
 
     gen = torch.Generator().manual_seed(0)
     x32 = tiny_input((32, 96), gen, normal_only=False)
@@ -59,13 +59,13 @@ def _check():
                 r = q._quantize_2d(x, rowwise=rw, columnwise=cw, state=None, amax=None)
                 st = r[0] if rw else r[1]
                 assert float(st.global_scale) == 2.0**-128, (what, float(st.global_scale))
-                _storages_equal(k[0], r[0], f"nvfp4 tiny {what} 2d={block_2d} dirs={rw, cw} row")
-                _storages_equal(k[1], r[1], f"nvfp4 tiny {what} 2d={block_2d} dirs={rw, cw} col")
+                storages_equal(k[0], r[0], f"nvfp4 tiny {what} 2d={block_2d} dirs={rw, cw} row")
+                storages_equal(k[1], r[1], f"nvfp4 tiny {what} 2d={block_2d} dirs={rw, cw} col")
     print("TINY_OK")
 
 
 def test_nvfp4_kernels_bitwise_the_reference_on_a_tiny_tensor():
-    run_under_triton_interpreter("from tests.kernels.test_nvfp4_tiny_amax_kernels import _check; _check()",
+    run_under_triton_interpreter("from tests.kernels.nvfp4.test_tiny_amax import _check; _check()",
                                  done="TINY_OK")
 
 

@@ -2,13 +2,13 @@
 without writing ``y`` in bf16 (``hd.SwiGLU`` linked to its consumer; see
 ``hybrid_dist.shared_input``).
 
-Two passes, as ``fp8_tensor``'s amax + cast, each recomputing ``y`` per ``[BM, BK]`` tile:
+Two passes, as ``fp8.tensor``'s amax + cast, each recomputing ``y`` per ``[BM, BK]`` tile:
 
 1. ``_amax_kernel``: ``max|y|`` into an fp32 scalar (tiles + relaxed atomic max);
 2. ``_cast_kernel``: scale from that amax (``per_block_scale``, as ``Float8Quantizer``),
    writes the rowwise ``[M, K]`` fp8 data; program (0, 0) writes ``scale_inv = 1 / scale``.
    The columnwise ``[K, M]`` data is ``kernels.transpose`` of it (an in-register
-   transpose gave wrong columnwise bytes on an H200 with Triton 3.6; cause not found).
+   transpose gives wrong columnwise bytes with Triton 3.6 on sm_90: ``docs/design.md`` §8).
 
 ``y`` is bitwise torch's formula (``hybrid_dist.activation``) for bf16 ``a``, ``b``:
 ``h = bf16(a / (1 + expf(-a)))`` (torch's CUDA ``silu``: ``expf`` is libdevice's, the

@@ -1,10 +1,10 @@
 """Warp-shuffle helpers over lane quads, for tensors ``[R, 32]`` laid out one element per
 thread with element ``(r, c)`` on lane ``c`` (of the warp that holds row ``r``).
 
-The caller guarantees that layout (``nvfp4_words`` uses these only at tile configs where the
+The caller guarantees that layout (``nvfp4.words`` uses these only at tile configs where the
 per-row-set words are ``[num_warps, 64]``, two per thread, so ``[R, 32]`` is one per lane; the
 GPU tests check every such config bitwise). A quad is the lanes ``4i .. 4i+3``; these are
-the ``c`` of one 8-word (16-element) row block of ``nvfp4_words``, so a quad can share the
+the ``c`` of one 8-word (16-element) row block of ``nvfp4.words``, so a quad can share the
 block-scale work of four row sets: lane ``c % 4`` computes set ``c % 4``'s scale once instead
 of all four lanes computing all four (``quad_amax`` then ``quad_gather``).
 

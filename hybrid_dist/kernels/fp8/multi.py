@@ -4,9 +4,9 @@
   dtype, any shapes, in one launch.
 * ``multi_fp8_cast_into``: casts each ``x_i`` with the scale of ``amax[j_i]`` into its
   rowwise ``[M, K]`` and/or columnwise ``[K, M]`` fp8 buffer and writes ``scale_inv = 1/scale``
-  into each direction's ``scale_inv``: bitwise ``fp8_tensor.quantize_fp8_tensor_into`` of each
+  into each direction's ``scale_inv``: bitwise ``fp8.tensor.quantize_fp8_tensor_into`` of each
   (the same tile, scale formula and cast). One launch from bf16 / fp16 inputs; from fp32
-  inputs one launch per direction (``fp8_tensor``'s note on fp32 inputs).
+  inputs one launch per direction (``fp8.tensor``'s note on fp32 inputs).
 
 Layout: a pointer table, int64 ``[N, 5]`` rows ``(x, M, K, row stride of x, j)`` (the amax
 table) or ``[N, 9]`` rows that add ``(row data, col data, row scale_inv, col scale_inv)``
@@ -31,7 +31,7 @@ from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8, cdiv, div_rn, per_block_scale
 from hybrid_dist.kernels._launch import launch
 
-_BM, _BK = 64, 128  # fp8_tensor's tile
+_BM, _BK = 64, 128  # fp8.tensor's tile
 _MAX_PROGRAMS = 1024  # programs per tensor; a larger tensor loops over its tiles
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
        torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -151,7 +151,7 @@ def multi_fp8_cast_into(xs: Sequence[torch.Tensor], rows: Sequence[tuple[int, in
     consts = dict(X_DTYPE=_TL[xs[0].dtype], OUT_DTYPE=_TL[dtype], FMAX=FP8_MAX[dtype], EPS=float(eps), POW2=pow2,
                   BM=_BM, BK=_BK, num_warps=8)
     row, col = outs[0][0] is not None, outs[0][1] is not None
-    if xs[0].dtype == torch.float32 and row and col:  # one direction per fp32 launch (fp8_tensor's note)
+    if xs[0].dtype == torch.float32 and row and col:  # one direction per fp32 launch (fp8.tensor's note)
         launch(_multi_cast_kernel, grid, tab, amax, ROW=True, COL=False, **consts)
         launch(_multi_cast_kernel, grid, tab, amax, ROW=False, COL=True, **consts)
     else:
@@ -193,7 +193,7 @@ def amaxes_into(xs: Sequence[torch.Tensor], out: torch.Tensor) -> list[int]:
 
 def _cast_entry(q, hp: torch.Tensor, dst, device: torch.device) -> tuple | None:
     """``(group key, rows_of(hp), (row, col, row_scale_inv, col_scale_inv))`` when the batched
-    cast writes ``dst``'s buffers as ``fp8_tensor.quantize_fp8_tensor_into`` does, else None."""
+    cast writes ``dst``'s buffers as ``fp8.tensor.quantize_fp8_tensor_into`` does, else None."""
     rows = rows_of(hp) if hp.dim() >= 2 and _serves(hp, device) else None
     if rows is None:
         return None

@@ -1,12 +1,15 @@
-"""The first MXFP8 quantize kernel (one ``[BM, BK]`` tile, 8-bit in-register transpose): the
-registered kernel for rowwise only (``mxfp8.mxfp8_quantize_op``; slightly faster there than
-the 32-row-set kernel of ``mxfp8``, which is faster with a columnwise direction), and the
-baseline of ``benchmarks/quantize.py --sweep``.
+"""MXFP8 quantize of one ``[BM, BK]`` tile per program: the fast path for rowwise only
+(``mxfp8.quantize.mxfp8_quantize_op`` dispatches there; with a columnwise direction the
+32-row-set kernel of ``mxfp8.quantize`` is faster). ``benchmarks/quantize.py --fast-paths``
+times it against that kernel.
 
+Layout (``formats.mxfp8``): rowwise ``data [M, K]`` + E8M0 ``scale [M, K/32]``; columnwise,
+when asked (an 8-bit in-register transpose of the tile), ``data [K, M]`` + ``[K, M/32]``.
 One fixed tile, ``32x256`` with 4 warps (no autotuning: deterministic, and no benchmarking
-at the first call; it was the fastest of the tiles tried on an H100). The E8M0 exponent is
-the integer-only RCEIL of ``_jit_common.e8m0_rceil`` (no fp32 division). Bitwise
-``formats.mxfp8.mxfp8_quantize_rows`` in each direction.
+at the first call). The E8M0 exponent is the integer-only RCEIL of
+``_jit_common.e8m0_rceil`` (no fp32 division).
+
+Guarantee: bitwise ``formats.mxfp8.mxfp8_quantize_rows`` in each direction.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def _mxfp8_kernel(
 
 
 
-def mxfp8_quantize_v1(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool):
+def mxfp8_quantize_rowwise(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool):
     """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty."""
     m, k = x.shape
     dev = x.device

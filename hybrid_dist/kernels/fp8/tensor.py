@@ -18,13 +18,10 @@ Kernels (``torch.library`` ops in the ``hybrid_dist`` namespace):
   the amax as torch ops (``traced_amax``) that inductor fuses into the producer.
 
 [Note: fp32 inputs] The columnwise tile is the rowwise fp8 tile transposed in registers
-(``tl.trans``). From bf16 and fp16 inputs both directions are bitwise the reference. From fp32
-inputs a launch that writes both directions gives wrong columnwise bytes on Triton 3.6 / H100
-(about a quarter: rows ``k = 1 mod 4`` of ``col``), also when the scaled fp32 tile is
-transposed before the cast and with a barrier between the two stores. Launches that write one
-direction are right, and so is ``fp8_block``'s kernel from fp32. So fp32 inputs with a
-columnwise direction are cast rowwise here and torch transposes the rowwise data (bitwise the
-same).
+(``tl.trans``): bitwise the reference from bf16 and fp16 inputs. From fp32 inputs a launch
+that writes both directions gives wrong columnwise bytes with Triton 3.6 on sm_90
+(``docs/design.md`` §8), so fp32 inputs with a columnwise direction are cast rowwise and
+``kernels.transpose`` transposes the rowwise data (bitwise the same).
 """
 
 from __future__ import annotations

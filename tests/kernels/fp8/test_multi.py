@@ -1,10 +1,10 @@
-"""The multi-tensor per-tensor FP8 kernels (``kernels/fp8_multi.py``) and the per-tensor
-write-back into a parameter's buffers (``fp8_tensor.quantize_fp8_tensor_into``), under the
+"""The multi-tensor per-tensor FP8 kernels (``kernels/fp8/multi.py``) and the per-tensor
+write-back into a parameter's buffers (``fp8.tensor.quantize_fp8_tensor_into``), under the
 Triton interpreter on CPU (marked ``slow``) and on the GPU (marked ``gpu``).
 
 Interpreter: the batched amax is bitwise ``tensor_amax`` of each tensor, and the batched
 write-back (``requantize_fp8_many``) writes every byte and ``scale_inv`` that
-``fp8_tensor.quantize_fp8_tensor_into`` writes per tensor, also run under the interpreter
+``fp8.tensor.quantize_fp8_tensor_into`` writes per tensor, also run under the interpreter
 (whose fp8 casts round like neither the GPU nor torch, the same on both sides). Mixed
 shapes: tiles cut at both edges, one row, a row stride wider than K, 3D, an all-zero tensor;
 fp32 and bf16 inputs; rowwise, columnwise and both; own and given amaxes. ``TRITON_INTERPRET=1``
@@ -44,7 +44,7 @@ def _inputs(dtype, gen):
 
 def _check_amax():
     from hybrid_dist.formats._quantizer import tensor_amax
-    from hybrid_dist.kernels import fp8_multi
+    from hybrid_dist.kernels.fp8 import multi as fp8_multi
 
     gen = torch.Generator().manual_seed(0)
     for dtype, cap in ((torch.float32, 1024), (torch.bfloat16, 1024), (torch.float32, 3)):
@@ -83,7 +83,7 @@ def _storages(t):
 
 def _check_cast():
     import hybrid_dist as hd
-    from hybrid_dist.kernels import fp8_multi, fp8_tensor
+    from hybrid_dist.kernels.fp8 import multi as fp8_multi, tensor as fp8_tensor
 
     gen = torch.Generator().manual_seed(1)
     quantizers = (hd.Float8Quantizer(), hd.Float8Quantizer(dtype=torch.float8_e5m2, power_of_2_scales=True,
@@ -124,7 +124,7 @@ def _check_write_back():
     from hybrid_dist import hp_init
     from hybrid_dist._tensor_ops import requantize_
     from hybrid_dist.formats.float8 import Float8Quantizer
-    from hybrid_dist.kernels import fp8_multi, fp8_tensor
+    from hybrid_dist.kernels.fp8 import multi as fp8_multi, tensor as fp8_tensor
     from hybrid_dist.requantize_many import requantize_many_
 
     served = []
@@ -170,7 +170,7 @@ CHECKS = ("amax", "cast", "write_back")
 @slow  # interpreted kernels and a subprocess start per check
 @pytest.mark.parametrize("check", CHECKS)
 def test_fp8_multi_under_triton_interpreter(check):
-    run_under_triton_interpreter(f"from tests.kernels.test_fp8_multi import _check_{check} as c; c()\n"
+    run_under_triton_interpreter(f"from tests.kernels.fp8.test_multi import _check_{check} as c; c()\n"
                                  f"print('{check} passed')", done=f"{check} passed")
 
 

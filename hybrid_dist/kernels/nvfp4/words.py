@@ -1,10 +1,10 @@
-"""NVFP4 quantize with 1×16 blocks from bf16 read as int32 words: ``nvfp4_tiles``' fused pass
+"""NVFP4 quantize with 1×16 blocks from bf16 read as int32 words: ``nvfp4.tiles``' fused pass
 (bitwise its output) for round-to-nearest in both directions, the columnwise direction
 optionally in the Hadamard domain (RHT), and stochastic rounding (SR) of one direction.
 Outputs as ``formats.nvfp4``: rowwise ``data [M, K/2]`` + E4M3 scales ``[M, K/16]``,
 columnwise ``data [K, M/2]`` + ``[K, M/16]``, and the global decode scales.
 
-[Note: words] A program owns ``x[BM, BK]`` as 16 interleaved row sets (``nvfp4_tiles``'
+[Note: words] A program owns ``x[BM, BK]`` as 16 interleaved row sets (``nvfp4.tiles``'
 note), each loaded as words ``w_j [BM/16, BK/2]``: word ``c`` holds ``x[., 2c]`` (low half)
 and ``x[., 2c+1]`` (high half). Rowwise byte ``c`` is ``code(low) | code(high) << 4``; the
 columnwise codes of set ``j`` go into nibble ``j`` of separate even-k and odd-k words; the
@@ -20,10 +20,10 @@ block whose encode multiplier is 0 keeps its sign, where the tile kernel's NaN h
 once by ``_rht_words``: bitwise the tile kernel's ``T x`` for ``|x| < 2**124``.
 [Note: SR] One direction: rowwise (no RHT) or columnwise with RHT, on the tile kernel's
 Philox stream (the even k of word ``c`` draw counter ``(m/16)·K + 2c``, the odd k ``+1``;
-columnwise counters offset by ``⌈M/16⌉·K``). SR of both directions stays on ``nvfp4_tiles``.
+columnwise counters offset by ``⌈M/16⌉·K``). SR of both directions stays on ``nvfp4.tiles``.
 
 Guarantee: bitwise the reference in every direction for every tensor amax (RHT
-within the tile kernel's bound, ``kernels.nvfp4``; SR bitwise the reference fed the same
+within the tile kernel's bound, ``nvfp4.quantize``; SR bitwise the reference fed the same
 stream). Why it is built this way: ``docs/design.md`` §8.
 """
 
@@ -34,11 +34,11 @@ import triton.language as tl
 
 from hybrid_dist.kernels._jit_common import global_decode_scale, same_layout, store_tile
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
-from hybrid_dist.kernels._e2m1 import e2m1_mag_into, e2m1_mag_into_rounded
-from hybrid_dist.kernels._lane_quad import quad_amax, quad_gather
+from hybrid_dist.kernels.nvfp4._e2m1 import e2m1_mag_into, e2m1_mag_into_rounded
+from hybrid_dist.kernels.nvfp4._lane_quad import quad_amax, quad_gather
 from hybrid_dist.kernels._words import load8w, load16w_even, st8, umax16x2, unpack
-from hybrid_dist.kernels._rht_words import rht_columns
-from hybrid_dist.kernels.nvfp4_tiles import _store_col, _store_row_scales4
+from hybrid_dist.kernels.nvfp4._rht_words import rht_columns
+from hybrid_dist.kernels.nvfp4.tiles import _store_col, _store_row_scales4
 
 
 SIGNS = tl.constexpr(-2147450880)  # 0x80008000: the sign bits of a word's two bf16
@@ -222,7 +222,7 @@ def nvfp4_words_kernel(
 ):
     """One ``[BM, BK]`` tile → rowwise ``data [M, K/2]`` + 1×16 scales and/or columnwise
     ``data [K, M/2]`` (``col64_ptr``: its int64 view ``[K, M/16]``) + scales, as
-    ``nvfp4_tiles.nvfp4_quantize_kernel`` without 2D blocks (bitwise its output, RHT and SR
+    ``tiles.nvfp4_quantize_kernel`` without 2D blocks (bitwise its output, RHT and SR
     included; with SR one direction, a columnwise one with RHT: note "SR"). ``x_ptr``: the bf16 input
     as int32 words ``[M, K/2]`` (row stride ``stride_w`` words); ``amax_ptr``: fp32 ``max|x|``
     and, with ``RHT``, ``max|RHT(x)|`` (the global decode scales, written by program (0, 0));
@@ -243,7 +243,7 @@ def nvfp4_words_kernel(
                                                                                   stride_w, EVEN)
     enc_lo, enc_hi, bs_lo, bs_hi = gs, gs, gs, gs
     SET_COL: tl.constexpr = COL and not RHT  # columnwise codes made set by set (no transform)
-    tl.static_assert(not SR or (ROW != COL and not SET_COL), "nvfp4_words: SR makes one direction (note \"SR\")")
+    tl.static_assert(not SR or (ROW != COL and not SET_COL), "nvfp4.words: SR makes one direction (note \"SR\")")
     # SR: the tile kernel's Philox counters (uint32) of the even k of each (16-row group, word)
     ctr = same_layout(((rs // 16) * K + 2 * rw).to(tl.uint32), w0)
     re0, re1, re2, re3, ro0, ro1, ro2, ro3 = _row_noise(seed_ptr, ctr, SR and ROW)

@@ -1,4 +1,4 @@
-"""Fused SwiGLU → FP8 kernel (``kernels/swiglu_fp8``) and shared input quantization: on the
+"""Fused SwiGLU → FP8 kernel (``kernels/fp8/swiglu``) and shared input quantization: on the
 GPU (marked ``gpu``) and under the Triton interpreter on CPU (marked ``slow``).
 
 GPU: bitwise against the reference path — ``F.silu(a) * b`` in torch on the same device, then
@@ -164,7 +164,7 @@ def _check_close(k, r, what, extra_rel=0.0):
     """Kernel and reference storages (row, col): transposes agree, fp8 values within one
     ulp — except where the reference rounds up to a power of two: the interpreter's cast
     drops that carry into the exponent and gives half of it (also seen by
-    ``test_quantize_kernels_exact_casts``)."""
+    ``tests/kernels/_quantize_checks``)."""
     kd = k[0].data.float() if k[0] is not None else k[1].data.float().t()
     rd = r[0].data.float() if r[0] is not None else r[1].data.float().t()
     tol = _e4m3_ulp(rd) + extra_rel * rd.abs() + 1e-12
@@ -181,7 +181,7 @@ def _check_swiglu():
     import torch.nn.functional as F
 
     import hybrid_dist as hd
-    from hybrid_dist.kernels import swiglu_fp8
+    from hybrid_dist.kernels.fp8 import swiglu as swiglu_fp8
 
     gen = torch.Generator().manual_seed(1)
     q = hd.Float8Quantizer()
@@ -200,5 +200,5 @@ def _check_swiglu():
 
 @slow  # minutes of interpreted kernels on two cores
 def test_swiglu_fp8_kernel_under_interpreter():
-    run_under_triton_interpreter("from tests.kernels.test_swiglu_fp8 import _check_swiglu\n"
+    run_under_triton_interpreter("from tests.kernels.fp8.test_swiglu import _check_swiglu\n"
                                  "_check_swiglu()", done="SWIGLU_OK")

@@ -19,10 +19,10 @@ one register layout, so a thread holds the same k's of every row:
 Every load is issued before the first store: the stores may alias the input as far as the
 compiler knows, so it would not hoist a load over them (one load in flight at a time). bf16
 inputs use the short E8M0 helpers for bf16-valued amax (``_jit_common.e8m0_rceil_bf16``).
-Tile configs: ``kernels.quant_tiles`` (``bm`` must be 32).
+Tile configs: ``mxfp8.configs`` (``bm`` must be 32).
 
 Dispatch (``mxfp8_quantize_op``): with a columnwise direction, bf16 that reads as int32
-words takes ``mxfp8_words``, other inputs this kernel; rowwise only takes ``mxfp8_v1``.
+words takes ``mxfp8.words``, other inputs this kernel; rowwise only takes ``mxfp8.rowwise``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import (cast_fp8, cdiv, e8m0_inv_bf16, e8m0_rceil, e8m0_rceil_bf16, eager_or_op,
                                              exp2_int)
 from hybrid_dist.kernels._launch import launch
-from hybrid_dist.kernels.mxfp8_words import mxfp8_words_kernel
-from hybrid_dist.kernels.quant_tiles import MXFP8_DEFAULT, MXFP8_WORDS_DEFAULT, TileConfig, bf16_words
+from hybrid_dist.kernels.mxfp8.words import mxfp8_words_kernel
+from hybrid_dist.kernels.mxfp8.configs import MXFP8_DEFAULT, MXFP8_WORDS_DEFAULT
+from hybrid_dist.kernels.tile_config import TileConfig, bf16_words
 from hybrid_dist.kernels.scale_staging import new_stage, stage_unit, unstage
 from hybrid_dist.library_op import library_op
 
@@ -191,7 +192,7 @@ def mxfp8_quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, col
     """Launch on ``x [M, K]`` (unit stride along K; ``M % 32 == 0`` for columnwise):
     ``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty.
 
-    ``words=None``: with columnwise, bf16 that reads as int32 words goes to ``mxfp8_words``
+    ``words=None``: with columnwise, bf16 that reads as int32 words goes to ``mxfp8.words``
     (default ``MXFP8_WORDS_DEFAULT``), anything else to the 32-row-set kernel here
     (``MXFP8_DEFAULT``); ``False`` forces the row-set kernel, ``True`` the words kernel."""
     can = _words(x, rowwise, columnwise)
@@ -228,12 +229,12 @@ def mxfp8_quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty.
 
-    With columnwise: ``mxfp8_words`` for word-readable bf16, else the 32-row-set kernel;
-    rowwise only: ``mxfp8_v1`` (the fastest of the three there)."""
+    With columnwise: ``mxfp8.words`` for word-readable bf16, else the 32-row-set kernel;
+    rowwise only: ``mxfp8.rowwise`` (the fastest of the three there)."""
     if not columnwise:
-        from hybrid_dist.kernels.mxfp8_v1 import mxfp8_quantize_v1
+        from hybrid_dist.kernels.mxfp8.rowwise import mxfp8_quantize_rowwise
 
-        return mxfp8_quantize_v1(x, dtype, rowwise, columnwise)
+        return mxfp8_quantize_rowwise(x, dtype, rowwise, columnwise)
     return mxfp8_quantize_tiles(x, dtype, rowwise, columnwise)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._e2m1 import e2m1_rne_bits, e2m1_rne_mad, e2m1_sr_mad, sr_noise
+from hybrid_dist.kernels.nvfp4._e2m1 import e2m1_rne_bits, e2m1_rne_mad, e2m1_sr_mad, sr_noise
 from hybrid_dist.kernels._jit_common import global_decode_scale, pack_pairs, same_layout, store_tile
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 

@@ -76,7 +76,7 @@ _square_kernel = triton.autotune(configs=[triton.Config({}, num_warps=w) for w i
                                  key=["M", "K", "ROW", "COL"])(_fp8_block_kernel)
 # 1x128: one fixed launch config. The kernel is issue-bound (per-row and per-column amax and
 # IEEE divisions); 4 warps capped at 168 registers fit 3 programs per SM instead of 2 at the
-# 188 the compiler picks, and were the fastest of the caps and warp counts tried on an H100.
+# 188 the compiler picks (the fastest of the caps and warp counts tried on sm_90).
 _ROWS_LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
@@ -119,7 +119,7 @@ def _(x, dtype, square, power_of_2_scales, amax_epsilon, rowwise, columnwise):
 
 def quantize_fp8_block(q: Float8BlockQuantizer, x2d, *, rowwise, columnwise, state, amax):
     """Registry impl for :class:`Float8BlockQuantizer` (bitwise the reference, from bf16, fp16
-    and fp32 inputs: unlike ``fp8_tensor``'s kernel, note on fp32 inputs)."""
+    and fp32 inputs: unlike ``fp8.tensor``'s kernel, note on fp32 inputs)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     square = q.block == "128x128"

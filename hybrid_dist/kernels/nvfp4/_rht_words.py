@@ -1,10 +1,10 @@
-"""The columnwise RHT of ``nvfp4_words`` (1×16 blocks along M, bf16 words): the random signs
+"""The columnwise RHT of ``nvfp4.words`` (1×16 blocks along M, bf16 words): the random signs
 applied while the words are unpacked, the Sylvester butterflies without the ``1/4`` (which
 moves onto the block scale), the block amax taken from the last butterfly stage, and the codes
 encoded with their signs taken from the transformed values' bits.
 
 [Note: unscaled butterflies] ``T = H16 · diag(s) / 4`` (``formats.numerics.hadamard16``;
-the kernel reads ``T[0, :] = s / 4``). The tile kernel (``nvfp4_tiles._rht16``) forms
+the kernel reads ``T[0, :] = s / 4``). The tile kernel (``tiles._rht16``) forms
 ``y = T x`` as ``x_q · T[0, q]`` and four stages of adds. Here ``s_q`` goes into ``x_q``'s sign
 bit as the word is unpacked and the butterflies run on ``z = H16 (s ∘ x)``. Then ``z = 4y``
 bitwise: the tile kernel's products ``x_q / 4`` are exact multiples of ``2**-135``, as is every
@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._e2m1 import e2m1_mag_into_rounded, e2m1_sign_nibbles8
+from hybrid_dist.kernels.nvfp4._e2m1 import e2m1_mag_into_rounded, e2m1_sign_nibbles8
 from hybrid_dist.kernels._jit_common import nvfp4_block_scale as _block_scale
 
 
@@ -128,7 +128,7 @@ def rht_half_codes(w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w
     """Columnwise of one half (even or odd k) of the 16 sets' words in the Hadamard domain:
     block scales (E4M3, ``w``'s shape) and the codes of sets 0-7 (``c_lo``) and 8-15
     (``c_hi``), set ``j`` in nibble ``j % 8``; bitwise the tile kernel's columnwise RHT
-    (``nvfp4_tiles._cols16``) for ``|x| < 2**124``.
+    (``tiles._cols16``) for ``|x| < 2**124``.
     ``s_q``: set ``q``'s sign (``rht_signs16``). ``SR``: stochastic rounding, set ``q`` taking
     byte ``q % 4`` of word ``q / 4`` of ``tl.randint4x(seed, ctr)`` (uint32 Philox counters of
     this half's columns: the tile kernel's stream)."""

@@ -1,7 +1,7 @@
 """NVFP4 fused quantize (host side): an amax pass (with the Hadamard-domain amax), then one
 pass that reads each ``[BM, BK]`` tile once and writes every requested direction. The
-kernels and their data layout in registers: ``kernels.nvfp4_tiles``; 1×16 blocks from bf16
-(RHT or not; with stochastic rounding, one direction) take ``kernels.nvfp4_words``.
+kernels and their data layout in registers: ``nvfp4.tiles``; 1×16 blocks from bf16 (RHT or
+not; with stochastic rounding, one direction) take ``nvfp4.words``.
 
 Layouts (``formats.nvfp4``): rowwise ``data [M, K/2]`` uint8 + ``block_scale [M/br, K/16]``
 E4M3; columnwise ``data [K, M/2]`` + ``block_scale [K/br, M/16]``; ``br`` = 16 for 2D blocks.
@@ -17,13 +17,11 @@ Exactness against the reference (``formats.nvfp4``):
   reference with a matmul: equal whenever the fp32 sums are exact (they are for most
   bf16 data), a code may differ where a value sits within an fp32 ulp of a rounding
   boundary (tested with a mismatch bound);
-* stochastic rounding takes 8 random bits per element from Philox4x32-10 (``tl.randint4x``,
-  one call per 16 elements: ``kernels.nvfp4_tiles``) keyed by the state's int64 kernel key,
-  which advances by one per call on the device (``NVFP4State``; CUDA-graph replays draw
-  fresh noise): reproducible for a seeded state, not the reference's ``torch.rand`` stream.
-  Rounding up has probability ``(|v| - lo) / (hi - lo)`` rounded to a multiple of 1/256 (the
-  resolution of Blackwell's ``cvt.rs.satfinite.e2m1x4``, 32 random bits per 4 elements):
-  unbiased to within ``(hi - lo) / 512`` per element. Bitwise the reference fed the same
+* stochastic rounding takes 8 random bits per element from Philox4x32-10 (``nvfp4.tiles``)
+  keyed by the state's int64 kernel key, advanced by one per call on the device
+  (``NVFP4State``; CUDA-graph replays draw fresh noise): reproducible for a seeded state,
+  not the reference's ``torch.rand`` stream; rounding up has probability
+  ``(|v| - lo) / (hi - lo)`` to a multiple of 1/256, bitwise the reference fed the same
   decisions (``tests/_nvfp4_sr_stream.py`` models the stream in torch);
 * 2D blocks without RHT: columnwise is the exact transpose of rowwise (codes and scales).
 """
@@ -38,9 +36,10 @@ from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, NVFP
 from hybrid_dist.kernels._jit_common import cdiv, eager_or_op
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
-from hybrid_dist.kernels.nvfp4_tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
-from hybrid_dist.kernels.nvfp4_words import nvfp4_words_kernel, words_lane_quads
-from hybrid_dist.kernels.quant_tiles import TileConfig, bf16_words, nvfp4_default, nvfp4_words_default
+from hybrid_dist.kernels.nvfp4.tiles import nvfp4_amax_kernel, nvfp4_quantize_kernel
+from hybrid_dist.kernels.nvfp4.words import nvfp4_words_kernel, words_lane_quads
+from hybrid_dist.kernels.nvfp4.configs import nvfp4_default, nvfp4_words_default
+from hybrid_dist.kernels.tile_config import TileConfig, bf16_words
 from hybrid_dist.library_op import library_op
 
 _AMAX_TILE = (64, 128)  # [BM, BK] of the amax pass
@@ -81,16 +80,16 @@ def nvfp4_quantize_tiles(
     fp32 scalar decode scales the kernel computes from them (``formats.nvfp4.
     nvfp4_global_scale``: no torch ops between the passes). ``seed`` int64 ``[1]``;
     ``rht_row`` fp32 ``T[0, :]``. Needs ``M % 16 == 0`` for columnwise (and 2D blocks).
-    ``config``: the tile config (default ``quant_tiles.nvfp4_words_default`` for the
-    words kernel, else ``quant_tiles.nvfp4_default(block_rows)``). ``words``: None picks
-    ``kernels.nvfp4_words`` for 1×16 blocks from word-readable bf16 (with SR: rowwise only, or
+    ``config``: the tile config (default ``configs.nvfp4_words_default`` for the
+    words kernel, else ``configs.nvfp4_default(block_rows)``). ``words``: None picks
+    ``nvfp4.words`` for 1×16 blocks from word-readable bf16 (with SR: rowwise only, or
     columnwise only with RHT); False runs the tile kernel there instead (benchmarks and tests
     compare the two)."""
     m, k = x.shape
     if sr and 2 * cdiv(m, NV_BLOCK) * k > 2**32:
         raise ValueError(f"NVFP4 stochastic rounding of a {m}x{k} tensor: its Philox counters "
                          f"(2·⌈M/16⌉·K) would wrap at 2**32; quantize it in row chunks")
-    # SR: one direction, a columnwise one with RHT (``nvfp4_words``' note "SR")
+    # SR: one direction, a columnwise one with RHT (``nvfp4.words``' note "SR")
     can_words = block_rows == 1 and bf16_words(x) and (not sr or (rowwise != columnwise and (rht or rowwise)))
     if words and not can_words:
         raise ValueError("nvfp4_quantize_tiles(words=True) needs 1x16 blocks, word-readable bf16 and, with SR, "

@@ -2,7 +2,7 @@
 run: a constant number of launches for any number of parameters, pointer tables cached by
 address (and rebuilt when a buffer moves), the pairs it cannot serve left to ``requantize_``,
 and ``MasterWeightOptimizer`` handing all its quantized parameters over in one call. The
-kernels' numbers: ``tests/kernels/test_fp8_multi.py`` (interpreter and GPU)."""
+kernels' numbers: ``tests/kernels/fp8/test_multi.py`` (interpreter and GPU)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ SHAPES = [(72, 200), (1, 130), (65, 129), (128, 64), (3, 5), (40, 64), (256, 96)
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The kernel launches of ``fp8_multi``, recorded as ``(kernel name, grid, args, consts)``."""
-    from hybrid_dist.kernels import fp8_multi
+    """The kernel launches of ``fp8.multi``, recorded as ``(kernel name, grid, args, consts)``."""
+    from hybrid_dist.kernels.fp8 import multi as fp8_multi
 
     calls = []
     monkeypatch.setattr(fp8_multi, "launch", lambda k, grid, *a, **c: calls.append((k.fn.__name__, grid, a, c)))
@@ -40,7 +40,7 @@ def _pairs(n, dtype, *, row=True, col=True, seed=0):
     (torch.float32, (False, True), 2, 1),
 ], ids=["fp32-both", "bf16-both", "fp32-col"])
 def test_launches_do_not_grow_with_the_parameter_count(launches, dtype, dirs, launches_own, launches_given):
-    from hybrid_dist.kernels.fp8_multi import requantize_fp8_many
+    from hybrid_dist.kernels.fp8.multi import requantize_fp8_many
 
     for n in (1, 8, 32):
         q, hps, dsts = _pairs(n, dtype, row=dirs[0], col=dirs[1])
@@ -55,7 +55,7 @@ def test_launches_do_not_grow_with_the_parameter_count(launches, dtype, dirs, la
 
 
 def test_amaxes_one_launch_per_dtype(launches):
-    from hybrid_dist.kernels.fp8_multi import amaxes_into
+    from hybrid_dist.kernels.fp8.multi import amaxes_into
 
     xs = [torch.randn(s) for s in SHAPES] + [torch.randn(4, 8).bfloat16(), torch.randn(3, 4).t(),
                                              torch.randn(5, dtype=torch.float64)]
@@ -70,7 +70,7 @@ def test_amaxes_one_launch_per_dtype(launches):
 
 def test_tables_are_cached_by_address(launches):
     from hybrid_dist.formats.float8 import Float8Storage
-    from hybrid_dist.kernels.fp8_multi import requantize_fp8_many
+    from hybrid_dist.kernels.fp8.multi import requantize_fp8_many
     from hybrid_dist.quantized_tensor import QuantizedTensor
 
     q, hps, dsts = _pairs(6, torch.bfloat16, seed=1)
@@ -89,7 +89,7 @@ def test_tables_are_cached_by_address(launches):
 
 def test_unserved_pairs_are_left(launches):
     from hybrid_dist.formats.float8 import Float8Storage
-    from hybrid_dist.kernels.fp8_multi import requantize_fp8_many
+    from hybrid_dist.kernels.fp8.multi import requantize_fp8_many
     from hybrid_dist.quantized_tensor import QuantizedTensor
 
     q, hps, dsts = _pairs(6, torch.float32, seed=2)
