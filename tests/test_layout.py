@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 NOT_AREAS = {"tests", "tests_distributed", "hybrid_dist"}
@@ -50,3 +52,19 @@ def test_no_test_file_is_named_by_where_it_runs():
     bad = [str(p.relative_to(REPO)) for p in files if p.name.endswith(PLACE_SUFFIXES)]
     assert not bad, (f"test files named by where they run ({', '.join(PLACE_SUFFIXES)}): {bad}; "
                      "name them by what they check and mark them gpu or slow")
+
+
+def test_every_package_folder_is_installed():
+    """A wheel holds only the packages ``pyproject.toml`` lists: every folder with an
+    ``__init__.py`` under ``hybrid_dist/`` and the integration folders must be listed."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {pkg: REPO / path for pkg, path in cfg["package-dir"].items()}
+    dirs["hybrid_dist"] = REPO / "hybrid_dist"
+    found = set()
+    for pkg, root in dirs.items():
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root).parts
+            found.add(".".join((pkg, *rel)))
+    missing = sorted(found - set(cfg["packages"]))
+    assert not missing, f"packages missing from pyproject.toml [tool.setuptools] packages: {missing}"
