@@ -137,3 +137,38 @@ def test_hf_llama_quantized_weights_train_bitwise_like_high_precision_weights(na
     linears = _linears(model)
     assert len(linears) == 2 * 7 + 1 and all(isinstance(m.weight, hd.QuantizedTensor) for _, m in linears)
     _check_pair(name, losses, ref, model, opt)
+
+
+@pytest.mark.parametrize("name", by_recipe(fast=("mxfp8_fwd_nvfp4_bwd",)))
+def test_hf_llama_compiles_right_after_conversion_whole_and_bitwise(name):
+    """``torch.compile`` (``aot_eager``) of a ``LlamaForCausalLM`` straight after
+    ``convert_to_hybrid(..., quantized_weights=True)``: one graph, no break (the plans and
+    stochastic-rounding states exist from conversion), and loss and every gradient bitwise
+    the same model run eagerly."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    make = _hf_llama()
+    recipe = hd.recipe_from_name(name)
+    tokens = tiny.batches(1)[0]
+    runs = []
+    for compiled in (False, True):
+        model = make()
+        hd.convert_to_hybrid(model, recipe=recipe, quantized_weights=True)
+        fn = model
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            backend = CompileCounterWithBackend("aot_eager")
+            fn = torch.compile(model, backend=backend)
+        loss = _hf_loss(fn, tokens)
+        loss.backward()
+        runs.append((loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]))
+    breaks = sum(counters["graph_break"].values())
+    assert breaks == 0 and backend.frame_count == 1, (
+        f"{name}: {backend.frame_count} graphs, {breaks} graph breaks: {dict(counters['graph_break'])}")
+    (eager_loss, eager_grads), (loss, grads) = runs
+    assert_bitwise_equal(loss, eager_loss, f"{name}: compiled loss")
+    assert len(grads) == len(eager_grads) > 0
+    for i, (g, ref) in enumerate(zip(grads, eager_grads)):
+        assert_bitwise_equal(g, ref, f"{name}: gradient {i}")
