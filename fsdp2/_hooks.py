@@ -106,8 +106,8 @@ def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast, *, tempora
         if plan.input_bytes is None:  # the plan's first gather: its signature must match every other pass's
             _check_stable(t, meta.mode, inputs)
             plan.input_bytes = sum(b.numel() * b.element_size() for b in inputs)
-        if meta.mode != "packed" and all(_aliases_field(b, storages, plan) for b in inputs):
-            plan.inputs = inputs  # views of the shard's own fields: valid for every later gather
+            if meta.mode != "packed" and all(_aliases_field(b, storages, plan) for b in inputs):
+                plan.inputs = inputs  # views of the shard's own fields: valid for every later gather
     record_all_gather(pass_, input_bytes=plan.input_bytes, payload_bytes=plan.payload, world_size=world)
     return inputs, meta
 
