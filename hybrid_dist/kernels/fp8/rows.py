@@ -20,7 +20,7 @@ written as zero bytes). The product is one fp32
 multiply and the cast saturates and rounds to nearest even, as
 ``numerics.cast_to_fp8(x_pad · scale_rows)``: bitwise the torch form on the GPU
 (``tests/moe/test_device_split`` GPU case) and, under the Triton interpreter, on inputs
-whose casts are exact (``tests/moe/test_fp8_rows``). bf16 inputs only (the
+whose casts are exact (``tests/kernels/fp8/test_rows.py``). bf16 inputs only (the
 in-register transpose is tested for bf16 tiles only; other dtypes use the torch form).
 """
 

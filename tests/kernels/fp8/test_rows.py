@@ -63,5 +63,5 @@ def _check():
 
 
 def test_fp8_rows_under_triton_interpreter():
-    run_under_triton_interpreter("from tests.moe.test_fp8_rows import _check; _check()",
+    run_under_triton_interpreter("from tests.kernels.fp8.test_rows import _check; _check()",
                                  done="fp8_rows interpreter checks passed")
