@@ -192,15 +192,29 @@ def fsdp_assign_gathered(
         tensors.update(meta.scalars)
         return meta.cls(**meta.meta, **tensors), owned
     if gathered is not None:
-        for i, f in enumerate(meta.fields):
-            dst, src = getattr(out, f), stored(gathered[i], meta.axes[f], meta.dtypes[f])
-            if not same_memory(dst, src):
-                with torch.autograd._unsafe_preserve_version_counter(dst):
-                    stored_into(dst, gathered[i], meta.axes[f], meta.dtypes[f])
-        for f, s in meta.scalars.items():
-            if getattr(out, f) is not s:  # shared with the shard: nothing to copy
-                copy_keep_version(getattr(out, f), s)
+        run_refresh(*refresh_copies(gathered, meta, out))
     return out, []
+
+
+def refresh_copies(gathered: list[torch.Tensor], meta: DirectionGatherMeta,
+                   out: DirectionStorage) -> tuple[list[tuple], list[tuple]]:
+    """What refreshing ``out`` in place from ``gathered`` (as ``fsdp_assign_gathered`` does)
+    must copy: ``(fields, scalars)``, with ``(dst, gathered field, axis, dtype)`` for each
+    field that does not alias its gathered tensor and ``(dst, src)`` for each per-tensor
+    field that is not the metadata's own (a shard's live fields are shared: no copy)."""
+    fields = [(getattr(out, f), gathered[i], meta.axes[f], meta.dtypes[f]) for i, f in enumerate(meta.fields)
+              if not same_memory(getattr(out, f), stored(gathered[i], meta.axes[f], meta.dtypes[f]))]
+    return fields, [(getattr(out, f), s) for f, s in meta.scalars.items() if getattr(out, f) is not s]
+
+
+def run_refresh(fields: list[tuple], scalars: list[tuple]) -> None:
+    """Run the copies of ``refresh_copies``; autograd does not see them (backward saved these
+    buffers in forward, and FSDP refills them before backward)."""
+    for dst, gathered, axis, dtype in fields:
+        with torch.autograd._unsafe_preserve_version_counter(dst):
+            stored_into(dst, gathered, axis, dtype)
+    for dst, src in scalars:
+        copy_keep_version(dst, src)
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

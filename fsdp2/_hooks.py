@@ -37,13 +37,11 @@ import torch
 from hybrid_dist.fsdp2._accounting import record_all_gather
 from hybrid_dist.fsdp2._buffers import (
     DirectionGatherMeta,
-    copy_keep_version,
     fsdp_assign_gathered,
     fsdp_gather_meta,
     fsdp_transport_buffers,
-    same_memory,
-    stored,
-    stored_into,
+    refresh_copies,
+    run_refresh,
 )
 from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
@@ -199,7 +197,8 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
         return qt, tuple(owned)
     target = out._local_tensor if hasattr(out, "_local_tensor") else out
     _expose_rowwise(target, meta.pass_ != BACKWARD)
-    _refresh_program(target, outputs, meta).run()
+    program = _refresh_program(target, outputs, meta)
+    run_refresh(program.fields, program.scalars)
     return None
 
 
@@ -211,26 +210,20 @@ class _Refresh:
     re-allocates their storage around a reshard; a view of them stays valid) and passes
     fresh views of them to ``post_all_gather``. Fields that alias the outputs need no copy;
     the others (columnwise fields in transport layout, per-tensor scalars that are not the
-    shard's own) are copied. The program is built on the first refresh of a pass and reused
-    while the outputs' base tensors, the metadata and the target's storages are the same."""
+    shard's own) are copied (``_buffers.refresh_copies``). The program is built on the first
+    refresh of a pass and reused while the outputs' base tensors, the metadata and the
+    target's storages are the same."""
 
     bases: tuple  # the base tensors of the all-gather outputs it was built for
     meta: GatherMeta
     storages: tuple  # the target's storage objects of the gathered directions
-    copies: list  # (dst, gathered field in transport layout, axis, dtype)
-    scalars: list  # (dst, src)
+    fields: list  # refresh_copies of every gathered direction: field copies
+    scalars: list  # and scalar copies
 
     def matches(self, bases: tuple, meta: GatherMeta, storages: tuple) -> bool:
         return (self.meta is meta and len(bases) == len(self.bases)
                 and all(a is b for a, b in zip(bases, self.bases))
                 and all(a is b for a, b in zip(storages, self.storages)))
-
-    def run(self) -> None:
-        for dst, gathered, axis, dtype in self.copies:
-            with torch.autograd._unsafe_preserve_version_counter(dst):
-                stored_into(dst, gathered, axis, dtype)
-        for dst, src in self.scalars:
-            copy_keep_version(dst, src)
 
 
 def _refresh_program(target, outputs, meta: GatherMeta) -> _Refresh:
@@ -244,15 +237,12 @@ def _refresh_program(target, outputs, meta: GatherMeta) -> _Refresh:
     if program is not None and program.matches(bases, meta, storages):
         return program
     views = _gathered_views(outputs, meta)
-    copies, scalars = [], []
+    fields, scalars = [], []
     for d, st in zip(meta.gathered, storages):
-        dm = meta.dirs[d]
-        for i, f in enumerate(dm.fields):
-            dst = getattr(st, f)
-            if not same_memory(dst, stored(views[d][i], dm.axes[f], dm.dtypes[f])):
-                copies.append((dst, views[d][i], dm.axes[f], dm.dtypes[f]))
-        scalars += [(getattr(st, f), s) for f, s in dm.scalars.items() if getattr(st, f) is not s]
-    program = _Refresh(bases, meta, storages, copies, scalars)
+        f, s = refresh_copies(views[d], meta.dirs[d], st)
+        fields += f
+        scalars += s
+    program = _Refresh(bases, meta, storages, fields, scalars)
     if meta.mode != "packed":
         programs[meta.pass_] = program
     return program

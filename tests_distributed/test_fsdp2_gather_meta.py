@@ -133,7 +133,7 @@ def test_refresh_reuses_inputs_and_copies_only_unaliased_fields(name):
             assert post_all_gather(shard, outputs, meta, None, out=unsharded) is None
             program = unsharded._hd_refresh[meta.pass_]
             expected = 0 if pass_ == FORWARD else len(meta.dirs["columnwise"].fields)
-            assert len(program.copies) == expected, f"{name} {pass_}: {len(program.copies)} copies, expected {expected}"
+            assert len(program.fields) == expected, f"{name} {pass_}: {len(program.fields)} copies, expected {expected}"
             assert programs.setdefault(pass_, program) is program, f"{name} {pass_}: the refresh program was rebuilt"
             fresh, _ = post_all_gather(shard, tuple(o.view(-1, *b.shape[1:]) for o, b in zip(base, inputs)), meta, None)
             for d in meta.gathered:
