@@ -59,3 +59,10 @@ def run_under_triton_interpreter(call: str, *, done: str, timeout: float = 900) 
     res = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
                          timeout=timeout)
     assert res.returncode == 0 and done in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]
+
+
+def run_check_under_triton_interpreter(module: str, check: str, *, timeout: float = 900) -> None:
+    """``run_under_triton_interpreter`` of ``module._check_<check>()``: one subprocess per
+    check, so pytest-xdist spreads the checks over the cores, each with its own timeout."""
+    run_under_triton_interpreter(f"from {module} import _check_{check} as c\nc()\nprint('{check} passed')",
+                                 done=f"{check} passed", timeout=timeout)

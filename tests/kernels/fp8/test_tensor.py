@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._helpers import run_under_triton_interpreter
+from tests._helpers import run_check_under_triton_interpreter
 from tests._tiers import slow
 
 import hybrid_dist as hd
@@ -161,6 +161,4 @@ CHECKS = ('fp8_current_compiled', 'fp8_batched', 'fp8_batched_delayed')
 @slow  # minutes of interpreted kernels on two cores: the slow tier
 @pytest.mark.parametrize("check", CHECKS)
 def test_fp8_tensor_under_triton_interpreter(check):
-    # one subprocess per check: xdist spreads them over the cores, each has its own timeout
-    run_under_triton_interpreter(f"from tests.kernels.fp8.test_tensor import _check_{check} as c\n"
-                                 f"c()\nprint('{check} passed')", done=f"{check} passed")
+    run_check_under_triton_interpreter("tests.kernels.fp8.test_tensor", check)

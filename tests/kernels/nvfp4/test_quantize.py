@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._helpers import run_under_triton_interpreter
+from tests._helpers import run_check_under_triton_interpreter
 from tests._tiers import slow
 
 import hybrid_dist as hd
@@ -241,6 +241,4 @@ CHECKS = ('nvfp4_empty', 'nvfp4_reference', 'nvfp4_sr_stream')
 @slow  # minutes of interpreted kernels on two cores: the slow tier
 @pytest.mark.parametrize("check", CHECKS)
 def test_nvfp4_under_triton_interpreter(check):
-    # one subprocess per check: xdist spreads them over the cores, each has its own timeout
-    run_under_triton_interpreter(f"from tests.kernels.nvfp4.test_quantize import _check_{check} as c\n"
-                                 f"c()\nprint('{check} passed')", done=f"{check} passed")
+    run_check_under_triton_interpreter("tests.kernels.nvfp4.test_quantize", check)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._helpers import run_under_triton_interpreter
+from tests._helpers import run_check_under_triton_interpreter
 from tests._tiers import slow
 
 from hybrid_dist.kernels.nvfp4.configs import (NVFP4_SWEEP, NVFP4_WORDS_BOTH, NVFP4_WORDS_DEFAULT,
@@ -138,6 +138,4 @@ CHECKS = ('nvfp4_rht_words_vs_tile',)
 @slow  # minutes of interpreted kernels on two cores: the slow tier
 @pytest.mark.parametrize("check", CHECKS)
 def test_nvfp4_words_under_triton_interpreter(check):
-    # one subprocess per check: xdist spreads them over the cores, each has its own timeout
-    run_under_triton_interpreter(f"from tests.kernels.nvfp4.test_words import _check_{check} as c\n"
-                                 f"c()\nprint('{check} passed')", done=f"{check} passed")
+    run_check_under_triton_interpreter("tests.kernels.nvfp4.test_words", check)
