@@ -5,15 +5,15 @@ Bytes counted: the input read once plus every output byte written (the fewest a 
 kernel must move); formats with a per-tensor current amax read the input a second time,
 which is counted too (``reads`` column). Run: ``python -m benchmarks.quantize``.
 
-``--fast-paths``: each kept fast path (MXFP8's rowwise-only kernel and words kernel,
-NVFP4's words kernel) against the general kernel of its format on the same input, medians
-of interleaved rounds, and whether the outputs are bitwise equal (they must be).
+``--fast-paths``: each kept fast path (the MXFP8 and NVFP4 words kernels) against the
+general kernel of its format on the same input, medians of interleaved rounds, and whether
+the outputs are bitwise equal (they must be).
 
 ``--sweep``: one table of the MXFP8 / NVFP4 fused passes per tile config of
 ``kernels.mxfp8.configs`` and ``kernels.nvfp4.configs``, each pass timed alone (NVFP4 with
 precomputed global scales; the amax pass in its own rows). ``differs`` = bytes of the
-outputs that differ from the first row of the case (MXFP8: the rowwise-only kernel run in
-both directions; NVFP4: the tile kernel at its default config): 0 expected.
+outputs that differ from the first row of the case (MXFP8: the 32-row-set kernel at the first
+config of ``MXFP8_SWEEP``; NVFP4: the tile kernel at its default config): 0 expected.
 """
 
 from __future__ import annotations
@@ -71,11 +71,9 @@ def _row(name, label, fn, ref_out, copy):
 def _sweep_mxfp8(x, copy) -> list[list]:
     from hybrid_dist.kernels.mxfp8.configs import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
     from hybrid_dist.kernels.mxfp8.quantize import mxfp8_quantize_tiles
-    from hybrid_dist.kernels.mxfp8.rowwise import mxfp8_quantize_rowwise
 
-    base = mxfp8_quantize_rowwise(x, E4M3, True, True)
-    rows = [_row("mxfp8 row+col", "rowwise kernel (32x256/w4)", lambda: mxfp8_quantize_rowwise(x, E4M3, True, True),
-                 None, copy)]
+    base = mxfp8_quantize_tiles(x, E4M3, True, True, MXFP8_SWEEP[0], words=False)
+    rows = []
     for words, sweep in ((False, MXFP8_SWEEP), (True, MXFP8_WORDS_SWEEP)):
         for cfg in sweep:
             label = f"{'words' if words else 'row sets'} {cfg.label()}"
@@ -133,11 +131,9 @@ def fast_path_cases(x) -> list[tuple]:
     """``(format, case, general, fast)`` for every kept fast path on ``x``: two callables that
     return the output tensors of the general kernel of the format and of the fast path."""
     from hybrid_dist.kernels.mxfp8.quantize import mxfp8_quantize_tiles
-    from hybrid_dist.kernels.mxfp8.rowwise import mxfp8_quantize_rowwise
     from hybrid_dist.kernels.nvfp4.quantize import _rht_row, nvfp4_amax_tiles, nvfp4_quantize_tiles
 
-    cases = [("mxfp8", "row only: rowwise kernel", lambda: mxfp8_quantize_tiles(x, E4M3, True, False, words=False),
-              lambda: mxfp8_quantize_rowwise(x, E4M3, True, False))]
+    cases = []
     for case, rw, cw in (("row+col", True, True), ("col only", False, True)):
         cases.append(("mxfp8", f"{case}: words kernel",
                       lambda rw=rw, cw=cw: mxfp8_quantize_tiles(x, E4M3, rw, cw, words=False),

@@ -22,7 +22,7 @@ inputs use the short E8M0 helpers for bf16-valued amax (``_jit_common.e8m0_rceil
 Tile configs: ``mxfp8.configs`` (``bm`` must be 32).
 
 Dispatch (``mxfp8_quantize_op``): with a columnwise direction, bf16 that reads as int32
-words takes ``mxfp8.words``, other inputs this kernel; rowwise only takes ``mxfp8.rowwise``.
+words takes ``mxfp8.words``; every other input, and rowwise only, takes this kernel.
 """
 
 from __future__ import annotations
@@ -230,11 +230,7 @@ def mxfp8_quantize_op(
     """``(row [M,K], row_scale [M,K/32], col [K,M], col_scale [K,M/32])``; absent ones empty.
 
     With columnwise: ``mxfp8.words`` for word-readable bf16, else the 32-row-set kernel;
-    rowwise only: ``mxfp8.rowwise`` (the fastest of the three there)."""
-    if not columnwise:
-        from hybrid_dist.kernels.mxfp8.rowwise import mxfp8_quantize_rowwise
-
-        return mxfp8_quantize_rowwise(x, dtype, rowwise, columnwise)
+    rowwise only: the 32-row-set kernel (masked rows when ``M % 32 != 0``)."""
     return mxfp8_quantize_tiles(x, dtype, rowwise, columnwise)
 
 

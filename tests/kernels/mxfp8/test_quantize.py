@@ -1,7 +1,7 @@
-"""The MXFP8 quantize kernels (``kernels.mxfp8``: the 32-row-set kernel, the words kernel, the
-rowwise-only kernel) against the reference: bitwise on the GPU at every tile config, and
-under the Triton interpreter (CPU, the slow tier) on inputs whose casts are exact; the words
-kernel refuses what it cannot read (host side).
+"""The MXFP8 quantize kernels (``kernels.mxfp8``: the 32-row-set kernel, which also serves
+rowwise only, and the words kernel) against the reference: bitwise on the GPU at every tile
+config, and under the Triton interpreter (CPU, the slow tier) on inputs whose casts are exact;
+the words kernel refuses what it cannot read (host side).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ MXFP8_KERNEL_CONFIGS = [("words", c) for c in MXFP8_WORDS_SWEEP] + [("row sets",
 @pytest.mark.parametrize("kernel,cfg", MXFP8_KERNEL_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.label())
 def test_mxfp8_tile_configs_bitwise(kernel, cfg):
     """Both columnwise kernels at every tile config: word-aligned bf16 takes ``mxfp8.words``,
-    a 2-byte aligned view the 32-row-set kernel (rowwise alone is the rowwise kernel's, or the row-set
-    kernel's at a 32-row config). Shapes with partial tiles along M and K."""
+    a 2-byte aligned view the 32-row-set kernel (which also takes rowwise alone). Shapes with
+    partial tiles along M and K."""
     dirs = DIRS if kernel == "row sets" else [(True, True), (False, True)]
     for dtype in (E4M3, E5M2):
         q = hd.MXFP8Quantizer(dtype=dtype)
@@ -67,7 +67,7 @@ def test_mxfp8_words_kernel_refuses_what_it_cannot_read(case):
 
 def _check_mxfp8():
     import hybrid_dist as hd
-    from hybrid_dist.kernels.mxfp8 import quantize as mxfp8, rowwise as mxfp8_rowwise
+    from hybrid_dist.kernels.mxfp8 import quantize as mxfp8
     from hybrid_dist.kernels.mxfp8.configs import MXFP8_SWEEP, MXFP8_WORDS_SWEEP
     from hybrid_dist.formats.mxfp8 import mxfp8_quantize_rows
 
@@ -83,7 +83,6 @@ def _check_mxfp8():
                 for name, a, b in zip(("row", "row_scale", "col", "col_scale"),
                                       mxfp8.mxfp8_quantize_tiles(xi, dtype, True, True, cfg, words=True), r):
                     bits_equal(a, b, f"mxfp8 words {cfg.label()} {dtype} {what} {name}")
-        outs["rowwise kernel"] = mxfp8_rowwise.mxfp8_quantize_rowwise(x, dtype, True, True)
         for label, out in outs.items():
             for name, a, b in zip(("row", "row_scale", "col", "col_scale"), out, ref):
                 bits_equal(a, b, f"mxfp8 {dtype} {label} {name}")
@@ -98,6 +97,12 @@ def _check_mxfp8():
             out = mxfp8.mxfp8_quantize_tiles(xi, dtype, True, False, MXFP8_SWEEP[0])
             for name, a, b in zip(("row", "row_scale"), out, mxfp8_quantize_rows(xi, dtype)):
                 bits_equal(a, b, f"mxfp8 {dtype} rowwise {what} {name}")
+        # rowwise only through the operator (the dispatcher call; it takes the 32-row-set kernel)
+        for xi, what in ((x, "96x160"), (x[:40], "40 rows"), (x.float(), "fp32 input")):
+            out = mxfp8.mxfp8_quantize_op(xi, dtype, True, False)
+            for name, a, b in zip(("row", "row_scale"), out, mxfp8_quantize_rows(xi, dtype)):
+                bits_equal(a, b, f"mxfp8 op {dtype} rowwise {what} {name}")
+            assert out[2].numel() == 0 and out[3].numel() == 0, f"mxfp8 op {dtype} rowwise {what}: columnwise made"
 
 
 CHECKS = ('mxfp8',)
