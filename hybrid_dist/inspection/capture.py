@@ -8,7 +8,8 @@ unless both are set. Inside ``capturing()`` the function passes the high-precisi
 and the storages its GEMMs use to ``ModuleStats.record``, which writes one row of
 ``quant_stats`` per (tensor type, direction, format) into a preallocated device buffer, in
 place: no host sync, and traceable, so a ``torch.compile``d block traces the capture with
-no graph break (Dynamo guards on the flag: a compiled block keeps one graph without
+no graph break (each row is one opaque operator, ``stats_op``, so Inductor compiles nothing
+for it) (Dynamo guards on the flag: a compiled block keeps one graph without
 statistics and one with). Backward reads ``ctx.stats``, set in forward, so gradients are
 captured for exactly the forwards that were. The buffers are read by the host once per
 logging step (``StatsCollector.read``).
@@ -22,7 +23,8 @@ from typing import Iterator
 import torch
 
 from hybrid_dist.inspection.candidates import CANDIDATES, GEMM_OF, fits, format_label
-from hybrid_dist.inspection.stats import WIDTH, quant_stats
+from hybrid_dist.inspection.stats import WIDTH
+from hybrid_dist.inspection.stats_op import candidate_stats, storage_stats
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 _CAPTURING = [False]  # process-wide (autograd may run backward on another thread); traces guard on it
@@ -54,16 +56,15 @@ class ModuleStats:
     def __init__(self, *, name: str, plan, device: torch.device, candidates: bool = True):
         self.name = name
         self.rows: list[tuple[str, str, str, bool]] = []  # (tensor_type, direction, format label, used)
-        self.quantizers: dict[tuple[str, str, str], object] = {}  # candidate rows -> quantizer
+        self.candidates: dict[tuple[str, str, str], str] = {}  # candidate rows -> CANDIDATES key
         for (tensor_type, direction) in GEMM_OF:
             used = format_label(getattr(plan, tensor_type), direction)
             self.rows.append((tensor_type, direction, used, True))
-            for cand in CANDIDATES.values() if candidates else ():
-                q = cand[tensor_type]
-                label = format_label(q, direction)
+            for cand_name, cand in CANDIDATES.items() if candidates else ():
+                label = format_label(cand[tensor_type], direction)
                 if label != used:
                     self.rows.append((tensor_type, direction, label, False))
-                    self.quantizers[(tensor_type, direction, label)] = q
+                    self.candidates[(tensor_type, direction, label)] = cand_name
         self.index = {row[:3]: i for i, row in enumerate(self.rows)}
         self.buf = torch.zeros(len(self.rows), WIDTH, dtype=torch.float64, device=device)  # why: one read per step
 
@@ -86,12 +87,11 @@ class ModuleStats:
                 if t != tensor_type or d != direction:
                     continue
                 if used:
-                    self._write((t, d, label), quant_stats(x2d, st, sharded=sharded))
-                elif x2d is not None and fits(self.quantizers[(t, d, label)], *x2d.shape, direction):
-                    q = self.quantizers[(t, d, label)]
-                    r, c = q.quantize_storages(x2d, rowwise=direction == "rowwise",
-                                               columnwise=direction == "columnwise")
-                    self._write((t, d, label), quant_stats(x2d, r if r is not None else c, sharded=sharded))
+                    self._write((t, d, label), storage_stats(x2d, st, sharded=sharded))
+                    continue
+                cand = self.candidates[(t, d, label)]
+                if x2d is not None and fits(CANDIDATES[cand][t], *x2d.shape, direction):
+                    self._write((t, d, label), candidate_stats(x2d, cand, t, direction, sharded=sharded))
 
     def _write(self, key, vec: torch.Tensor) -> None:
         self.buf[self.index[key]].copy_(vec)

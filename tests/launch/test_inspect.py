@@ -18,6 +18,7 @@ from hybrid_dist.launch import advise, plot
 from hybrid_dist.launch.config import load_recipe
 from hybrid_dist.launch.inspect_records import COLUMNS, RECORD_KEYS, load_inspect
 from hybrid_dist.launch.inspect_stats import is_inspect_step
+from tests._tiers import slow
 
 TINY_LINEARS = 2 * 7  # tiny preset: 2 blocks of wq, wk, wv, wo, w1, w3, w2
 
@@ -148,3 +149,25 @@ def test_inspect_needs_metrics():
     from hybrid_dist.launch.config import TrainConfig
     with pytest.raises(ValueError, match="--inspect-every 5 writes to the metrics file"):
         TrainConfig(inspect_every=5)
+
+
+def _events(path, kind: str) -> list[dict]:
+    with open(path) as f:
+        return [e for e in map(json.loads, f) if e.get("event") == kind]
+
+
+@slow
+def test_compiled_run_with_statistics_trains_like_without(tmp_path):
+    """``--compile`` (Inductor) with statistics: two graphs per block structure (with and
+    without), no graph break, every inspect step recorded, and the losses of the run without
+    statistics, bitwise."""
+    plain, inspected = tmp_path / "plain.jsonl", tmp_path / "inspected.jsonl"
+    common = ["--compile", "--recipe", "fp8_current", "--steps", "3"]
+    _train([*common, "--metrics", str(plain)], tmp_path)
+    _train([*common, "--inspect-every", "2", "--metrics", str(inspected)], tmp_path)
+    assert [e["loss"] for e in _events(inspected, "step")] == [e["loss"] for e in _events(plain, "step")]
+    summary = _events(inspected, "summary")[-1]
+    assert summary["compile_stats"] == {"graphs": 2, "graph_breaks": 0}
+    _, events = load_inspect(str(inspected))
+    assert [e["step"] for e in events] == [1, 2]
+    assert all(len([r for r in e["records"] if r["used"]]) == TINY_LINEARS * len(COLUMNS) for e in events)
