@@ -7,9 +7,13 @@
 # 3. with COST_MODEL set (e.g. "--preset 8b --layers 16 --batch-size 1 --seq-len 8192"): that
 #    model on NGPU GPUs under FSDP, compiled, fp8_current + quantized init, COST_STEPS steps,
 #    without and with --inspect-every COST_EVERY, in one call: the step-time ratio.
+# PHASES (default "cost inspect train") picks steps; without "inspect", ADVISED names the advised
+# recipe to train (default $OUT/advised.py). RECIPES overrides the trained recipes.
 # Writes $OUT/advisor.log (every summary line as it comes), advised.{py,txt,png}, the plots and
-# one archive of the JSONL files: few files, so a device call returns them all.
+# runs.tar (each run's JSONL and log, appended as it finishes): few files, so a device call
+# returns them all, also when it is stopped early.
 #   NGPU=2 OUT=gpu_logs bash benchmarks/run_advisor_gpu.sh
+#   PHASES=train ADVISED=advised.py RECIPES="advised" SEEDS="0" bash benchmarks/run_advisor_gpu.sh
 set -o pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 NGPU=${NGPU:-1}; PRESET=${PRESET:-125m}; STEPS=${STEPS:-300}; INSPECT=${INSPECT:-50}; SEEDS=${SEEDS:-"0 1 2"}
@@ -18,9 +22,16 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 LOG=$OUT/advisor.log; T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 RUN="--preset $PRESET --steps $STEPS --batch-size ${BATCH:-8} --seq-len ${SEQ:-512} --lr ${LR:-1e-3} --log-every 100"
+PHASES=${PHASES:-"cost inspect train"}; ADVISED=${ADVISED:-$OUT/advised.py}
+RECIPES=${RECIPES:-"bf16 fp8_current mxfp8_fwd_nvfp4_bwd advised"}
 summary() { grep -E "^summary|Error" "$1" | tail -n 2 | cut -c1-260; }
+WORK=$(mktemp -d)  # copies of the JSONL files for the table and plots (outside $OUT)
+keep() {  # archive files of $OUT into runs.tar as runs finish (one writer at a time)
+  (cd "$OUT" && cp "$@" "$WORK"/ 2>/dev/null; flock "$OUT/runs.tar" tar rf runs.tar "$@" 2>/dev/null && rm -f "$@")
+}
+has() { [[ " $PHASES " == *" $1 "* ]]; }
 
-if [ -n "${COST_MODEL:-}" ]; then
+if has cost && [ -n "${COST_MODEL:-}" ]; then
   log "== inspection cost: $COST_MODEL, FSDP $NGPU, compiled, fp8_current + qinit, $COST_STEPS steps"
   for every in 0 "$COST_EVERY"; do
     opts=""; [ "$every" != 0 ] && opts="--inspect-every $every --metrics $OUT/cost_inspect.jsonl"
@@ -29,20 +40,27 @@ if [ -n "${COST_MODEL:-}" ]; then
       -m hybrid_dist.launch.train $COST_MODEL --fsdp "$NGPU" --compile --recipe fp8_current --quantized-init \
       --steps "$COST_STEPS" --log-every 100 $opts > "$OUT/cost_$every.log" 2>&1
     log "inspect-every $every: $(summary "$OUT/cost_$every.log")"
+    keep "cost_$every.log"
   done
+  keep cost_inspect.jsonl
 fi
 
-log "== bf16 $PRESET inspected every $INSPECT steps"
-# shellcheck disable=SC2086
-timeout "${RUN_TIMEOUT:-200}" torchrun --nproc-per-node 1 --master-port 29450 -m hybrid_dist.launch.train $RUN \
-  --recipe bf16 --seed 0 --inspect-every "$INSPECT" --metrics "$OUT/inspected_bf16.jsonl" > "$OUT/inspected.log" 2>&1
-log "$(summary "$OUT/inspected.log")"
-python3 -m hybrid_dist.launch.advise "$OUT/inspected_bf16.jsonl" --min-sqnr "$MIN_SQNR" --out "$OUT/advised" \
-  2>&1 | grep -E "choices|wrote" | tee -a "$LOG"
+if has inspect; then
+  log "== bf16 $PRESET inspected every $INSPECT steps"
+  # shellcheck disable=SC2086
+  timeout "${RUN_TIMEOUT:-200}" torchrun --nproc-per-node 1 --master-port 29450 -m hybrid_dist.launch.train $RUN \
+    --recipe bf16 --seed 0 --inspect-every "$INSPECT" --metrics "$OUT/inspected_bf16.jsonl" > "$OUT/inspected.log" 2>&1
+  log "$(summary "$OUT/inspected.log")"
+  python3 -m hybrid_dist.launch.advise "$OUT/inspected_bf16.jsonl" --min-sqnr "$MIN_SQNR" --out "$OUT/advised" \
+    2>&1 | grep -E "choices|wrote" | tee -a "$LOG"
+  keep inspected.log inspected_bf16.jsonl
+fi
 
-log "== 4 recipes x seeds ($SEEDS) on $NGPU GPUs"
+if has train; then
+log "== $RECIPES x seeds ($SEEDS) on $NGPU GPUs"
 jobs=()
-for r in bf16 fp8_current mxfp8_fwd_nvfp4_bwd "$OUT/advised.py:recipe"; do
+for r in $RECIPES; do
+  [ "$r" = advised ] && r="$ADVISED:recipe"
   for s in $SEEDS; do jobs+=("$r,$s"); done
 done
 for g in $(seq 0 $((NGPU - 1))); do
@@ -54,15 +72,18 @@ for g in $(seq 0 $((NGPU - 1))); do
         -m hybrid_dist.launch.train $RUN --recipe "$r" --seed "$s" --metrics "$OUT/conv_${tag}_s$s.jsonl" \
         > "$OUT/conv_${tag}_s$s.log" 2>&1
       log "$tag seed $s: $(summary "$OUT/conv_${tag}_s$s.log")"
+      keep "conv_${tag}_s$s.jsonl" "conv_${tag}_s$s.log"
     done
   ) &
 done
 wait
-python3 -m benchmarks.convergence_table "$OUT"/conv_*.jsonl 2>&1 | tee -a "$LOG"
-python3 -m hybrid_dist.launch.plot "$OUT"/conv_*_s0.jsonl --out "$OUT/advisor_losses.png" > /dev/null 2>&1 \
+python3 -m benchmarks.convergence_table "$WORK"/conv_*.jsonl 2>&1 | tee -a "$LOG"
+python3 -m hybrid_dist.launch.plot "$WORK"/conv_*_s0.jsonl --out "$OUT/advisor_losses.png" > /dev/null 2>&1 \
   || log "(loss plot skipped)"
-python3 -m hybrid_dist.launch.plot "$OUT/inspected_bf16.jsonl" --out "$OUT/inspected.png" > /dev/null 2>&1 \
-  || log "(inspection plot skipped)"
-(cd "$OUT" && tar czf advisor_runs.tgz --exclude=advisor.log ./*.jsonl ./*.log 2>/dev/null \
-  && rm -f ./*.jsonl conv_*.log cost_*.log inspected.log)
+fi
+if [ -f "$WORK/inspected_bf16.jsonl" ]; then
+  python3 -m hybrid_dist.launch.plot "$WORK/inspected_bf16.jsonl" --out "$OUT/inspected.png" > /dev/null 2>&1 \
+    || log "(inspection plot skipped)"
+fi
+rm -rf "$WORK"
 log "== done"
