@@ -6,9 +6,14 @@ per-tensor amax. So a source rank can quantize the rows it sends to expert e wit
 amax of **all** of e's rows (one all-reduce MAX of an ``[E]`` vector) and the receiver
 gets exactly the rows it would have made from the high-precision tokens.
 
+The sender quantizes all its slots at once (``quantize_slots``): one storage whose
+per-tensor fields are ``[E]`` vectors, each row quantized with its expert's entry, so per
+expert the bytes are those of quantizing its rows alone.
+
 Wire row of one token: the row-axis fields of the storage (``data``, block scales) viewed
 as bytes and concatenated: ``[m, Σ bytes per row]`` uint8. Per-tensor fields are not sent:
-the receiver recomputes them from the same all-reduced amax (``template``).
+every rank computes them from the same all-reduced amax (``expert_rows`` picks an
+expert's entry).
 
 The columnwise direction blocks along tokens that come from several ranks, so it is made
 at the receiver: derived exactly from the rowwise bits where the format allows (per-tensor
@@ -24,8 +29,9 @@ import torch
 
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
-from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
+from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage, nvfp4_global_scale, nvfp4_quantize_rows
 from hybrid_dist.formats import DirectionStorage
+from hybrid_dist.moe import device_split
 
 
 def unsupported_reason(q, *, need_columnwise: bool) -> str | None:
@@ -62,11 +68,37 @@ def _row_fields(st: DirectionStorage) -> list[str]:
     return [f for f in st.TENSOR_FIELDS if "R" in st.field_axes()[f]]
 
 
-def template(q, k: int, amax: torch.Tensor, like: torch.Tensor) -> DirectionStorage:
-    """An empty ``[0, K]`` rowwise storage carrying the per-tensor fields for ``amax``."""
-    row, _ = q.direction_quantizer("rowwise").quantize_storages(
-        like.new_zeros(0, k), rowwise=True, columnwise=False, amax=amax)
-    return row
+def _tensor_fields(st: DirectionStorage) -> list[str]:
+    return [f for f in st.TENSOR_FIELDS if not st.field_axes()[f]]
+
+
+def quantize_slots(q, x: torch.Tensor, slot_expert: torch.Tensor, slot_offsets: torch.Tensor,
+                   amax: torch.Tensor | None) -> DirectionStorage:
+    """The rowwise storage of every slot ``x [S, K]`` (rows sorted by expert) in one pass;
+    its per-tensor fields are ``[E]`` vectors, entry e for expert e's rows. Per slot the
+    bytes are those of quantizing expert e's rows alone with ``amax[e]`` (module doc):
+
+    * no per-tensor scale (MXFP8, FP8 1×128, identity): the blocks are per token, so one
+      quantize of all rows;
+    * per-tensor FP8: each row times its expert's scale, one cast (``device_split.
+      fp8_rows_by_expert``: the Triton row-cast kernel on CUDA bf16);
+    * NVFP4 (1D, no SR): each row's block scales against its expert's global scale.
+
+    ``slot_expert [S]``: each row's expert; ``slot_offsets [E+1]``: each expert's first row;
+    ``amax [E]``: the all-reduced amaxes (None for formats without a per-tensor scale)."""
+    row = q.direction_quantizer("rowwise")
+    if isinstance(row, Float8Quantizer):
+        scale = row.compute_scale(x, None, amax)
+        data = device_split.fp8_rows_by_expert(x, scale, slot_expert, slot_offsets, row.dtype)
+        return Float8Storage(data=data, scale_inv=torch.reciprocal(scale), transposed=False)
+    if isinstance(row, NVFP4Quantizer):
+        gs = nvfp4_global_scale(amax.float().to(x.device))
+        data, bs = nvfp4_quantize_rows(x.float(), gs[slot_expert][:, None], block_rows=1, rand=None)
+        return NVFP4Storage(data=data, block_scale=bs, global_scale=gs, block_rows=1, rht_seed=None, transposed=False)
+    if row.is_per_tensor:
+        raise AssertionError(f"no one-pass slot quantization for the per-tensor {type(row).__name__}")
+    st, _ = row.quantize_storages(x, rowwise=True, columnwise=False)
+    return st
 
 
 def pack(st: DirectionStorage) -> torch.Tensor:
@@ -75,20 +107,27 @@ def pack(st: DirectionStorage) -> torch.Tensor:
     return torch.cat([p.reshape(p.shape[0], torch.Size(p.shape[1:]).numel()).view(torch.uint8) for p in parts], dim=1)
 
 
-def row_bytes(tmpl: DirectionStorage) -> int:
-    """Bytes one token takes on the wire in ``tmpl``'s format."""
-    return sum(getattr(tmpl, f).element_size() * torch.Size(getattr(tmpl, f).shape[1:]).numel()
-               for f in _row_fields(tmpl))
+def row_bytes(st: DirectionStorage) -> int:
+    """Bytes one token takes on the wire in ``st``'s format."""
+    return sum(getattr(st, f).element_size() * torch.Size(getattr(st, f).shape[1:]).numel()
+               for f in _row_fields(st))
 
 
-def unpack(buf: torch.Tensor, tmpl: DirectionStorage, rows: int) -> DirectionStorage:
-    """Inverse of ``pack`` into ``tmpl``'s format, zero-padded to ``rows`` rows."""
+def unpack(buf: torch.Tensor, like: DirectionStorage, dest: torch.Tensor, rows: int) -> DirectionStorage:
+    """Inverse of ``pack``: wire row i lands on row ``dest[i]`` of a zero-filled storage of
+    ``rows`` rows in ``like``'s format (its per-tensor fields kept as they are)."""
+    padded = buf.new_zeros(rows, buf.shape[1]).index_copy_(0, dest, buf)
     out, col = {}, 0
-    m = buf.shape[0]
-    for f in _row_fields(tmpl):
-        t = getattr(tmpl, f)
+    for f in _row_fields(like):
+        t = getattr(like, f)
         width = t.element_size() * torch.Size(t.shape[1:]).numel()
-        field = buf[:, col:col + width].contiguous().view(t.dtype).reshape(m, *t.shape[1:])
-        out[f] = torch.cat([field, field.new_zeros(rows - m, *t.shape[1:])]) if rows > m else field
+        out[f] = padded[:, col:col + width].contiguous().view(t.dtype).reshape(rows, *t.shape[1:])
         col += width
-    return dataclasses.replace(tmpl, **out)
+    return dataclasses.replace(like, **out)
+
+
+def expert_rows(st: DirectionStorage, expert: int, start: int, length: int) -> DirectionStorage:
+    """Rows ``[start, start + length)`` of a slot storage with ``expert``'s entry of each
+    ``[E]`` per-tensor field (``quantize_slots``)."""
+    part = st.narrow_dim0(start, length)
+    return part.with_tensors({f: getattr(st, f)[expert] for f in _tensor_fields(st)})

@@ -52,7 +52,8 @@ from hybrid_dist.formats.numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe._segment_ops import segment_state_rand
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
-__all__ = ["PackedSplit", "packed_fp8_rows", "split_quantize_packed", "unsupported_reason"]
+__all__ = ["PackedSplit", "expert_amaxes", "fp8_rows_by_expert", "packed_fp8_rows", "split_quantize_packed",
+           "unsupported_reason"]
 
 _BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
 
@@ -107,20 +108,40 @@ def _fp8_kernel_fits(x) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """fp32 ``[E]``: ``max |x[t]|`` over the rows of each expert (0 for none); ``x [T, K]``
+    rows sorted by expert, ``row_expert [T]`` each row's expert. Exact (a max), so bitwise
+    ``tensor_amax`` of each expert's rows: one Triton pass on CUDA bf16, else max per row
+    then per expert."""
+    if _fp8_kernel_fits(x):
+        from hybrid_dist.kernels.fp8.rows import expert_amax
+
+        return expert_amax(x, row_expert, num_experts)
+    row_amax = torch.linalg.vector_norm(x, float("inf"), dim=1).float() if x.shape[0] \
+        else x.new_zeros(0, dtype=torch.float32)
+    return torch.zeros(num_experts, dtype=torch.float32, device=x.device).scatter_reduce(
+        0, row_expert, row_amax, reduce="amax", include_self=True)
+
+
+def fp8_rows_by_expert(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """fp8 ``[T, K]``: ``cast_fp8(x[t] · scale[row_expert[t]])`` for ``x [T, K]`` sorted by
+    expert (no padding), ``scale [E]`` fp32, ``offsets [E+1]`` each expert's first row: the
+    Triton ``fp8_rows`` kernel where it serves ``x``, else the torch form (the same bytes:
+    one fp32 product, a saturating round-to-nearest-even cast)."""
+    if _fp8_kernel_fits(x):
+        from hybrid_dist.kernels.fp8.rows import fp8_rows
+
+        return fp8_rows(x, scale, row_expert, offsets, offsets, dtype, rowwise=True, columnwise=False)[0]
+    return cast_to_fp8(x * scale.float()[row_expert][:, None], dtype)  # fp32 product (type promotion)
+
+
 def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, columnwise: bool):
     """FP8 with one scale per expert: ``(rowwise fields or None, columnwise fields or None)``
     (one cast for both; the columnwise codes are the rowwise ones transposed)."""
     x, e = lay.x, lay.num_experts
     on_triton = _fp8_kernel_fits(x)
-    if on_triton:  # one Triton pass: tiles max-reduce per expert (exact)
-        from hybrid_dist.kernels.fp8.rows import expert_amax, fp8_rows
-
-        amax = expert_amax(x, lay.eid, e)
-    else:  # max |x| per row in one pass, then per expert (exact: a max of representable values)
-        row_amax = torch.linalg.vector_norm(x, float("inf"), dim=1).float() if x.shape[0] \
-            else x.new_zeros(0, dtype=torch.float32)
-        amax = torch.zeros(e, dtype=torch.float32, device=x.device).scatter_reduce(
-            0, lay.eid, row_amax, reduce="amax", include_self=True)
+    amax = expert_amaxes(x, lay.eid, e)
     stacked = all(isinstance(s, DelayedScalingState) for s in states) and not torch.compiler.is_compiling()
     if q.scaling == "delayed" and stacked:
         hist, scale = stacked_delayed_states(states, x.device)  # every expert's state at once
@@ -131,6 +152,8 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     else:
         scale = q.compute_scale(x, None, amax)
     if on_triton:
+        from hybrid_dist.kernels.fp8.rows import fp8_rows
+
         row, col = fp8_rows(x, scale, lay.row_expert, lay.off, lay.poff, q.dtype, rowwise=rowwise,
                             columnwise=columnwise)
     else:

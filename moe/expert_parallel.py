@@ -14,7 +14,9 @@ Per step: one ``all_to_all_single`` of the ``[E]`` counts; the forward token pay
 (dispatch) and the combine's backward payload (dy) each need one ``all_reduce`` (MAX) of
 an ``[E]`` amax vector when their format has a per-tensor scale, then one
 ``all_to_all_single`` of packed bytes (``_wire``); the combine forward and the dispatch
-backward exchange high precision (they are summed, not multiplied).
+backward exchange high precision (they are summed, not multiplied). The sender quantizes
+all its slots in one pass whatever E (``_wire.quantize_slots``: per-tensor formats scale
+each row by its expert's scale), so its launches and host time do not grow with E.
 
 Which payloads travel quantized (``_wire.unsupported_reason``): the rowwise direction of
 formats whose blocks run along K (per token), with a per-tensor scale from the all-reduced
@@ -43,7 +45,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from hybrid_dist.amax_sync import global_amaxes
+from hybrid_dist.amax_sync import all_reduce_amaxes
 from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
@@ -70,6 +72,8 @@ class Route:
     rank: int
     world: int
     counts_global: list[int]  # [E] this rank's slots per global expert
+    slot_expert: torch.Tensor  # [S] global expert of each slot (sorted), on device
+    slot_offsets: torch.Tensor  # [E+1] each global expert's first slot, on device
     send_splits: list[int]  # [W] slots to each rank
     recv_counts: list[list[int]]  # [W][E_l] slots from each source per local expert
     recv_splits: list[int]  # [W]
@@ -97,8 +101,11 @@ def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) 
             idx[j].append(torch.arange(pos, pos + recv_counts[s][j]))
             pos += recv_counts[s][j]
     regroup = torch.cat([t for per in idx for t in per]) if pos else torch.zeros(0, dtype=torch.int64)
+    slot_offsets, _ = padded_offsets(tokens_per_expert, 1)
+    slot_expert = torch.repeat_interleave(torch.arange(e, device=tokens_per_expert.device), tokens_per_expert,
+                                          output_size=sum(counts))
     return Route(
-        group=group, rank=rank, world=world, counts_global=counts,
+        group=group, rank=rank, world=world, counts_global=counts, slot_expert=slot_expert, slot_offsets=slot_offsets,
         send_splits=[sum(counts[d * e_l:(d + 1) * e_l]) for d in range(world)],
         recv_counts=recv_counts, recv_splits=[sum(r) for r in recv_counts],
         regroup=regroup.to(tokens_per_expert.device),
@@ -148,41 +155,45 @@ def _exchange(x, route: Route, to_experts: bool, stats, key: str):
 
 def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_columnwise: bool,
                        stats, key: str, packed_multiple: int | None = None):
-    """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``) and build the
-    experts' :class:`GroupedQuantized` (padded to ``multiple``) at the receiver; with
-    ``packed_multiple`` (per-tensor FP8 only), their ``device_split.PackedSplit`` for the
-    sync-free grouped GEMMs instead."""
+    """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``: one quantize
+    pass over all slots) and build the experts' :class:`GroupedQuantized` (padded to
+    ``multiple``) at the receiver; with ``packed_multiple`` (per-tensor FP8 only), their
+    ``device_split.PackedSplit`` for the sync-free grouped GEMMs instead."""
     e = len(route.counts_global)
     e_l = e // route.world
-    chunks = list(torch.split(x_perm.detach(), route.counts_global))
-    per_tensor = quantizer.direction_quantizer("rowwise").is_per_tensor
-    amax = global_amaxes(chunks, [route.group] if per_tensor else [])
-    if per_tensor:
+    x = x_perm.detach()
+    row_q = quantizer.direction_quantizer("rowwise")
+    amax = None
+    if row_q.is_per_tensor:  # one MAX all-reduce of the [E] per-expert amaxes
+        amax = all_reduce_amaxes(device_split.expert_amaxes(x, route.slot_expert, e), [route.group])
         if stats is not None:
             stats.add(key + "_amax", amax.numel() * amax.element_size())  # all-reduce payload
-    k = x_perm.shape[1]
-    tmpls = [_wire.template(quantizer, k, amax[i], x_perm) for i in range(e)]
-    row_q = quantizer.direction_quantizer("rowwise")
-    packed = [_wire.pack(row_q.quantize_storages(c, rowwise=True, columnwise=False, amax=amax[i])[0])
-              for i, c in enumerate(chunks)]
-    width = _wire.row_bytes(tmpls[0])
-    send = torch.cat(packed) if packed else x_perm.new_zeros(0, width, dtype=torch.uint8)
-    recv = _a2a(send.reshape(-1, width), route.send_splits, route.recv_splits, route, stats, key)
+    slots = _wire.quantize_slots(quantizer, x, route.slot_expert, route.slot_offsets, amax)
+    recv = _a2a(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)
     recv = _to_expert_major(recv, route)
+    first = route.rank * e_l  # this rank's first global expert
     if packed_multiple is not None:  # FP8: a row on the wire is its K codes; the scales come from the amax
-        scale_inv = torch.stack([tmpls[route.rank * e_l + j].scale_inv.reshape(()) for j in range(e_l)])
+        scale_inv = slots.scale_inv[first:first + e_l]
         return device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
                                             packed_multiple, columnwise=need_columnwise)
-    rows, cols, start = [], [], 0
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
-    for j, (m, p) in enumerate(zip(route.local_splits, padded)):
-        st = _wire.unpack(recv[start:start + m], tmpls[route.rank * e_l + j], p)
+    off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
+    dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
+    rows_all = _wire.unpack(recv, slots, dest, sum(padded))
+    rows, cols, start = [], [], 0
+    for j, p in enumerate(padded):
+        st = _wire.expert_rows(rows_all, first + j, start, p)
         rows.append(st)
         cols.append(_wire.derive_columnwise(st) if need_columnwise else None)
-        start += m
-    off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
+        start += p
     return GroupedQuantized(rowwise=rows, columnwise=cols, splits=list(route.local_splits), padded_splits=padded,
                             offsets=off, padded_offsets=poff)
+
+
+def _padded_rows(counts: torch.Tensor, off: torch.Tensor, poff: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[R]``: the padded row of each expert-major received row (on device)."""
+    eid = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=rows)
+    return torch.arange(rows, device=counts.device) - off[eid] + poff[eid]
 
 
 def _dequantize_rows(g, dtype) -> torch.Tensor:

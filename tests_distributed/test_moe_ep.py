@@ -22,8 +22,10 @@ from tests_distributed._harness import run_nccl, run_ranks
 
 H, FFN, E, TOP_K, T = 64, 64, 8, 2, 32  # T tokens per rank
 # (recipe, training): fp8_current sends both payloads quantized; mxfp8/nvfp4 training fall
-# back to high precision (columnwise blocks span ranks / SR), mxfp8 inference sends MXFP8.
-CONFIGS = [("bf16", True), ("fp8_current", True), ("mxfp8", True), ("nvfp4", True), ("mxfp8", False)]
+# back to high precision (columnwise blocks span ranks / SR), mxfp8 and nvfp4 inference send
+# their rowwise formats.
+CONFIGS = [("bf16", True), ("fp8_current", True), ("mxfp8", True), ("nvfp4", True), ("mxfp8", False),
+           ("nvfp4", False)]
 
 
 def _bits(t):
@@ -133,6 +135,9 @@ def test_ep_equals_single_rank_and_counts_bytes(world):
             elif recipe_name == "mxfp8" and not training:
                 assert wire_q["dispatch"] == rows_out * q_row["mxfp8"], cfg  # E4M3 + E8M0 per 32
                 assert "dispatch_amax" not in wire_q, cfg  # no per-tensor scale: no all-reduce
+            elif recipe_name == "nvfp4" and not training:
+                assert wire_q["dispatch"] == rows_out * (H // 2 + H // 16), cfg  # E2M1 pairs + E4M3 per 16
+                assert wire_q["dispatch_amax"] == E * 4, cfg  # the per-expert global scales' amax
             else:  # high precision on the wire (bf16, or a documented fallback)
                 assert wire_q["dispatch"] == rows_out * 2 * H, cfg
             assert wire_hp["dispatch"] == rows_out * 2 * H, cfg

@@ -1,0 +1,54 @@
+"""The quantized dispatch makes one quantize pass over all slots: on the fake process group
+(EP = E/2, so each rank holds 2 experts whatever E), the torch ops one ``dispatch`` runs are
+the same for E = 4 and E = 16 global experts, with at most one ``quantize_storages`` call."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hybrid_dist as hd
+from hybrid_dist.formats import Quantizer
+from hybrid_dist.moe import GroupedLinear
+from hybrid_dist.moe import expert_parallel as ep
+
+H, E_LOCAL, SLOTS = 128, 2, 96
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatch_ops(recipe_name, num_experts, monkeypatch):
+    """(torch ops, quantize_storages calls) of one quantized dispatch on EP = E / 2."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=num_experts // E_LOCAL)
+    try:
+        recipe = hd.recipe_from_name(recipe_name)
+        plan = GroupedLinear(E_LOCAL, H, H, recipe=recipe).plan(recipe)
+        x = torch.randn(SLOTS, H, dtype=torch.bfloat16)
+        counts = torch.full((num_experts,), SLOTS // num_experts, dtype=torch.int64)
+        route = ep.make_route(counts, dist.group.WORLD, None)
+        calls = []
+        quantize = Quantizer.quantize_storages
+        monkeypatch.setattr(Quantizer, "quantize_storages", lambda self, *a, **k: calls.append(1) or quantize(self, *a, **k))
+        with _OpCount() as mode:
+            _, io = ep.dispatch(x, route, plan=plan, need_columnwise=False)
+        assert io is not None, f"{recipe_name}: the dispatch fell back to high precision"
+        return mode.ops, len(calls)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_current", "mxfp8", "nvfp4", "fp8_block"])
+def test_dispatch_ops_do_not_grow_with_experts(recipe_name, monkeypatch):
+    (ops4, q4), (ops16, q16) = (_dispatch_ops(recipe_name, e, monkeypatch) for e in (4, 16))
+    assert len(ops4) == len(ops16) and ops4 == ops16, (
+        f"{recipe_name}: one dispatch runs {len(ops4)} torch ops for E=4 but {len(ops16)} for E=16 (EP=E/2)")
+    assert q4 == q16 and q4 <= 1, f"{recipe_name}: quantize_storages calls E=4: {q4}, E=16: {q16} (at most 1)"
