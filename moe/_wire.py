@@ -16,9 +16,30 @@ every rank computes them from the same all-reduced amax (``expert_rows`` picks a
 expert's entry).
 
 The columnwise direction blocks along tokens that come from several ranks, so it is made
-at the receiver: derived exactly from the rowwise bits where the format allows (per-tensor
-FP8 with one quantizer for both directions: a transpose; identity). ``unsupported_reason``
-says when a quantizer cannot use this path (the caller then exchanges high precision).
+at the receiver from the received rows (``columnwise_of``), one of two ways:
+
+* derived: the rowwise bits transposed (per-tensor FP8 with one quantizer for both
+  directions; identity). Exact: bitwise the high-precision exchange.
+* requantized: the columnwise quantization of the rows' dequantized values
+  ``r = deq(Q_row(x))``, per expert, zero-padded as ``split_quantize`` pads, when both
+  directions are power-of-two block formats (MXFP8; FP8 blocks with ``power_of_2_scales``;
+  the rowwise may also be identity). ``r`` is exact in bf16/fp32 (a code times a power of
+  two; below about 2**-126 bf16 may round) and lies within the rowwise quantization error
+  of x, so each element differs from the high-precision path's ``Q_col(x)`` by at most
+
+      |deq Q_col(r) − deq Q_col(x)| ≤ ½ (u_row + u_col(r) + u_col(x))
+
+  with ``u`` the spacing of the element grid at the element's code times its block scale
+  (RNE errs by at most half of it). With the same element dtype both ways it is mostly
+  zero: with power-of-two scales a normal (non-subnormal) code rounds x to the dtype's
+  significand width whatever the scale, and rounding twice to one width is rounding
+  once, so an element whose row code and both column codes are normal equals the
+  high-precision path's bitwise; the others (elements below 2**-6 (E4M3) of their block's
+  scale) carry the error above. Measured on a GroupedLinear wgrad: ``tests_distributed/
+  test_moe_ep_columnwise.py``.
+
+``unsupported_reason`` says when a quantizer can use neither (the caller then exchanges
+high precision and quantizes after).
 """
 
 from __future__ import annotations
@@ -28,7 +49,9 @@ import dataclasses
 import torch
 
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
+from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
+from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage, nvfp4_global_scale, nvfp4_quantize_rows
 from hybrid_dist.formats import DirectionStorage
 from hybrid_dist.moe import device_split
@@ -44,15 +67,44 @@ def unsupported_reason(q, *, need_columnwise: bool) -> str | None:
         return "delayed scaling keeps its amax history on the expert's rank"
     if isinstance(row, NVFP4Quantizer) and row.stochastic_rounding:
         return "stochastic rounding draws from the expert's generator"
-    if need_columnwise and not derivable_columnwise(q):
+    if need_columnwise and not (derivable_columnwise(q) or requantized_columnwise(q)):
         return (f"the columnwise (wgrad) direction {type(col).__name__} blocks along tokens from "
-                "several ranks and cannot be derived from the rowwise bits")
+                "several ranks; the receiver makes it only as the rowwise bits transposed (one "
+                "per-tensor FP8 quantizer both ways) or by requantizing the received values when "
+                "both directions are power-of-two block formats (MXFP8, FP8 blocks)")
     return None
 
 
 def derivable_columnwise(q) -> bool:
+    """The columnwise storage is the rowwise one transposed (exact)."""
     row, col = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
     return row == col and isinstance(row, (Float8Quantizer, IdentityQuantizer))
+
+
+def _pow2_blocks(q) -> bool:
+    """Per-block power-of-two scales, no per-tensor scale, no state (MXFP8; FP8 blocks with
+    ``power_of_2_scales``): dequantized values are exact in bf16/fp32 (module doc)."""
+    return isinstance(q, MXFP8Quantizer) or (isinstance(q, Float8BlockQuantizer) and q.power_of_2_scales)
+
+
+def requantized_columnwise(q) -> bool:
+    """The receiver makes the columnwise direction by quantizing the received rows'
+    dequantized values (module doc): both directions power-of-two block formats (or an
+    identity rowwise), so those values are exact and the result depends on them alone."""
+    row, col = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
+    return (not derivable_columnwise(q) and _pow2_blocks(col)
+            and (_pow2_blocks(row) or isinstance(row, IdentityQuantizer)))
+
+
+def columnwise_of(q, row: DirectionStorage, values: torch.Tensor) -> DirectionStorage:
+    """The receiver's columnwise storage ``[K, p]`` of one expert's padded rows: ``row``
+    transposed where derivable, else ``q``'s columnwise quantization of ``values [p, K]``
+    (the rows dequantized: zeros in the padding, as the high-precision path pads)."""
+    if derivable_columnwise(q):
+        return derive_columnwise(row)
+    if requantized_columnwise(q):
+        return q.direction_quantizer("columnwise").quantize_storages(values, rowwise=False, columnwise=True)[1]
+    raise AssertionError(f"no receiver columnwise for {q}")
 
 
 def derive_columnwise(row: DirectionStorage) -> DirectionStorage:

@@ -20,19 +20,27 @@ each row by its expert's scale), so its launches and host time do not grow with 
 
 Which payloads travel quantized (``_wire.unsupported_reason``): the rowwise direction of
 formats whose blocks run along K (per token), with a per-tensor scale from the all-reduced
-amax; the columnwise (wgrad) direction only where it is derived exactly from the rowwise
-bits (per-tensor FP8: a transpose). MXFP8 / FP8-block / NVFP4 columnwise blocks span
-tokens from several source ranks, so in training those recipes exchange high precision
-and quantize after (warned once). Sending both directions instead would cost about as
-many bytes as bf16 (1 byte per element per direction plus scales) for a more complex
-layout (per-source padding), so it is not done. Delayed scaling (history on the expert's
-rank) and NVFP4 stochastic rounding (the expert's generator) also fall back.
+amax. The columnwise (wgrad) direction blocks along tokens from several source ranks, so
+the receiver makes it from the received rows: the rowwise bits transposed (per-tensor FP8
+with one quantizer both ways: bitwise the high-precision exchange), or the columnwise
+quantization of the rows' dequantized values where both directions are power-of-two
+block formats (MXFP8, FP8 blocks: "send rowwise, make the columnwise after"). That one
+is not bitwise: each element is the columnwise quantization of a value within the rowwise
+quantization error of x; it equals the high-precision path's wherever the element is in
+the normal range of its row and column blocks and is otherwise within half the sum of the
+two directions' grid steps (``_wire`` module doc; measured in
+``tests_distributed/test_moe_ep_columnwise.py``). So MXFP8 sends ``K + K/32`` bytes per
+token row (0.52× bf16) in training too. Other columnwise formats (NVFP4 with its
+per-tensor scale, RHT and SR; identity under a quantized rowwise), delayed scaling
+(history on the expert's rank) and NVFP4 stochastic rounding (the expert's generator) in
+the rowwise direction exchange high precision and quantize after (warned once).
 
 At the receiver, the rows become the experts' per-expert storages (``GroupedQuantized``,
 the reference GEMM loop), or, where the expert layer takes the packed CUDA path with a
 per-tensor FP8 format (``GroupedLinear.packed_exchange``), are placed straight into that
 path's packed layout (``device_split.packed_fp8_rows``: ``io["x_packed"]`` /
-``io["dy_packed"]``). Either way the result is bitwise that of exchanging high precision.
+``io["dy_packed"]``). Either way the rowwise direction, and a columnwise one derived from
+its bits, is bitwise that of exchanging high precision.
 
 Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes, so the counts are
 read on the host once per step (``make_route``); a static-capacity variant would avoid it.
@@ -158,7 +166,8 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``: one quantize
     pass over all slots) and build the experts' :class:`GroupedQuantized` (padded to
     ``multiple``) at the receiver; with ``packed_multiple`` (per-tensor FP8 only), their
-    ``device_split.PackedSplit`` for the sync-free grouped GEMMs instead."""
+    ``device_split.PackedSplit`` for the sync-free grouped GEMMs instead. Returns that and
+    the received rows' values ``[R, K]`` in x's dtype (expert-major, for autograd)."""
     e = len(route.counts_global)
     e_l = e // route.world
     x = x_perm.detach()
@@ -174,20 +183,24 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     first = route.rank * e_l  # this rank's first global expert
     if packed_multiple is not None:  # FP8: a row on the wire is its K codes; the scales come from the amax
         scale_inv = slots.scale_inv[first:first + e_l]
-        return device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
-                                            packed_multiple, columnwise=need_columnwise)
+        g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
+                                         packed_multiple, columnwise=need_columnwise)
+        return g, _packed_values(g, x.dtype)
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
     off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
     dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
     rows_all = _wire.unpack(recv, slots, dest, sum(padded))
-    rows, cols, start = [], [], 0
-    for j, p in enumerate(padded):
+    rows, cols, values, start = [], [], [], 0
+    for j, (m, p) in enumerate(zip(route.local_splits, padded)):
         st = _wire.expert_rows(rows_all, first + j, start, p)
+        v = st.dequantize(x.dtype)  # [p, K]: the rows' values (zeros in the padding)
         rows.append(st)
-        cols.append(_wire.derive_columnwise(st) if need_columnwise else None)
+        values.append(v[:m])
+        cols.append(_wire.columnwise_of(quantizer, st, v) if need_columnwise else None)
         start += p
-    return GroupedQuantized(rowwise=rows, columnwise=cols, splits=list(route.local_splits), padded_splits=padded,
-                            offsets=off, padded_offsets=poff)
+    g = GroupedQuantized(rowwise=rows, columnwise=cols, splits=list(route.local_splits), padded_splits=padded,
+                         offsets=off, padded_offsets=poff)
+    return g, torch.cat(values)
 
 
 def _padded_rows(counts: torch.Tensor, off: torch.Tensor, poff: torch.Tensor, rows: int) -> torch.Tensor:
@@ -196,15 +209,11 @@ def _padded_rows(counts: torch.Tensor, off: torch.Tensor, poff: torch.Tensor, ro
     return torch.arange(rows, device=counts.device) - off[eid] + poff[eid]
 
 
-def _dequantize_rows(g, dtype) -> torch.Tensor:
-    """The received rows' values ``[R, K]`` (expert order) from a GroupedQuantized or a PackedSplit."""
-    if isinstance(g, device_split.PackedSplit):
-        data, scale_inv = g.rowwise["data"], g.rowwise["scale_inv"]
-        codes = data.view(torch.uint8).index_select(0, g.dest).view(data.dtype)
-        rows = codes.float() * scale_inv[g.row_expert.index_select(0, g.dest)][:, None]
-        return rows.to(dtype)
-    parts = [st.dequantize(dtype)[:m] for st, m in zip(g.rowwise, g.splits)]
-    return torch.cat(parts)
+def _packed_values(g: device_split.PackedSplit, dtype) -> torch.Tensor:
+    """The received rows' values ``[R, K]`` (expert order) of a packed FP8 split."""
+    data, scale_inv = g.rowwise["data"], g.rowwise["scale_inv"]
+    codes = data.view(torch.uint8).index_select(0, g.dest).view(data.dtype)
+    return (codes.float() * scale_inv[g.row_expert.index_select(0, g.dest)][:, None]).to(dtype)
 
 
 class _QuantizedDispatch(torch.autograd.Function):
@@ -213,11 +222,11 @@ class _QuantizedDispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats, packed):
-        g = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
-                               stats=stats, key="dispatch", packed_multiple=packed)
+        g, values = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
+                                       stats=stats, key="dispatch", packed_multiple=packed)
         io["x_packed" if packed is not None else "x_quantized"] = g
         ctx.route, ctx.stats = route, stats
-        return _dequantize_rows(g, x_perm.dtype).reshape(-1, x_perm.shape[1])
+        return values.reshape(-1, x_perm.shape[1])
 
     @staticmethod
     def backward(ctx, dx):
@@ -237,10 +246,10 @@ class _QuantizedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         packed = ctx.io.get("packed")  # the last GroupedLinear took the packed path (combine_io)
-        g = quantized_exchange(dy.contiguous(), ctx.route, ctx.q, multiple=ctx.multiple, need_columnwise=True,
-                               stats=ctx.stats, key="combine_grad", packed_multiple=packed)
+        g, values = quantized_exchange(dy.contiguous(), ctx.route, ctx.q, multiple=ctx.multiple, need_columnwise=True,
+                                       stats=ctx.stats, key="combine_grad", packed_multiple=packed)
         ctx.io["dy_packed" if packed is not None else "dy_quantized"] = g
-        return _dequantize_rows(g, dy.dtype).reshape(-1, dy.shape[1]), *([None] * 5)
+        return values.reshape(-1, dy.shape[1]), *([None] * 5)
 
 
 def _warn_once(reason: str) -> None:

@@ -45,6 +45,7 @@ def _counts(recipe_name, training, group):
 @pytest.mark.parametrize("recipe_name,training,expected", [
     ("bf16", True, {"all_to_all": 5, "all_reduce": 0}),
     ("fp8_current", True, {"all_to_all": 5, "all_reduce": 2}),  # amax for x and for dy
+    ("mxfp8", True, {"all_to_all": 5, "all_reduce": 0}),  # block scales only: no amax
     ("mxfp8", False, {"all_to_all": 3, "all_reduce": 0}),  # inference: no backward exchanges
     ("nvfp4", False, {"all_to_all": 3, "all_reduce": 1}),  # per-tensor global scale: amax
 ], ids=lambda v: str(v) if not isinstance(v, dict) else "")
