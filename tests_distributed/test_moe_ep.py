@@ -198,10 +198,10 @@ def test_packed_quantized_dispatch_equals_hp_dispatch():
     assert not bad, "\n".join(bad)
 
 
-def _cuda_step(quantized):
+def _cuda_step(quantized, recipe_name="fp8_current"):
     h, ffn, e, top_k, t = 256, 256, 4, 2, 512
     torch.manual_seed(0)
-    moe = MoE(h, ffn, e, top_k, recipe=hd.recipe_from_name("fp8_current"), ep_group=dist.group.WORLD,
+    moe = MoE(h, ffn, e, top_k, recipe=hd.recipe_from_name(recipe_name), ep_group=dist.group.WORLD,
               quantized_dispatch=quantized, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
@@ -237,3 +237,24 @@ def test_ep1_packed_quantized_dispatch_is_bitwise_the_hp_dispatch():
     ((n_packed, differ),) = run_nccl(_cuda_packed_compare, 1)
     assert n_packed == 2, f"EP=1 fp8_current: packed_fp8_rows ran {n_packed} times (dispatch fwd + combine bwd: 2)"
     assert not any(differ.values()), f"EP=1 fp8_current, quantized vs high-precision dispatch: elements differ {differ}"
+
+
+def _cuda_requantized_compare(rank, world):
+    quantized, hp = _cuda_step(True, "mxfp8"), _cuda_step(False, "mxfp8")
+    differ = {k: int((_bits(quantized[k]) != _bits(hp[k])).sum()) for k in hp}
+    sqnr = {k: sqnr_db(hp[k].float(), quantized[k].float()) for k in hp}
+    return differ, sqnr
+
+
+@pytest.mark.gpu
+def test_ep1_mxfp8_training_dispatch_on_cuda():
+    """One NCCL rank, ``mxfp8`` training: MXFP8 rows on the wire, the columnwise requantized
+    at the receiver. y, dx and every gradient but the experts' weights bitwise the
+    high-precision dispatch; the experts' weight gradients within the SQNR floor."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ((differ, sqnr),) = run_nccl(_cuda_requantized_compare, 1)
+    wgrads = {"fc1.weight", "fc2.weight"}
+    assert not any(n for k, n in differ.items() if k not in wgrads), f"EP=1 mxfp8: elements differ {differ}"
+    low = {k: sqnr[k] for k in wgrads if sqnr[k] < DW_SQNR_FLOOR_DB}
+    assert not low, f"EP=1 mxfp8: weight-gradient SQNR (dB) below {DW_SQNR_FLOOR_DB}: {low}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hybrid_dist as hd
-from hybrid_dist.moe import _wire
+from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.split_quantize import padded_offsets
 
 K = 256
@@ -26,21 +26,28 @@ def _bits(t):
     return t.reshape(-1).contiguous().view(torch.uint8)
 
 
-def _slots():
+def _slots(device="cpu"):
     torch.manual_seed(0)
-    counts = torch.tensor(COUNTS)
+    counts = torch.tensor(COUNTS, device=device)
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16) * torch.logspace(-3, 3, sum(COUNTS))[:, None]
-    expert = torch.repeat_interleave(torch.arange(len(COUNTS)), counts)
-    return x, counts, expert, padded_offsets(counts, 1)[0]
+    expert = torch.repeat_interleave(torch.arange(len(COUNTS), device=device), counts)
+    return x.to(device), counts, expert, padded_offsets(counts, 1)[0]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", FORMATS)
-def test_quantize_slots_is_bitwise_the_per_expert_quantize(name):
+def test_quantize_slots_is_bitwise_the_per_expert_quantize(name, device):
+    """On CUDA: per-tensor FP8 through the Triton row cast and per-expert amax kernels, the
+    per-expert reference through the registered quantize kernels."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     q = FORMATS[name]
     row_q = q.direction_quantizer("rowwise")
-    x, counts, expert, offsets = _slots()
+    x, counts, expert, offsets = _slots(device)
     chunks = x.split(COUNTS)
-    amax = torch.stack([c.abs().amax().float() if c.numel() else torch.zeros(()) for c in chunks])
+    amax = torch.stack([c.abs().amax().float() if c.numel() else torch.zeros((), device=device) for c in chunks])
+    if row_q.is_per_tensor:  # the sender's one-pass amax is bitwise the per-expert one
+        assert torch.equal(device_split.expert_amaxes(x, expert, len(COUNTS)), amax), f"{name}: per-expert amax"
     slots = _wire.quantize_slots(q, x, expert, offsets, amax if row_q.is_per_tensor else None)
     wire, start = _wire.pack(slots), 0
     for e, c in enumerate(chunks):

@@ -1,5 +1,6 @@
 """``kernels/fp8/rows`` (per-expert FP8 cast into the packed layout) under the Triton
-interpreter on CPU: bitwise the torch form of ``split_quantize_packed``, and the per-expert
+interpreter on CPU: bitwise the torch form of ``split_quantize_packed`` (and, unpadded, of
+the expert-parallel sender's row cast), and the per-expert
 amax (``expert_amax``: tiles spanning several experts, an empty expert) equal to a loop of
 ``max |x|`` per expert.
 
@@ -59,6 +60,10 @@ def _check():
                 assert_bitwise_equal(row, want, f"{what} row")
             if columnwise:
                 assert_bitwise_equal(col, want.t().contiguous(), f"{what} col")
+        # unpadded (padded offsets = offsets, row_expert = each row's expert): the expert-
+        # parallel sender's call (device_split.fp8_rows_by_expert)
+        row, _ = fp8_rows(x, scale_e, lay.eid, lay.off, lay.off, dtype, rowwise=True, columnwise=False)
+        assert_bitwise_equal(row, cast_to_fp8(x * scale_e[lay.eid][:, None], dtype), f"{dtype} unpadded row")
     print("fp8_rows interpreter checks passed")
 
 
