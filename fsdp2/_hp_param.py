@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from hybrid_dist.fsdp2._hp_gather import hp_post_all_gather, hp_pre_all_gather
+from hybrid_dist.presigned import presigned
 
 aten = torch.ops.aten
 
@@ -74,6 +75,7 @@ class HighPrecisionParam(torch.Tensor):
         return out
 
     # --- FSDP2 all-gather extension ------------------------------------------------
+    @presigned  # FSDP2 inspects its signature at every unshard
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         return hp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
 

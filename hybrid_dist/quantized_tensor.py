@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from hybrid_dist.formats._storage import DirectionStorage, storage_meta_fields
+from hybrid_dist.presigned import presigned
 
 DIRECTIONS = ("rowwise", "columnwise")
 OPS: dict = {}  # aten op (or overload packet) -> impl(func, args, kwargs); filled by _tensor_ops
@@ -122,6 +123,7 @@ class QuantizedTensor(torch.Tensor):
         )
 
     # --- FSDP2 all-gather extension (implemented in hybrid_dist.fsdp2) ----------------
+    @presigned  # FSDP2 inspects its signature at every unshard
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2 hook: this shard's buffers of the direction(s) the pass needs."""
         return _fsdp_hook("pre")(self, mesh, outer_size, outer_stride, module, mp_policy)
