@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import functools
-from typing import Optional
 
 import torch
 
@@ -53,7 +52,7 @@ def _storage_class_and_meta(spec: str) -> tuple[type, dict]:
 
 
 @library_op("hybrid_dist::storage_stats")
-def storage_stats_op(x2d: Optional[torch.Tensor], fields: list[torch.Tensor], spec: str,
+def storage_stats_op(x2d: torch.Tensor | None, fields: list[torch.Tensor], spec: str,
                      sharded: bool) -> torch.Tensor:
     """``quant_stats(x2d, storage, sharded=sharded)`` of the storage ``spec`` + ``fields``."""
     cls, meta = _storage_class_and_meta(spec)
