@@ -20,6 +20,9 @@ two CUDA paths make no device-to-host sync; the quantized one is not bitwise the
     dgrad  dx_e [p_e, K] = dy_e.rowwise [p_e, N] · W_e.columnwise [K, N]ᵀ   → rows [:m_e]
     wgrad  dW_e [N, K]   = dy_e.colwise [N, p_e] · x_e.columnwise [K, p_e]ᵀ (groups along T)
 
+Statistics (``hybrid_dist.inspection``): the reference paths (the CPU packed reference,
+the per-expert loop) record one row set for all experts; the two CUDA paths do not yet.
+
 [Note: expert weights]
 The weight is one parameter ``[E, N, K]``. High precision: each forward quantizes each
 W_e ``[N, K]`` with its own state (per-expert per-tensor scales, as E ``hd.Linear``s).
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 
 from hybrid_dist import gemm, saved_storages
+from hybrid_dist.inspection import active_stats
 from hybrid_dist.recipe_module import RecipeModuleMixin, in_backward
 from hybrid_dist.formats.float8 import DelayedScalingState, advance_stacked
 from hybrid_dist.linear import LinearPlan
@@ -63,6 +67,7 @@ class GroupedPlan:
         self.states = {t: [getattr(self, t).make_state() for _ in range(num_experts)]
                        for t in ("input", "weight", "grad_output")}
         self.multiple = token_multiple(self.input, self.grad_output)  # x and dy pad alike
+        self.stats: Any = None  # an inspection.ModuleStats once a StatsCollector is attached
 
     def advance(self, tensor_type: str) -> None:
         q, states = getattr(self, tensor_type), self.states[tensor_type]
@@ -87,10 +92,16 @@ class _GroupedLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         e, n, _ = weight.shape
         x_q = io.get("x_quantized") if io else None
+        x_hp = x if x_q is None else None  # rows exchanged already quantized: no reference
         if x_q is None:
             x_q = split_quantize(x, tokens_per_expert, [plan.input] * e, rowwise=True, columnwise=need_wgrad,
                                  states=plan.states["input"], multiple=plan.multiple)
         w_rows, w_cols = expert_weight_storages(weight, plan, need_dgrad=need_dgrad)
+        ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
+        if stats is not None:
+            stats.record_experts("input", x_hp, x_q.rowwise, x_q.columnwise if need_wgrad else None,
+                                 num_experts=e, offsets=x_q.offsets, poff=x_q.padded_offsets)
+            stats.record_experts("weight", weight, w_rows, w_cols if need_dgrad else None, num_experts=e)
         # fprop: y_e [p_e, N] = x_e [p_e, K] · W_e [N, K]ᵀ, keep the m_e real rows
         y = _grouped_gemm_rows(x_q.rowwise, w_rows, x_q.splits, out_dtype=plan.recipe.fprop.out_dtype or x.dtype,
                                config=plan.recipe.fprop, width=n, like=x)
@@ -109,10 +120,15 @@ class _GroupedLinearFn(torch.autograd.Function):
         saved = saved_storages.unpack(ctx)
         x_cols, w_cols = saved[:e], saved[e:]
         dy_q = ctx.io.get("dy_quantized") if ctx.io else None
+        dy_hp = dy if dy_q is None else None  # gradient exchanged already quantized: no reference
         if dy_q is None:
             plan.advance("grad_output")
             dy_q = split_quantize(dy.contiguous(), ctx.tokens_per_expert, [plan.grad_output] * e, rowwise=need_dgrad,
                                   columnwise=need_wgrad, states=plan.states["grad_output"], multiple=plan.multiple)
+        if ctx.stats is not None:
+            ctx.stats.record_experts("grad_output", dy_hp, dy_q.rowwise if need_dgrad else None,
+                                     dy_q.columnwise if need_wgrad else None, num_experts=e,
+                                     offsets=dy_q.offsets, poff=dy_q.padded_offsets)
         dx = dw = None
         if need_dgrad:
             # dgrad: dx_e [p_e, K] = dy_e [p_e, N] · W_e [N, K]   (W_e columnwise stored [K, N])

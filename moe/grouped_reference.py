@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_dist import saved_storages
+from hybrid_dist.inspection import active_stats
 from hybrid_dist.moe import device_split
 from hybrid_dist.moe._segment_ops import segment_mm_rows, segment_mm_tokens
 from hybrid_dist.moe.grouped_operands import expert_weight_storages, row_scales, token_operand
@@ -93,6 +94,12 @@ class _PackedReferenceFn(torch.autograd.Function):
         ps, x_row, x_col = _split(x, tokens_per_expert, plan.input, plan.states["input"], plan.multiple,
                                   rowwise=True, columnwise=need_wgrad)
         w_rows, w_cols = expert_weight_storages(weight, plan, need_dgrad=need_dgrad)
+        ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
+        if stats is not None:
+            e = len(w_rows)
+            stats.record_experts("input", x, [x_row], [x_col] if need_wgrad else None, num_experts=e,
+                                 offsets=ps.offsets, poff=ps.padded_offsets)
+            stats.record_experts("weight", weight, w_rows, w_cols if need_dgrad else None, num_experts=e)
         # fprop: y [T, N] = x_e [p_e, K] · W_e [N, K]ᵀ per segment, rows dest
         y = _rows_gemm(x_row, w_rows, ps, plan.recipe.fprop.out_dtype or x.dtype)
         saved_storages.pack(ctx, x_col, *(w_cols if need_dgrad else [None] * len(w_cols)))
@@ -110,6 +117,10 @@ class _PackedReferenceFn(torch.autograd.Function):
         ps, dy_row, dy_col = _split(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
                                     plan.states["grad_output"], plan.multiple, rowwise=need_dgrad,
                                     columnwise=need_wgrad)
+        if ctx.stats is not None:
+            ctx.stats.record_experts("grad_output", dy, [dy_row] if need_dgrad else None,
+                                     [dy_col] if need_wgrad else None, num_experts=len(w_cols),
+                                     offsets=ps.offsets, poff=ps.padded_offsets)
         dx = dw = None
         if need_dgrad:
             # dgrad: dx [T, K] = dy_e [p_e, N] · W_e [N, K] per segment (W_e columnwise stored [K, N])

@@ -1,7 +1,8 @@
 """Capturing statistics inside the GEMM functions, only while ``capturing()`` is active.
 
 [Note: statistics cost nothing when off]
-A GEMM function (``hd.Linear``'s, the tensor-parallel ones) asks ``active_stats(plan)``
+A GEMM function (``hd.Linear``'s, the tensor-parallel ones, ``GroupedLinear``'s on the
+reference paths: ``record_experts``) asks ``active_stats(plan)``
 right after it quantizes an operand. That is a read of a process-wide flag and of the
 plan's ``stats`` attribute: no hook is installed, no op runs and nothing is allocated
 unless both are set. Inside ``capturing()`` the function passes the high-precision tensor
@@ -23,6 +24,7 @@ from typing import Iterator
 import torch
 
 from hybrid_dist.inspection.candidates import CANDIDATES, GEMM_OF, fits, format_label
+from hybrid_dist.inspection.expert_stats import expert_candidate_stats, expert_storage_stats
 from hybrid_dist.inspection.stats import WIDTH
 from hybrid_dist.inspection.stats_op import candidate_stats, storage_stats
 from hybrid_dist.quantized_tensor import QuantizedTensor
@@ -92,6 +94,30 @@ class ModuleStats:
                 cand = self.candidates[(t, d, label)]
                 if x2d is not None and fits(CANDIDATES[cand][t], *x2d.shape, direction):
                     self._write((t, d, label), candidate_stats(x2d, cand, t, direction, sharded=sharded))
+
+    def record_experts(self, tensor_type: str, hp: torch.Tensor | None, row, col, *, num_experts: int,
+                       offsets: torch.Tensor | None = None, poff: torch.Tensor | None = None) -> None:
+        """``record`` for a grouped operand (``expert_stats``): ``row`` / ``col`` a list of
+        storages (one packed, or one per expert) or None; ``hp [T, K]`` (or ``[E, N, K]``
+        with ``offsets`` None: the weight; None or a ``QuantizedTensor``: no reference)
+        split by ``offsets`` and zero-padded to ``poff``. One row per (direction, format)
+        combines every expert's statistics; a candidate row, the experts whose padded rows
+        fit its blocks."""
+        if isinstance(hp, QuantizedTensor):
+            hp = None
+        x2d = None if hp is None else hp.reshape(-1, hp.shape[-1]).detach()
+        seg = dict(num_experts=num_experts, offsets=offsets, poff=poff)
+        for direction, sts in (("rowwise", row), ("columnwise", col)):
+            if sts is None:
+                continue
+            for (t, d, label, used) in self.rows:
+                if t != tensor_type or d != direction:
+                    continue
+                if used:
+                    self._write((t, d, label), expert_storage_stats(x2d, sts, **seg))
+                elif x2d is not None:
+                    cand = self.candidates[(t, d, label)]
+                    self._write((t, d, label), expert_candidate_stats(x2d, cand, t, direction, **seg))
 
     def _write(self, key, vec: torch.Tensor) -> None:
         self.buf[self.index[key]].copy_(vec)

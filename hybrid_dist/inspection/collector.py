@@ -35,7 +35,7 @@ def clean_fqn(fqn: str) -> str:
 
 class StatsCollector:
     """Statistics of every plan of every recipe module of ``model`` (those whose plans
-    carry a ``stats`` slot: ``hd.Linear``, also under tensor parallelism).
+    carry a ``stats`` slot: ``hd.Linear``, also under tensor parallelism, and ``GroupedLinear``).
     ``candidates``: also measure the candidate formats. ``device``: where the buffers live
     (the compute device; default: each module's weight's, e.g. not CPU-offloaded ones)."""
 

@@ -125,6 +125,23 @@ def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False) -> 
     return torch.cat([head, hist.double()])
 
 
+def combine_stats(vectors: torch.Tensor) -> torch.Tensor:
+    """float64 ``[WIDTH]``: the statistics of the union of the tensors whose ``quant_stats``
+    are the rows of ``vectors [n, WIDTH]`` (each expert's storage of one grouped operand):
+    ``amax`` and ``sharded`` the max, ``signal_norm`` and ``noise_norm`` the square root of
+    the sum of squares, the counts and the histogram the sums. NaN (no reference) stays NaN."""
+    if vectors.shape[0] == 0:
+        return vectors.new_zeros(WIDTH)
+    i = {f: n for n, f in enumerate(FIELDS)}
+    head = vectors[:, :len(FIELDS)]
+    norms = head[:, [i["signal_norm"], i["noise_norm"]]].square().sum(0).sqrt()
+    maxes = head[:, [i["amax"], i["sharded"]]].amax(0)
+    out = vectors.sum(0)  # counts and histogram
+    out[i["amax"]], out[i["sharded"]] = maxes[0], maxes[1]
+    out[i["signal_norm"]], out[i["noise_norm"]] = norms[0], norms[1]
+    return out
+
+
 def _num(v: float):
     return None if math.isnan(v) else v
 

@@ -171,3 +171,16 @@ def test_compiled_run_with_statistics_trains_like_without(tmp_path):
     _, events = load_inspect(str(inspected))
     assert [e["step"] for e in events] == [1, 2]
     assert all(len([r for r in e["records"] if r["used"]]) == TINY_LINEARS * len(COLUMNS) for e in events)
+
+
+def test_moe_experts_have_rows(tmp_path):
+    """``--moe-experts 4``: each GroupedLinear (fc1, fc2 of both blocks) has one row per
+    operand direction in the recipe's format, its experts combined."""
+    path = tmp_path / "moe.jsonl"
+    _train(["--moe-experts", "4", "--recipe", "mxfp8", "--steps", "1", "--inspect-every", "1",
+            "--metrics", str(path)], tmp_path)
+    _, events = load_inspect(str(path))
+    used = {(r["module"], r["tensor_type"], r["direction"]): r for r in events[0]["records"] if r["used"]}
+    moe = {k: r for k, r in used.items() if ".moe." in k[0]}
+    assert {k[0] for k in moe} == {f"layers.{i}.feed_forward.moe.{f}" for i in (0, 1) for f in ("fc1", "fc2")}
+    assert len(moe) == 4 * len(COLUMNS) and all(r["format"] == "mxfp8" and r["numel"] > 0 for r in moe.values())
