@@ -82,18 +82,11 @@ class ModuleStats:
         if isinstance(hp, QuantizedTensor):
             hp = None
         x2d = None if hp is None else (hp if hp.dim() == 2 else hp.reshape(-1, hp.shape[-1])).detach()
-        for direction, st in (("rowwise", row), ("columnwise", col)):
-            if st is None:
-                continue
-            for (t, d, label, used) in self.rows:
-                if t != tensor_type or d != direction:
-                    continue
-                if used:
-                    self._write((t, d, label), storage_stats(x2d, st, sharded=sharded))
-                    continue
-                cand = self.candidates[(t, d, label)]
-                if x2d is not None and fits(CANDIDATES[cand][t], *x2d.shape, direction):
-                    self._write((t, d, label), candidate_stats(x2d, cand, t, direction, sharded=sharded))
+        for direction, st, key, cand in self._rows_for(tensor_type, row, col):
+            if cand is None:
+                self._write(key, storage_stats(x2d, st, sharded=sharded))
+            elif x2d is not None and fits(CANDIDATES[cand][tensor_type], *x2d.shape, direction):
+                self._write(key, candidate_stats(x2d, cand, tensor_type, direction, sharded=sharded))
 
     def record_experts(self, tensor_type: str, hp: torch.Tensor | None, row, col, *, num_experts: int,
                        offsets: torch.Tensor | None = None, poff: torch.Tensor | None = None) -> None:
@@ -107,17 +100,18 @@ class ModuleStats:
             hp = None
         x2d = None if hp is None else hp.reshape(-1, hp.shape[-1]).detach()
         seg = dict(num_experts=num_experts, offsets=offsets, poff=poff)
-        for direction, sts in (("rowwise", row), ("columnwise", col)):
-            if sts is None:
-                continue
-            for (t, d, label, used) in self.rows:
-                if t != tensor_type or d != direction:
-                    continue
-                if used:
-                    self._write((t, d, label), expert_storage_stats(x2d, sts, **seg))
-                elif x2d is not None:
-                    cand = self.candidates[(t, d, label)]
-                    self._write((t, d, label), expert_candidate_stats(x2d, cand, t, direction, **seg))
+        for direction, sts, key, cand in self._rows_for(tensor_type, row, col):
+            if cand is None:
+                self._write(key, expert_storage_stats(x2d, sts, **seg))
+            elif x2d is not None:
+                self._write(key, expert_candidate_stats(x2d, cand, tensor_type, direction, **seg))
+
+    def _rows_for(self, tensor_type: str, row, col) -> list[tuple]:
+        """``(direction, storage, row key, candidate name or None for the used format)`` of
+        each row of ``tensor_type`` in the directions given (``row`` / ``col`` not None)."""
+        return [(d, st, (t, d, label), None if used else self.candidates[(t, d, label)])
+                for d, st in (("rowwise", row), ("columnwise", col)) if st is not None
+                for (t, dd, label, used) in self.rows if t == tensor_type and dd == d]
 
     def _write(self, key, vec: torch.Tensor) -> None:
         self.buf[self.index[key]].copy_(vec)
