@@ -20,7 +20,7 @@ import torch
 
 from hybrid_dist.inspection.candidates import CANDIDATES, fits
 from hybrid_dist.inspection.stats import WIDTH, combine_stats, quant_stats
-from hybrid_dist.inspection.stats_op import _storage_class_and_meta, storage_spec
+from hybrid_dist.inspection.stats_op import storage_spec, storages_from_spec
 from hybrid_dist.library_op import library_op
 
 
@@ -63,9 +63,7 @@ def expert_storage_stats_op(x: torch.Tensor | None, offsets: torch.Tensor | None
                             num_experts: int, fields: list[torch.Tensor], spec: str, sharded: bool) -> torch.Tensor:
     """``combine_stats`` of every expert's ``quant_stats`` (module doc); ``fields``: the
     tensor fields of one packed storage or of ``num_experts`` storages, in order."""
-    cls, meta = _storage_class_and_meta(spec)
-    nf = len(cls.TENSOR_FIELDS)
-    storages = [cls(**meta, **dict(zip(cls.TENSOR_FIELDS, fields[i:i + nf]))) for i in range(0, len(fields), nf)]
+    storages = storages_from_spec(spec, fields)
     rows = storages[0].shape2d[1 if storages[0].transposed else 0] * (num_experts if len(storages) > 1 else 1)
     vecs = [quant_stats(xe, _expert_storage(storages, e, s, p), sharded=sharded)
             for e, xe, s, p in _segments(x, offsets, poff, num_experts, rows)]

@@ -51,12 +51,19 @@ def _storage_class_and_meta(spec: str) -> tuple[type, dict]:
     return cls, meta
 
 
+def storages_from_spec(spec: str, fields: list[torch.Tensor]) -> list:
+    """The storages of class and metadata ``spec`` (``storage_spec``) whose tensor fields are
+    ``fields``, in order: one storage per ``len(TENSOR_FIELDS)`` tensors."""
+    cls, meta = _storage_class_and_meta(spec)
+    n = len(cls.TENSOR_FIELDS)
+    return [cls(**meta, **dict(zip(cls.TENSOR_FIELDS, fields[i:i + n]))) for i in range(0, len(fields), n)]
+
+
 @library_op("hybrid_dist::storage_stats")
 def storage_stats_op(x2d: torch.Tensor | None, fields: list[torch.Tensor], spec: str,
                      sharded: bool) -> torch.Tensor:
     """``quant_stats(x2d, storage, sharded=sharded)`` of the storage ``spec`` + ``fields``."""
-    cls, meta = _storage_class_and_meta(spec)
-    storage = cls(**meta, **dict(zip(cls.TENSOR_FIELDS, fields)))
+    (storage,) = storages_from_spec(spec, fields)
     return quant_stats(x2d, storage, sharded=sharded)
 
 
