@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybrid_dist.formats.identity import IdentityQuantizer
+from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
 from hybrid_dist.linear import DequantizeFn
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -48,11 +48,32 @@ def _offs(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return tokens_per_expert.cumsum(0).to(torch.int32)
 
 
+def _identity_cols(t: torch.Tensor) -> list[IdentityStorage]:
+    """Each expert's ``[N, K]`` as a columnwise identity storage (stored ``[K, N]``: a view)."""
+    return [IdentityStorage(data=w.t(), transposed=True) for w in t]
+
+
+def _record(stats, tensor_type: str, t: torch.Tensor, offs: torch.Tensor, columnwise: bool, *,
+            rowwise: bool = True) -> None:
+    """Statistics rows of a token operand ``t [T, ·]`` grouped by ``offs`` (no padding)."""
+    t = t.detach()
+    bounds = torch.cat([offs.new_zeros(1), offs]).long()
+    stats.record_experts(tensor_type, t, [IdentityStorage(data=t, transposed=False)] if rowwise else None,
+                         [IdentityStorage(data=t.t(), transposed=True)] if columnwise else None,
+                         num_experts=offs.numel(), offsets=bounds, poff=bounds)
+
+
 class _GroupedMMFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert):
+    def forward(ctx, x, weight, tokens_per_expert, stats):
         offs = _offs(tokens_per_expert)
         ctx.save_for_backward(x, weight, offs)
+        ctx.stats = stats
+        if stats is not None:
+            _record(stats, "input", x, offs, ctx.needs_input_grad[1])
+            e = weight.shape[0]
+            stats.record_experts("weight", weight, [IdentityStorage(data=w, transposed=False) for w in weight.detach()],
+                                 _identity_cols(weight.detach()) if ctx.needs_input_grad[0] else None, num_experts=e)
         # fprop: y [T, N] = x [T, K] · W_e [N, K]ᵀ per group
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
 
@@ -60,6 +81,8 @@ class _GroupedMMFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, offs = ctx.saved_tensors
         dy = dy.contiguous()
+        if ctx.stats is not None:
+            _record(ctx.stats, "grad_output", dy, offs, ctx.needs_input_grad[1], rowwise=ctx.needs_input_grad[0])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # dgrad: dx [T, K] = dy [T, N] · W_e [N, K]
@@ -67,11 +90,13 @@ class _GroupedMMFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # wgrad: dW [E, N, K] = dyᵀ [N, T] · x [T, K], groups along T
             dw = torch._grouped_mm(dy.t(), x, offs=offs)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def grouped_mm_linear(x, weight, tokens_per_expert) -> torch.Tensor:
-    return _GroupedMMFn.apply(x, weight, tokens_per_expert)
+def grouped_mm_linear(x, weight, tokens_per_expert, stats=None) -> torch.Tensor:
+    """``y [T, N]``; ``stats``: the plan's ``inspection.ModuleStats`` while a logging step
+    captures (the high-precision rows and their candidate formats), else None."""
+    return _GroupedMMFn.apply(x, weight, tokens_per_expert, stats)
 
 
 def high_precision(x, weight, tokens_per_expert) -> torch.Tensor:

@@ -20,8 +20,8 @@ two CUDA paths make no device-to-host sync; the quantized one is not bitwise the
     dgrad  dx_e [p_e, K] = dy_e.rowwise [p_e, N] · W_e.columnwise [K, N]ᵀ   → rows [:m_e]
     wgrad  dW_e [N, K]   = dy_e.colwise [N, p_e] · x_e.columnwise [K, p_e]ᵀ (groups along T)
 
-Statistics (``hybrid_dist.inspection``): the reference paths (the CPU packed reference,
-the per-expert loop) record one row set for all experts; the two CUDA paths do not yet.
+Statistics (``hybrid_dist.inspection``): every path records one row set for all experts
+while a logging step captures (``ModuleStats.record_experts``).
 
 [Note: expert weights]
 The weight is one parameter ``[E, N, K]``. High precision: each forward quantizes each
@@ -151,7 +151,7 @@ def apply_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_exper
     activation recompute), it starts a new pass of the plan's input and weight states. ``io``: as
     ``GroupedLinear.forward``; ``name`` only labels errors. Inputs are not checked here."""
     if io is None and _grouped_mm.fits(plan, x, weight):
-        return _grouped_mm.grouped_mm_linear(x, weight, tokens_per_expert)
+        return _grouped_mm.grouped_mm_linear(x, weight, tokens_per_expert, active_stats(plan))
     if not in_backward():
         plan.advance("input")
         plan.advance("weight")

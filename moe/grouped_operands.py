@@ -41,7 +41,8 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 __all__ = ["TokenOperand", "WeightOperand", "batched_fp8_weights", "bf16_values", "expert_weight_storages",
-           "fold_experts", "fold_columns", "fold_rows", "fold_source", "token_operand", "stack_experts", "row_scales"]
+           "fold_experts", "fold_columns", "fold_rows", "fold_source", "token_operand", "stack_experts", "row_scales",
+           "unstack_experts"]
 
 BF16 = torch.bfloat16
 
@@ -95,6 +96,17 @@ def stack_experts(storages: list[DirectionStorage]) -> WeightOperand:
         out[f] = torch.stack([t.reshape(()) for t in ts]) if ax is None else torch.cat(ts, dim=ax[0])
     st = first.with_tensors(out)
     return WeightOperand(storage=st, scale=st.tensor_scale(), num_experts=len(storages))
+
+
+def unstack_experts(op: WeightOperand) -> list[DirectionStorage]:
+    """The E per-expert storages of a stacked operand (``stack_experts``'s inverse): views
+    of the stacked fields, per-tensor fields taken at each expert."""
+    st, e = op.storage, op.num_experts
+    parts: dict[str, list[torch.Tensor]] = {}
+    for f, t in st.tensors().items():
+        ax = st.field_axes()[f].get("R")
+        parts[f] = list(t.reshape(-1)) if ax is None else list(t.chunk(e, dim=ax[0]))
+    return [st.with_tensors({f: ts[i] for f, ts in parts.items()}) for i in range(e)]
 
 
 def expert_weight_storages(weight, plan, *, need_dgrad: bool):

@@ -50,10 +50,11 @@ from hybrid_dist import saved_storages
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
+from hybrid_dist.inspection import active_stats
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.grouped_operands import (
     BF16, TokenOperand, WeightOperand, batched_fp8_weights, bf16_values, expert_weight_storages, fold_columns,
-    fold_experts, fold_rows, fold_source, row_scales, stack_experts, token_operand,
+    fold_experts, fold_rows, fold_source, row_scales, stack_experts, token_operand, unstack_experts,
 )
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -196,15 +197,24 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         mult = packed_multiple(plan)
         xs = io.get("x_packed") if io else None  # expert parallel: the received rows, packed
+        x_hp = x if xs is None else None  # rows exchanged already quantized: no reference
         if xs is None:
             xs = device_split.split_quantize_packed(x, tokens_per_expert, plan.input, rowwise=True,
                                                     columnwise=need_wgrad, states=plan.states["input"], multiple=mult)
         offs = xs.padded_offsets[1:].to(torch.int32)
         tok_offs = xs.offsets[1:].to(torch.int32)
         w_row, w_col = _weights(weight, plan, need_dgrad)
-        y = rows_gemm(_token(plan.input, xs.rowwise, "rowwise"), w_row, offs, xs.row_expert, plan.recipe.fprop,
-                      xs.dest, tok_offs)
+        x_row = _token(plan.input, xs.rowwise, "rowwise")
+        y = rows_gemm(x_row, w_row, offs, xs.row_expert, plan.recipe.fprop, xs.dest, tok_offs)
         x_col = _token(plan.input, xs.columnwise, "columnwise").storage if need_wgrad else None
+        ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
+        if stats is not None:
+            e = weight.shape[0]
+            stats.record_experts("input", x_hp, [x_row.storage],
+                                 [x_col] if need_wgrad else None, num_experts=e, offsets=xs.offsets,
+                                 poff=xs.padded_offsets)
+            stats.record_experts("weight", weight, unstack_experts(w_row),
+                                 unstack_experts(w_col) if need_dgrad else None, num_experts=e)
         saved_storages.pack(ctx, x_col, w_col.storage if need_dgrad else None)
         ctx.plan, ctx.mult, ctx.num_experts = plan, mult, weight.shape[0]
         ctx.io = io if io and "packed" in io else None  # only dy_packed is read back (not the x rows)
@@ -218,10 +228,16 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         x_col, w_col = saved_storages.unpack(ctx)
         plan.advance("grad_output")
         dys = ctx.io.get("dy_packed") if ctx.io else None  # expert parallel: filled by the combine's backward
+        dy_hp = dy if dys is None else None  # gradient exchanged already quantized: no reference
         if dys is None:
             dys = device_split.split_quantize_packed(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
                                                      rowwise=need_dgrad, columnwise=need_wgrad,
                                                      states=plan.states["grad_output"], multiple=ctx.mult)
+        if ctx.stats is not None:
+            row = [_token(plan.grad_output, dys.rowwise, "rowwise").storage] if need_dgrad else None
+            col = [_token(plan.grad_output, dys.columnwise, "columnwise").storage] if need_wgrad else None
+            ctx.stats.record_experts("grad_output", dy_hp, row, col, num_experts=ctx.num_experts,
+                                     offsets=dys.offsets, poff=dys.padded_offsets)
         dx = dw = None
         if need_dgrad:
             w_op = WeightOperand(storage=w_col, scale=w_col.tensor_scale(), num_experts=ctx.num_experts)

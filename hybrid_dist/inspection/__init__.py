@@ -1,8 +1,8 @@
 """Per-tensor quantization statistics: what each GEMM operand loses in its format.
 
 ``StatsCollector(model)`` attaches a statistics buffer to every ``hd.Linear`` and
-``GroupedLinear`` plan (MoE experts: one row set per module, the experts combined; recorded
-on the reference paths: CPU and the per-expert loop; the CUDA grouped paths not yet);
+``GroupedLinear`` plan (MoE experts: one row set per module, the experts combined, on
+every path);
 inside ``collector.capture()`` (a logging step) each GEMM function records, for every
 operand (input, weight, grad_output) and direction it uses, the amax, the SQNR of the
 quantized tensor against the high-precision one, the fraction of nonzero values flushed

@@ -1,8 +1,8 @@
 """Capturing statistics inside the GEMM functions, only while ``capturing()`` is active.
 
 [Note: statistics cost nothing when off]
-A GEMM function (``hd.Linear``'s, the tensor-parallel ones, ``GroupedLinear``'s on the
-reference paths: ``record_experts``) asks ``active_stats(plan)``
+A GEMM function (``hd.Linear``'s, the tensor-parallel ones, ``GroupedLinear``'s:
+``record_experts``) asks ``active_stats(plan)``
 right after it quantizes an operand. That is a read of a process-wide flag and of the
 plan's ``stats`` attribute: no hook is installed, no op runs and nothing is allocated
 unless both are set. Inside ``capturing()`` the function passes the high-precision tensor
@@ -94,8 +94,8 @@ class ModuleStats:
         storages (one packed, or one per expert) or None; ``hp [T, K]`` (or ``[E, N, K]``
         with ``offsets`` None: the weight; None or a ``QuantizedTensor``: no reference)
         split by ``offsets`` and zero-padded to ``poff``. One row per (direction, format)
-        combines every expert's statistics; a candidate row, the experts whose padded rows
-        fit its blocks."""
+        combines every expert's statistics; a candidate row, every expert's slice zero-padded
+        to the candidate's blocks (experts whose other dim does not fit them are left out)."""
         if isinstance(hp, QuantizedTensor):
             hp = None
         x2d = None if hp is None else hp.reshape(-1, hp.shape[-1]).detach()

@@ -48,6 +48,12 @@ def _segments(x: torch.Tensor | None, offsets, poff, num_experts: int, rows: int
     return out
 
 
+def _zero_pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``multiple`` rows."""
+    extra = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x
+
+
 def _expert_storage(storages: list, e: int, start: int, length: int):
     """Expert ``e``'s storage: ``storages[e]``, or the packed ``storages[0]`` narrowed to its
     padded rows with its per-tensor fields taken at ``e``."""
@@ -79,11 +85,14 @@ def _(x, offsets, poff, num_experts, fields, spec, sharded):
 def expert_candidate_stats_op(x: torch.Tensor, offsets: torch.Tensor | None, poff: torch.Tensor | None,
                               num_experts: int, candidate: str, tensor_type: str, direction: str,
                               sharded: bool) -> torch.Tensor:
-    """``combine_stats`` of each expert's padded slice quantized by the candidate, over the
-    experts whose slice fits its blocks (none: an unwritten row, ``numel`` 0)."""
+    """``combine_stats`` of each expert's padded slice, zero-padded further to the
+    candidate's block rows, quantized by the candidate; experts whose columns do not fit
+    its blocks are left out (none left: an unwritten row, ``numel`` 0)."""
     q = CANDIDATES[candidate][tensor_type]
+    block_rows = q.direction_quantizer(direction).block_shape(direction)[0]
     vecs = []
     for _, xe, _, _ in _segments(x, offsets, poff, num_experts, x.shape[0]):
+        xe = _zero_pad_rows(xe, block_rows)
         if not fits(q, *xe.shape, direction):
             continue
         row, col = q.quantize_storages(xe, rowwise=direction == "rowwise", columnwise=direction == "columnwise")

@@ -1,6 +1,7 @@
 """``StatsCollector`` on ``GroupedLinear`` (MoE experts): one row set per module, each row
-the experts' ``quant_stats`` combined (``combine_stats``), on both CPU paths (the packed
-reference and the per-expert loop); no extra op when off; no graph break when compiled."""
+the experts' ``quant_stats`` combined (``combine_stats``), on every path (the CPU packed
+reference, the per-expert loop, and the two CUDA paths: emulated on CPU, and on a GPU);
+no extra op when off; no graph break when compiled."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import hybrid_dist as hd
 from hybrid_dist.formats import Float8Quantizer, MXFP8Quantizer
 from hybrid_dist.inspection import CANDIDATES, FIELDS, StatsCollector, combine_stats, decode, quant_stats
-from hybrid_dist.moe import GroupedLinear
+from hybrid_dist.moe import GroupedLinear, _grouped_mm, grouped_quantized
 from hybrid_dist.moe.split_quantize import split_quantize
 from tests.inspection.test_capture import STATS_OPS, _OpLog
 
@@ -110,15 +111,69 @@ def test_rows_combine_each_experts_gemm_storage(recipe, io):
                                                       * m.plan_for(m.recipe).multiple for n in TOKENS) * K
     cands = {(r["tensor_type"], r["direction"], r["format"]): r for r in rows if not r["used"]}
     assert ("weight", "rowwise", "nvfp4") in cands
-    # token columnwise candidates need padded slices that fit their blocks: mxfp8 pads to 32,
-    # fp8_current not at all (slices of 10 and 17 rows fit neither 32 nor 16)
-    assert (("input", "columnwise", "nvfp4_rht") in cands) == (recipe == "mxfp8")
+    # a candidate zero-pads each expert's slice to its own blocks (16 token rows for NVFP4's
+    # columnwise): the row is every expert's slice padded so, quantized, combined
+    q = CANDIDATES["nvfp4"]["input"]
+    vecs = [quant_stats(xe, q.quantize_storages(xe, rowwise=False, columnwise=True)[1])
+            for xe in _padded(x, math.lcm(m.plan_for(m.recipe).multiple, 16)) if len(xe)]
+    ref = decode(combine_stats(torch.stack(vecs)).tolist())
+    got = cands[("input", "columnwise", "nvfp4_rht")]
+    assert {k: got[k] for k in ref} == ref
     q = CANDIDATES["nvfp4"]["input"]
     vecs = [quant_stats(xe, q.quantize_storages(xe, rowwise=True, columnwise=False)[0])
             for xe in _padded(x, m.plan_for(m.recipe).multiple) if len(xe)]
     ref = decode(combine_stats(torch.stack(vecs)).tolist())
     got = cands[("input", "rowwise", "nvfp4")]
     assert {k: got[k] for k in ref} == ref
+
+
+def _take_cuda_path(monkeypatch, recipe: str) -> list[int]:
+    """Route CPU ``GroupedLinear`` calls down the path ``recipe`` takes on CUDA; the list
+    counts the calls that took it."""
+    taken = []
+    mod, fn = (_grouped_mm, "grouped_mm_linear") if recipe == "bf16" else (grouped_quantized, "grouped_linear")
+    inner = getattr(mod, fn)
+
+    def counted(*args, **kwargs):
+        taken.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(mod, fn, counted)
+    if recipe == "bf16":
+        monkeypatch.setattr(_grouped_mm, "fits", lambda plan, a, w: True)
+    else:
+        monkeypatch.setattr(grouped_quantized, "fits",
+                            lambda plan, a, w: grouped_quantized.unsupported_reason(plan, a, w) is None)
+    return taken
+
+
+def _keyed(collector: StatsCollector) -> dict:
+    return {(r["tensor_type"], r["direction"], r["format"]): r for r in collector.read()}
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "bf16"])
+def test_cuda_grouped_paths_record_the_reference_rows(recipe, monkeypatch):
+    """The sync-free CUDA paths (``grouped_quantized`` for quantized recipes, ``_grouped_mm``
+    for bf16; run here on CPU: emulated kernels / CPU ``torch._grouped_mm``) record the rows
+    of the CPU reference: weight rows equal; token rows equal but for the zero rows each
+    path pads its experts with (``numel`` and the all-zero blocks of the histogram)."""
+    x, dy, tpe = (t.bfloat16() if t.is_floating_point() else t for t in _inputs())  # the paths' dtype
+    ref_m, m = _layer(recipe).bfloat16(), _layer(recipe).bfloat16()
+    cr, cq = StatsCollector(ref_m), StatsCollector(m)
+    with cr.capture():
+        _step(ref_m, x, dy, tpe)
+    taken = _take_cuda_path(monkeypatch, recipe)
+    with cq.capture():
+        _step(m, x, dy, tpe)
+    ref, got = _keyed(cr), _keyed(cq)
+    assert taken == [1]
+    assert got.keys() == ref.keys() and len(got) >= 6
+    for key, r in ref.items():
+        g = got[key]
+        if key[0] != "weight":  # saturated is a fraction of numel: compare its count
+            assert round(g["saturated"] * g["numel"]) == round(r["saturated"] * r["numel"]), key
+            g, r = ({k: v for k, v in d.items() if k not in ("numel", "scale_hist", "saturated")} for d in (g, r))
+        assert g == r, key
 
 
 def _ops(m, x, dy, tpe) -> list[str]:
@@ -160,3 +215,30 @@ def test_compile_fullgraph_with_statistics():
     for a, b in zip(ref, got):
         assert {k: a[k] for k in a if k != "sqnr_db"} == {k: b[k] for k in b if k != "sqnr_db"}
         assert a["sqnr_db"] is None or abs(a["sqnr_db"] - b["sqnr_db"]) < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "bf16"])
+def test_cuda_paths_rows_match_the_cpu_reference(recipe):
+    """On CUDA (the Triton quantize kernels, ``torch._scaled_grouped_mm`` / ``_grouped_mm``)
+    the rows equal the CPU reference's: counts and amax exactly, SQNR within 0.01 dB (token
+    rows: counts of the same zero-padded slices, so all but ``numel``/histogram)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, dy, tpe = (t.bfloat16() if t.is_floating_point() else t for t in _inputs())
+    rows = {}
+    for device in ("cpu", "cuda"):
+        m = _layer(recipe).bfloat16().to(device)
+        c = StatsCollector(m)
+        with c.capture():
+            _step(m, x.to(device), dy.to(device), tpe.to(device))
+        rows[device] = _keyed(c)
+    ref, got = rows["cpu"], rows["cuda"]
+    assert got.keys() == ref.keys() and len(got) >= 6
+    for key, r in ref.items():
+        g = got[key]
+        assert (g["amax"], g["nonzero"]) == (r["amax"], r["nonzero"]), key
+        assert round(g["saturated"] * g["numel"]) == round(r["saturated"] * r["numel"]), key
+        assert round(g["underflow"] * g["nonzero"]) == round(r["underflow"] * r["nonzero"]), key
+        assert (g["sqnr_db"] is None) == (r["sqnr_db"] is None), key
+        assert g["sqnr_db"] is None or abs(g["sqnr_db"] - r["sqnr_db"]) < 0.01, key
