@@ -121,6 +121,15 @@ def _reduce(x: torch.Tensor, cfg: TPConfig, *, async_op: bool):
     return _comm.finish_or_handle(work, lambda: x, async_op)
 
 
+def _all_rows(t2d: torch.Tensor, cfg: TPConfig) -> torch.Tensor:
+    """Every rank's rows of ``t2d`` in high precision: the reference a logging step measures
+    a gathered (sequence-parallel) operand against. Only statistics capture gathers it."""
+    world = _comm.group_size(cfg.group)
+    _comm.log_event("all_gather", "statistics_reference", str(t2d.dtype), t2d.numel() * t2d.element_size() * world)
+    _, out = _comm.all_gather_dim0(t2d.detach(), cfg.group)
+    return out
+
+
 class ColumnParallelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan, cfg: TPConfig):
@@ -148,9 +157,13 @@ class ColumnParallelFn(torch.autograd.Function):
             done = quantize_shards_with_group_amax([w_req], cfg.group) if w_req is not None else []
         w_row, w_col = _weight_pair(weight, plan, w_req, done, need_dgrad=need_dgrad)
         ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
-        if stats is not None:  # a gathered (sequence-parallel) input has no local full-precision twin
-            if shared is None and not cfg.sequence_parallel:
-                stats.record("input", x, x_row, wgrad_in.storage if wgrad_in is not None else None)
+        ctx.stats_x = None  # SP: the gathered high-precision input, for the columnwise row in backward
+        if stats is not None:
+            if shared is None:
+                x_ref = _all_rows(x.reshape(-1, k), cfg) if cfg.sequence_parallel else x
+                local_col = wgrad_in is not None and wgrad_in.kind == "local"
+                stats.record("input", x_ref, x_row, wgrad_in.storage if local_col else None)
+                ctx.stats_x = x_ref if need_wgrad and not local_col else None
             stats.record("weight", weight, w_row, w_col, sharded=True)
         # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
@@ -191,7 +204,10 @@ class ColumnParallelFn(torch.autograd.Function):
                 dx_handle = _reduce(dx, cfg, async_op=True)
         if need_wgrad:
             # wgrad: dW [N/tp, K] = dyᵀ [N/tp, M] · x [M, K]   (x columnwise stored [K, M])
-            dw = gemm.gemm_nt(dy_col, x_handle.wait(), out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
+            x_col = x_handle.wait()
+            if ctx.stats_x is not None:  # the input's columnwise row, now that it is gathered
+                ctx.stats.record("input", ctx.stats_x, None, x_col)
+            dw = gemm.gemm_nt(dy_col, x_col, out_dtype=plan.recipe.wgrad.out_dtype or ctx.w_dtype,
                               config=plan.recipe.wgrad)
         if dx_handle is not None:
             dx = dx_handle.wait().reshape(ctx.x_shape)
@@ -246,8 +262,8 @@ class RowParallelFn(torch.autograd.Function):
                                                                 state=plan.states["grad_output"])
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2d.sum(0)
-            if ctx.stats is not None:  # a gathered (sequence-parallel) dy has no local full-precision twin
-                ctx.stats.record("grad_output", dy2d, dy_row, dy_col)
+        if ctx.stats is not None:
+            ctx.stats.record("grad_output", _all_rows(dy2d, cfg) if cfg.sequence_parallel else dy2d, dy_row, dy_col)
         dx = dw = None
         if need_dgrad:
             # dgrad: dx [M, K/tp] = dy [M, N] · W_local [N, K/tp]   (W columnwise stored [K/tp, N])
