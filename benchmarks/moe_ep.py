@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid_dist as hd
-from benchmarks._bench import print_table
+from benchmarks._bench import print_table, profile_step, top_kernels
 from hybrid_dist.moe import MoE
 
 
@@ -51,7 +51,23 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group):
+def _print_step_profile(step, title: str) -> None:
+    """One profiled step (every rank runs it: collectives): GPU kernels and host ops, rank 0 prints."""
+    ev = profile_step(step)
+    if dist.get_rank() != 0:
+        return
+    kernels = top_kernels(ev, len(ev))
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    host = sorted((e for e in ev if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    print(f"\n## profile {title}: {gpu_ms:.2f} ms of kernels, {sum(e.count for e in kernels)} launches, "
+          f"{sum(e.self_cpu_time_total for e in host) / 1e3:.2f} ms of host op time")
+    for e in kernels[:12]:
+        print(f"  gpu x{e.count:<4d} {e.self_device_time_total / 1e3:8.3f} ms  {e.key[:120]}")
+    for e in host[:12]:
+        print(f"  cpu x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.3f} ms  {e.key[:120]}")
+
+
+def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group, profile=False):
     """(median step seconds on this rank, bytes sent per step) for one recipe and dispatch."""
     world = dist.get_world_size(group)
     recipe = None if recipe_name == "bf16" else hd.recipe_from_name(recipe_name)
@@ -60,6 +76,11 @@ def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group):
               quantized_dispatch=quantized, name="moe", device=device, dtype=torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank(group))
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    def step():
+        y, aux = moe(x)
+        (y.float().square().mean() + aux).backward()
+        moe.zero_grad(set_to_none=True)
+
     times = []
     for i in range(warmup + steps):
         if i == warmup:
@@ -67,23 +88,24 @@ def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group):
         dist.barrier(group)
         _sync(device)
         t0 = time.perf_counter()
-        y, aux = moe(x)
-        (y.float().square().mean() + aux).backward()
+        step()
         _sync(device)
         times.append(time.perf_counter() - t0)
-        moe.zero_grad(set_to_none=True)
-    return statistics.median(times[warmup:]), sum(moe.wire.bytes.values()) / steps
+    sent = sum(moe.wire.bytes.values()) / steps
+    if profile:
+        _print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} dispatch")
+    return statistics.median(times[warmup:]), sent
 
 
 def run_ep(rank: int, world: int, recipes: list[str], shape: Shape = Shape(), steps: int = 8,
-           warmup: int = 3) -> list[list]:
+           warmup: int = 3, profile: bool = False) -> list[list]:
     """Table rows (the same on every rank): recipe, dispatch, time ms, × bf16, sent MB, × bf16."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     group = dist.group.WORLD
     results = []
     for name in recipes:
         for quantized in ((False,) if name == "bf16" else (True, False)):
-            sec, sent = _time_recipe(name, quantized, shape, device, steps, warmup, group)
+            sec, sent = _time_recipe(name, quantized, shape, device, steps, warmup, group, profile)
             t = torch.tensor([sec, sent], dtype=torch.float64, device=device)
             slowest, total = t.clone(), t.clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -103,13 +125,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one step per row: top GPU kernels and host ops (CUDA)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     shape = TINY if args.tiny else dataclasses.replace(Shape(), tokens=args.tokens)
-    rows = run_ep(dist.get_rank(), dist.get_world_size(), args.recipes.split(","), shape, args.steps, args.warmup)
+    rows = run_ep(dist.get_rank(), dist.get_world_size(), args.recipes.split(","), shape, args.steps, args.warmup,
+                  args.profile and cuda)
     if dist.get_rank() == 0:
         dev = torch.cuda.get_device_name() if cuda else "CPU (gloo)"
         print_table(["recipe", "dispatch", "time ms", "x bf16", "sent MB", "x bf16 bytes"], rows,

@@ -6,7 +6,8 @@
 #    tokens/s is that of an unshared GPU); `benchmarks.convergence_table` of the final losses;
 # 3. with COST_MODEL set (e.g. "--preset 8b --layers 16 --batch-size 1 --seq-len 8192"): that
 #    model on NGPU GPUs under FSDP, compiled, fp8_current + quantized init, COST_STEPS steps,
-#    without and with --inspect-every COST_EVERY, in one call: the step-time ratio.
+#    without and with --inspect-every COST_EVERY, in one call: `benchmarks.inspect_cost` of the two
+#    (the extra time of a logging step, and the step-time cost at COST_EVERY and at 100).
 # PHASES (default "cost inspect train") picks steps; without "inspect", ADVISED names the advised
 # recipe to train (default $OUT/advised.py). RECIPES overrides the trained recipes.
 # Writes $OUT/advisor.log (every summary line as it comes), advised.{py,txt,png}, the plots and
@@ -34,7 +35,7 @@ has() { [[ " $PHASES " == *" $1 "* ]]; }
 if has cost && [ -n "${COST_MODEL:-}" ]; then
   log "== inspection cost: $COST_MODEL, FSDP $NGPU, compiled, fp8_current + qinit, $COST_STEPS steps"
   for every in 0 "$COST_EVERY"; do
-    opts=""; [ "$every" != 0 ] && opts="--inspect-every $every --metrics $OUT/cost_inspect.jsonl"
+    opts="--metrics $OUT/cost_$every.jsonl"; [ "$every" != 0 ] && opts="$opts --inspect-every $every"
     # shellcheck disable=SC2086
     timeout "${COST_TIMEOUT:-200}" torchrun --nproc-per-node "$NGPU" --master-port $((29400 + every)) \
       -m hybrid_dist.launch.train $COST_MODEL --fsdp "$NGPU" --compile --recipe fp8_current --quantized-init \
@@ -42,7 +43,8 @@ if has cost && [ -n "${COST_MODEL:-}" ]; then
     log "inspect-every $every: $(summary "$OUT/cost_$every.log")"
     keep "cost_$every.log"
   done
-  keep cost_inspect.jsonl
+  python3 -m benchmarks.inspect_cost "$OUT/cost_0.jsonl" "$OUT/cost_$COST_EVERY.jsonl" 2>&1 | tee -a "$LOG"
+  keep cost_0.jsonl "cost_$COST_EVERY.jsonl"
 fi
 
 if has inspect; then
