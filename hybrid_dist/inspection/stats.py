@@ -94,8 +94,50 @@ def dequantized_domain(storage) -> torch.Tensor:
     return v if s is None else v * s
 
 
+def _fused_head(x2d: torch.Tensor | None, storage) -> torch.Tensor | None:
+    """The first six fields from one CUDA kernel (``kernels.stats``), or None where the torch
+    code computes them (CPU, no reference, a format the kernel does not cover)."""
+    if x2d is None or not x2d.is_cuda or x2d.dim() != 2:
+        return None
+    from hybrid_dist.kernels import stats as kernel  # Triton: CUDA installs only
+
+    if not kernel.supported(storage):
+        return None
+    if getattr(storage, "rht_seed", None) is not None:
+        x = quantizer_domain(x2d, storage)  # fp32 x·T, as the quantizer rounded it
+    else:
+        x = x2d.t() if storage.transposed else x2d  # a view: the kernel reads through strides
+    return kernel.stats_head(x, storage)
+
+
 def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False) -> torch.Tensor:
-    """float64 ``[WIDTH]`` statistics of ``storage`` against ``x2d`` (see the module doc)."""
+    """float64 ``[WIDTH]`` statistics of ``storage`` against ``x2d`` (see the module doc);
+    on CUDA the six head fields come from one fused kernel (``kernels.stats``)."""
+    head = _fused_head(x2d, storage)
+    dev = storage.device
+    hist = _scale_histogram(storage, dev)
+    numel = torch.full((), float(x2d.numel() if x2d is not None else math.prod(storage.shape2d)),
+                       dtype=torch.float64, device=dev)
+    shard = torch.full((), float(sharded), dtype=torch.float64, device=dev)
+    if head is None:
+        head = _torch_head(x2d, storage)
+    return torch.cat([head, numel.reshape(1), shard.reshape(1), hist.double()])
+
+
+def _scale_histogram(storage, device) -> torch.Tensor:
+    """int64 ``[HIST_BINS]``: blocks by ``floor(log2 s_b)`` (empty for an identity direction)."""
+    hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=device)
+    scales = block_scales(storage)
+    if scales is not None:
+        s_b = scales[0]
+        _, exp = torch.frexp(s_b.float())  # s = m · 2**exp, m in [0.5, 1): floor(log2 s) = exp - 1
+        idx = torch.where(s_b > 0, exp.long() - 1 - HIST_LO, 0).clamp(0, HIST_BINS - 1)
+        hist.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
+    return hist
+
+
+def _torch_head(x2d: torch.Tensor | None, storage) -> torch.Tensor:
+    """float64 ``[6]``: amax, signal_norm, noise_norm, nonzero, underflow, saturated (torch ops)."""
     v = dequantized_domain(storage)
     have_ref = x2d is not None
     x = quantizer_domain(x2d, storage) if have_ref else v
@@ -107,7 +149,6 @@ def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False) -> 
     nz = x != 0
     nonzero = nz.sum().double()
     underflow = (nz & (v == 0)).sum().double() if have_ref else nan
-    hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=v.device)
     scales = block_scales(storage)
     if scales is None:
         saturated = torch.zeros((), dtype=torch.float64, device=v.device)
@@ -116,13 +157,7 @@ def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False) -> 
         r, c = x.shape
         limit = (s_b.float() * elem_max).reshape(r // br, 1, c // bc, 1)
         saturated = (ax.reshape(r // br, br, c // bc, bc) > limit).sum().double() if have_ref else nan
-        _, exp = torch.frexp(s_b.float())  # s = m · 2**exp, m in [0.5, 1): floor(log2 s) = exp - 1
-        idx = torch.where(s_b > 0, exp.long() - 1 - HIST_LO, 0).clamp(0, HIST_BINS - 1)
-        hist.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
-    numel = torch.full((), float(x.numel()), dtype=torch.float64, device=v.device)
-    shard = torch.full((), float(sharded), dtype=torch.float64, device=v.device)
-    head = torch.stack([amax, signal, noise, nonzero, underflow, saturated, numel, shard])
-    return torch.cat([head, hist.double()])
+    return torch.stack([amax, signal, noise, nonzero, underflow, saturated])
 
 
 def combine_stats(vectors: torch.Tensor) -> torch.Tensor:
