@@ -156,11 +156,12 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _hadamard16_cpu(seed: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
+    cpu = torch.device("cpu")  # explicit: also inside a `with torch.device("cuda")` block
+    h = torch.ones(1, 1, device=cpu)
     for _ in range(4):  # Sylvester construction, 16 = 2**4
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    gen = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (16,), generator=gen).float() * 2 - 1
+    gen = torch.Generator(device=cpu).manual_seed(seed)
+    signs = torch.randint(0, 2, (16,), generator=gen, device=cpu).float() * 2 - 1
     return h * signs / 4.0  # T = H16 · diag(s) / 4 ; T @ T.T == I
 
 

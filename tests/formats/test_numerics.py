@@ -230,3 +230,16 @@ def test_assume_constant_result_marks_like_torchs_decorator_and_import_skips_dyn
     code = "import sys, hybrid_dist; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", "importing hybrid_dist imported torch._dynamo (seconds per process)"
+
+
+def test_hadamard16_inside_a_default_device_block():
+    """A model built under ``with torch.device(...)`` (here meta) with NVFP4 RHT quantizers:
+    the matrix is still made on the CPU from its seed, the same as outside the block."""
+    from hybrid_dist.formats.numerics import _hadamard16_cpu
+
+    want = _hadamard16_cpu(11).clone()
+    _hadamard16_cpu.cache_clear()
+    with torch.device("meta"):
+        got = _hadamard16_cpu(11)
+    assert got.device.type == "cpu" and torch.equal(got, want)
+    assert torch.equal(got @ got.T, torch.eye(16))
