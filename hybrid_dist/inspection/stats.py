@@ -128,6 +128,10 @@ def _scale_histogram(storage, device) -> torch.Tensor:
     """int64 ``[HIST_BINS]``: blocks by ``floor(log2 s_b)`` (empty for an identity direction)."""
     hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=device)
     scales = block_scales(storage)
+    if scales is not None and scales[0].is_cuda and HIST_LO > -126:
+        from hybrid_dist.kernels.stats import scale_histogram  # Triton: CUDA installs only
+
+        return scale_histogram(scales[0], HIST_LO, HIST_BINS)  # no atomics on one global bin per block
     if scales is not None:
         s_b = scales[0]
         _, exp = torch.frexp(s_b.float())  # s = m · 2**exp, m in [0.5, 1): floor(log2 s) = exp - 1

@@ -35,7 +35,7 @@ from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Storage
 from hybrid_dist.kernels._jit_common import cdiv, e2m1_decode, exp2_int
 from hybrid_dist.kernels._launch import launch
 
-__all__ = ["stats_head", "supported"]
+__all__ = ["scale_histogram", "stats_head", "supported"]
 
 _IDENTITY, _FP8, _FP8_BLOCK, _MXFP8, _NVFP4 = range(5)
 _BR, _BC = 32, 128
@@ -89,6 +89,32 @@ def _stats_kernel(x_ptr, sx0, sx1, d_ptr, sd0, sd1, s_ptr, ss0, ss1, g_ptr, out_
     tl.store(base + 3, tl.sum(tl.sum(tl.where(nz, 1.0, 0.0), axis=1), axis=0))
     tl.store(base + 4, tl.sum(tl.sum(tl.where(nz & (xh == 0.0), 1.0, 0.0), axis=1), axis=0))
     tl.store(base + 5, tl.sum(tl.sum(sat, axis=1), axis=0))
+
+
+@triton.jit
+def _hist_kernel(s_ptr, n, hist_ptr, LO: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    s = tl.load(s_ptr + offs, mask=offs < n, other=0.0)
+    e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 s) of a normal s > 0
+    idx = tl.where(s > 0.0, tl.minimum(tl.maximum(e - LO, 0), BINS - 1), 0)
+    h = tl.histogram(idx, BINS)
+    masked = BLOCK - tl.minimum(n - start, BLOCK)  # lanes past n counted in bin 0: take them out
+    h = h - tl.where(tl.arange(0, BINS) == 0, masked, 0)
+    tl.atomic_add(hist_ptr + tl.arange(0, BINS), h)
+
+
+def scale_histogram(s_b: torch.Tensor, lo: int, bins: int) -> torch.Tensor:
+    """int64 ``[bins]``: ``#{s in s_b : floor(log2 s) = lo + i}``, the ends clamped, zero,
+    negative and NaN scales in bin 0, subnormal ones in the lowest bins' clamp (one read of
+    ``s_b``; ``inspection.stats`` with ``lo = -64``, ``bins = 128``)."""
+    s = s_b.float().reshape(-1).contiguous()
+    hist = torch.zeros(bins, dtype=torch.int32, device=s.device)
+    if s.numel():
+        block = 4096
+        launch(_hist_kernel, (cdiv(s.numel(), block),), s, s.numel(), hist, LO=lo, BINS=bins, BLOCK=block,
+               num_warps=4)
+    return hist.long()
 
 
 def _format_args(st):

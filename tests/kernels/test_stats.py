@@ -1,8 +1,9 @@
-"""``kernels.stats.stats_head`` against the torch statistics (``inspection.stats``): amax and
-the three counts bitwise, norms within 1e-5 relative, for every storage kind and both
+"""``kernels.stats`` against the torch statistics (``inspection.stats``). ``stats_head``: amax
+and the three counts bitwise, norms within 1e-5 relative, for every storage kind and both
 directions, on tensors with zeros, values that flush to zero and values that saturate
-(delayed scaling's stale scale). On CPU under the Triton interpreter; on CUDA at a larger
-shape (the storages from the CUDA quantize kernels)."""
+(delayed scaling's stale scale). ``scale_histogram``: bitwise the torch histogram, with
+zero, NaN, negative, subnormal and clamped scales. On CPU under the Triton interpreter; on
+CUDA at a larger shape (the storages from the CUDA quantize kernels)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,32 @@ def test_stats_kernel_cuda(name, shape):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     _compare(_input(*shape, "cuda"), name)
+
+
+def _check_histogram(device: str = "cpu"):
+    from hybrid_dist.inspection.stats import HIST_BINS, HIST_LO, _scale_histogram
+    from hybrid_dist.kernels.stats import scale_histogram
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.exp2(torch.randint(-90, 90, (5000,), generator=g).float()) * (1 + torch.rand(5000, generator=g))
+    s[:7] = 0.0
+    s[7:9] = torch.tensor([1e-40, float("nan")])  # subnormal (lowest bin), NaN (bin 0)
+    s[9] = -3.0
+    st = Float8BlockQuantizer(block="1x128").quantize_storages(torch.ones(5000, 128), rowwise=True,
+                                                                columnwise=False)[0]
+    st = type(st)(data=st.data, scale_inv=s.reshape(5000, 1), block_rows=1, transposed=False)
+    ref = _scale_histogram(st, "cpu")  # the torch path (frexp, scatter_add)
+    got = scale_histogram(s.to(device), HIST_LO, HIST_BINS).cpu()
+    assert torch.equal(got, ref), (got - ref).nonzero().tolist()
+    assert int(ref.sum()) == 5000 and ref[0] > 10 and ref[-1] > 10
+
+
+def test_scale_histogram_under_triton_interpreter():
+    run_check_under_triton_interpreter("tests.kernels.test_stats", "histogram")
+
+
+@pytest.mark.gpu
+def test_scale_histogram_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _check_histogram("cuda")
