@@ -40,7 +40,9 @@ the reference GEMM loop), or, where the expert layer takes the packed CUDA path 
 per-tensor FP8 format (``GroupedLinear.packed_exchange``), are placed straight into that
 path's packed layout (``device_split.packed_fp8_rows``: ``io["x_packed"]`` /
 ``io["dy_packed"]``). Either way the rowwise direction, and a columnwise one derived from
-its bits, is bitwise that of exchanging high precision.
+its bits, is bitwise that of exchanging high precision. No dequantized copy is made for
+autograd: the tensor the graph carries between the exchange and the experts (forward rows,
+backward dy) is a broadcast stand-in, since the expert layer reads the rows from ``io``.
 
 Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes, so the counts are
 read on the host once per step (``make_route``); a static-capacity variant would avoid it.
@@ -162,12 +164,13 @@ def _exchange(x, route: Route, to_experts: bool, stats, key: str):
 
 
 def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_columnwise: bool,
-                       stats, key: str, packed_multiple: int | None = None):
+                       stats, key: str, packed_multiple: int | None = None, values: bool = True):
     """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``: one quantize
     pass over all slots) and build the experts' :class:`GroupedQuantized` (padded to
     ``multiple``) at the receiver; with ``packed_multiple`` (per-tensor FP8 only), their
     ``device_split.PackedSplit`` for the sync-free grouped GEMMs instead. Returns that and
-    the received rows' values ``[R, K]`` in x's dtype (expert-major, for autograd)."""
+    the received rows' values ``[R, K]`` in x's dtype (expert-major), or None without
+    ``values``."""
     e = len(route.counts_global)
     e_l = e // route.world
     x = x_perm.detach()
@@ -185,22 +188,22 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
         scale_inv = slots.scale_inv[first:first + e_l]
         g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
                                          packed_multiple, columnwise=need_columnwise)
-        return g, _packed_values(g, x.dtype)
+        return g, (_packed_values(g, x.dtype) if values else None)
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
     off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
     dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
     rows_all = _wire.unpack(recv, slots, dest, sum(padded))
-    rows, cols, values, start = [], [], [], 0
+    rows, cols, rows_values, start = [], [], [], 0
     for j, (m, p) in enumerate(zip(route.local_splits, padded)):
         st = _wire.expert_rows(rows_all, first + j, start, p)
         v = st.dequantize(x.dtype)  # [p, K]: the rows' values (zeros in the padding)
         rows.append(st)
-        values.append(v[:m])
+        rows_values.append(v[:m])
         cols.append(_wire.columnwise_of(quantizer, st, v) if need_columnwise else None)
         start += p
     g = GroupedQuantized(rowwise=rows, columnwise=cols, splits=list(route.local_splits), padded_splits=padded,
                          offsets=off, padded_offsets=poff)
-    return g, torch.cat(values)
+    return g, (torch.cat(rows_values) if values else None)
 
 
 def _padded_rows(counts: torch.Tensor, off: torch.Tensor, poff: torch.Tensor, rows: int) -> torch.Tensor:
@@ -216,17 +219,25 @@ def _packed_values(g: device_split.PackedSplit, dtype) -> torch.Tensor:
     return (codes.float() * scale_inv[g.row_expert.index_select(0, g.dest)][:, None]).to(dtype)
 
 
+def _rows_stand_in(g, like: torch.Tensor) -> torch.Tensor:
+    """``[R, K]`` zeros standing for the received rows in the autograd graph: the experts read
+    the rows from ``io`` (note in ``dispatch``). A broadcast view: no memory, no kernel."""
+    rows = g.dest.numel() if isinstance(g, device_split.PackedSplit) else sum(g.splits)
+    return like.new_zeros(()).expand(rows, like.shape[1])
+
+
 class _QuantizedDispatch(torch.autograd.Function):
-    """Forward: quantized slots → experts (fills ``io["x_quantized"]``); returns their
-    dequantized values for the graph. Backward: high-precision dx back to the slots."""
+    """Forward: quantized slots → experts (fills ``io["x_quantized"]`` / ``"x_packed"``);
+    returns the rows' stand-in (``_rows_stand_in``). Backward: high-precision dx back to the
+    slots."""
 
     @staticmethod
     def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats, packed):
-        g, values = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
-                                       stats=stats, key="dispatch", packed_multiple=packed)
+        g, _ = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
+                                  stats=stats, key="dispatch", packed_multiple=packed, values=False)
         io["x_packed" if packed is not None else "x_quantized"] = g
         ctx.route, ctx.stats = route, stats
-        return values.reshape(-1, x_perm.shape[1])
+        return _rows_stand_in(g, x_perm)
 
     @staticmethod
     def backward(ctx, dx):
@@ -235,8 +246,8 @@ class _QuantizedDispatch(torch.autograd.Function):
 
 class _QuantizedCombine(torch.autograd.Function):
     """Forward: high-precision expert outputs back to the slots. Backward: dy slots sent
-    in the experts' gradient format (fills ``io["dy_quantized"]`` before the experts'
-    backward runs); returns their dequantized values."""
+    in the experts' gradient format (fills ``io["dy_quantized"]`` / ``"dy_packed"`` before
+    the experts' backward runs, which reads dy from there); returns the rows' stand-in."""
 
     @staticmethod
     def forward(ctx, y_local, route, quantizer, multiple, io, stats):
@@ -246,10 +257,10 @@ class _QuantizedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         packed = ctx.io.get("packed")  # the last GroupedLinear took the packed path (combine_io)
-        g, values = quantized_exchange(dy.contiguous(), ctx.route, ctx.q, multiple=ctx.multiple, need_columnwise=True,
-                                       stats=ctx.stats, key="combine_grad", packed_multiple=packed)
+        g, _ = quantized_exchange(dy.contiguous(), ctx.route, ctx.q, multiple=ctx.multiple, need_columnwise=True,
+                                  stats=ctx.stats, key="combine_grad", packed_multiple=packed, values=False)
         ctx.io["dy_packed" if packed is not None else "dy_quantized"] = g
-        return values.reshape(-1, dy.shape[1]), *([None] * 5)
+        return _rows_stand_in(g, dy), *([None] * 5)
 
 
 def _warn_once(reason: str) -> None:
@@ -260,7 +271,9 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
              packed: int | None = None):
     """Slots → local experts (expert-major rows). With a quantized ``plan`` (the first
     GroupedLinear's) whose input format allows it, the payload travels quantized; returns
-    ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP).
+    ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP). With
+    ``io``, the rows are in ``io`` and ``x_local`` is their stand-in (broadcast zeros of the
+    rows' shape): it carries the gradient path, and only that GroupedLinear may consume it.
     ``packed``: the GroupedLinear's packed padding multiple when it takes the packed path
     (``GroupedLinear.packed_exchange``): the received rows arrive as ``io["x_packed"]``."""
     reason = _quantized_reason(plan, "input", need_columnwise)

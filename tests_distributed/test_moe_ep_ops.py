@@ -1,7 +1,8 @@
 """The quantized dispatch makes one quantize pass over all slots: on the fake process group
 (EP = E/2, so each rank holds 2 experts whatever E), the torch ops one ``dispatch`` runs are
 the same for E = 4 and E = 16 global experts, with one ``quantize_storages`` call at most on
-the sender (plus one per local expert where the receiver requantizes the columnwise)."""
+the sender (plus one per local expert where the receiver requantizes the columnwise), and the
+tensor the dispatch hands autograd is a stand-in (no dequantized copy of the rows)."""
 
 import pytest
 import torch
@@ -40,8 +41,10 @@ def _dispatch_ops(recipe_name, num_experts, need_columnwise, monkeypatch):
         quantize = Quantizer.quantize_storages
         monkeypatch.setattr(Quantizer, "quantize_storages", lambda self, *a, **k: calls.append(1) or quantize(self, *a, **k))
         with _OpCount() as mode:
-            _, io = ep.dispatch(x, route, plan=plan, need_columnwise=need_columnwise)
+            x_local, io = ep.dispatch(x, route, plan=plan, need_columnwise=need_columnwise)
         assert io is not None, f"{recipe_name}: the dispatch fell back to high precision"
+        # no dequantized copy for autograd: the graph carries a broadcast stand-in of the rows
+        assert x_local.stride() == (0, 0) and x_local.shape[1] == H, (recipe_name, x_local.stride())
         return mode.ops, len(calls)
     finally:
         dist.destroy_process_group()
