@@ -112,6 +112,28 @@ class QuantizedTensor(torch.Tensor):
             )
         return st.dequantize(dtype or self.dtype).reshape(self.shape)
 
+    def follow_dtype(self) -> None:
+        """Give high-precision (identity) directions whose quantizer keeps the input's dtype
+        this tensor's dtype, in place: after ``module.to(dtype)``, which changes a
+        parameter's dtype but not its storages. A columnwise view of the rowwise data stays
+        a view. Quantized directions are untouched."""
+        row, col = self._rowwise, self._columnwise
+
+        def identity(st) -> bool:
+            return st is not None and st.FORMAT == "identity"
+
+        def stale(st, d) -> bool:
+            return (identity(st) and st.data.dtype != self.dtype and st.data.is_floating_point()
+                    and self._quantizer.direction_quantizer(d).dtype is None)
+
+        shared = identity(row) and identity(col) and col.data.data_ptr() == row.data.data_ptr()
+        if stale(row, "rowwise"):
+            self._rowwise = row.with_tensors({"data": row.data.to(self.dtype)})
+        if stale(col, "columnwise"):
+            data = self._rowwise.data.t() if shared else col.data.to(self.dtype)
+            self._columnwise = col.with_tensors({"data": data})
+        _expose_inner_tensors(self)
+
     def nbytes_by_direction(self) -> dict[str, int]:
         return {d: self.storage_of(d).nbytes() for d in DIRECTIONS if self.storage_of(d) is not None}
 

@@ -22,6 +22,7 @@ from hybrid_dist.formats.float8 import DelayedScalingState
 from hybrid_dist.formats.nvfp4 import NVFP4State
 from hybrid_dist.hybrid import HybridState, stateless
 from hybrid_dist.recipes import Recipe
+from hybrid_dist.quantized_tensor import QuantizedTensor
 
 # [Note: quantizer states in the state dict]
 # Quantizer states are module state: a module with a plan whose quantizers keep state puts
@@ -151,6 +152,9 @@ class RecipeModuleMixin:
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)  # .to / .cuda / to_empty: keys for the new device
+        for p in self.__dict__.get("_parameters", {}).values():
+            if isinstance(p, QuantizedTensor):  # .to(dtype) sets the dtype, not the storages
+                p.follow_dtype()
         self._make_plan_kernel_keys(self.__dict__.get("_plans", {}).values())
         return out
 

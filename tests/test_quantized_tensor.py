@@ -439,3 +439,35 @@ def test_compiled_guard_recompiles_only_for_a_new_configuration():
     assert counter.frame_count == 1
     fn(hd.Float8Quantizer(dtype=torch.float8_e5m2).quantize(x))
     assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_fwd_bf16_bwd"])
+def test_module_to_dtype_casts_high_precision_directions(name):
+    """``quantized_model_init`` in fp32, then ``module.to(bf16)``: the identity directions
+    become bf16 too (a columnwise view of the rowwise data stays one), so the GEMMs run in
+    bf16 as they do for the same module made without quantized init."""
+    recipe = hd.recipe_from_name(name)
+    torch.manual_seed(0)
+    with hd.quantized_model_init(recipe, keep_high_precision_init=False):
+        q = hd.Linear(64, 32, bias=False, recipe=recipe)
+    torch.manual_seed(0)
+    plain = hd.Linear(64, 32, bias=False, recipe=recipe)
+    q, plain = q.to(torch.bfloat16), plain.to(torch.bfloat16)
+    w = q.weight
+    for d in ("rowwise", "columnwise"):
+        st = w.storage_of(d)
+        if st.FORMAT == "identity":
+            assert st.data.dtype == torch.bfloat16, f"{name} {d}: {st.data.dtype}"
+    if name == "bf16":
+        assert w.columnwise.data.data_ptr() == w.rowwise.data.data_ptr()
+    # the bf16 directions' GEMMs equal those of the module made in bf16 (fp8_fwd_bf16_bwd's
+    # FP8 forward quantized the fp32 init, so only its bf16 dgrad compares)
+    x = torch.randn(16, 64).bfloat16()
+    grads = []
+    for m in (q, plain):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.backward(torch.ones_like(y))
+        grads.append((y, xi.grad))
+    assert torch.equal(grads[0][1], grads[1][1]), f"{name}: dgrad"
+    assert name != "bf16" or torch.equal(grads[0][0], grads[1][0]), f"{name}: fprop"
