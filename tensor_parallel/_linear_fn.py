@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybrid_dist import gemm, saved_storages
-from hybrid_dist.inspection import active_stats
+from hybrid_dist.inspection import active_stats, is_capturing
 from hybrid_dist.linear import weight_operands
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.tensor_parallel import _comm
@@ -78,8 +78,9 @@ class SharedWgradInput:
     """One prepared input's wgrad operand shared by ``uses`` consumers: the first one to
     ask starts the gather, the last one drops it."""
 
-    def __init__(self, wgrad: WgradInput, uses: int):
+    def __init__(self, wgrad: WgradInput, uses: int, stats_x: torch.Tensor | None = None):
         self._wgrad, self._uses, self._handle = wgrad, uses, None
+        self.stats_x = stats_x  # a logging step: the gathered high-precision rows, the consumers' reference
 
     def start(self) -> _comm.CollectiveHandle:
         if self._wgrad is None and self._handle is None:
@@ -164,6 +165,9 @@ class ColumnParallelFn(torch.autograd.Function):
                 local_col = wgrad_in is not None and wgrad_in.kind == "local"
                 stats.record("input", x_ref, x_row, wgrad_in.storage if local_col else None)
                 ctx.stats_x = x_ref if need_wgrad and not local_col else None
+            elif shared.stats_x is not None:  # prepared once for several consumers: each records it
+                stats.record("input", shared.stats_x, x_row, None)
+                ctx.stats_x = shared.stats_x if need_wgrad else None
             stats.record("weight", weight, w_row, w_col, sharded=True)
         # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
@@ -295,7 +299,8 @@ class PreparedGatherFn(torch.autograd.Function):
         row, wgrad_in, _ = gather_input(x.reshape(-1, k), group, quantizer, state, need_wgrad=need_wgrad,
                                         path=path)
         out = QuantizedTensor((world * x.shape[0], *x.shape[1:]), x.dtype, row, None, quantizer)
-        _register_prepared(next(iter(row.tensors().values())), SharedWgradInput(wgrad_in, uses))
+        stats_x = _all_rows(x.reshape(-1, k), TPConfig(kind="colwise", group=group)) if is_capturing() else None
+        _register_prepared(next(iter(row.tensors().values())), SharedWgradInput(wgrad_in, uses, stats_x))
         ctx.group = group
         return out
 

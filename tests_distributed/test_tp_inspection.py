@@ -1,7 +1,8 @@
 """Statistics under tensor parallelism (gloo, TP = 2, sequence parallel): the operands a
-rank gathers (the column-parallel input, the row-parallel output gradient) are measured as
-the full tensor, equal to a single-process run's rows; the operands a rank holds a shard
-of are labelled ``"shard"``."""
+rank gathers (the column-parallel input, also one prepared once for several consumers by
+``PrepareHybridModuleInput``; the row-parallel output gradient) are measured as the full
+tensor, equal to a single-process run's rows; the operands a rank holds a shard of are
+labelled ``"shard"``."""
 
 from __future__ import annotations
 
@@ -13,25 +14,34 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import hybrid_dist as hd
 from hybrid_dist.inspection import StatsCollector
-from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel
+from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel, PrepareHybridModuleInput
 from tests_distributed._harness import run_ranks
-from tests_distributed.test_tp_linear import MLP
+from tests_distributed.test_tp_linear import MLP, GateUp
 
 S, B, H, F_ = 64, 2, 256, 256
-FULL = {("fc1", "input"), ("fc2", "grad_output")}  # gathered along the sequence: full tensors
+# gathered along the sequence: full tensors
+FULL = {("fc1", "input"), ("fc2", "grad_output"), ("gate", "input"), ("up", "input"), ("down", "grad_output")}
+PLANS = {
+    "mlp": (MLP, lambda: {"fc1": HybridColwiseParallel(sequence_parallel=True),
+                          "fc2": HybridRowwiseParallel(sequence_parallel=True)}),
+    "prepared gate/up": (GateUp, lambda: {"": PrepareHybridModuleInput(consumers=("gate", "up")),
+                                          "gate": HybridColwiseParallel(sequence_parallel=True),
+                                          "up": HybridColwiseParallel(sequence_parallel=True),
+                                          "down": HybridRowwiseParallel(sequence_parallel=True)}),
+}
 
 
 def _rows(collector: StatsCollector) -> dict:
     return {(r["module"], r["tensor_type"], r["direction"], r["format"]): r for r in collector.read()}
 
 
-def _rank(rank, world, recipe_name):
+def _rank(rank, world, recipe_name, model_name):
     mesh = init_device_mesh("cpu", (world,))
     recipe = hd.recipe_from_name(recipe_name)
-    ref, model = (MLP(H, F_, recipe) for _ in range(2))
+    cls, plan = PLANS[model_name]
+    ref, model = (cls(H, F_, recipe) for _ in range(2))
     model.load_state_dict(ref.state_dict())
-    parallelize_module(model, mesh, {"fc1": HybridColwiseParallel(sequence_parallel=True),
-                                     "fc2": HybridRowwiseParallel(sequence_parallel=True)})
+    parallelize_module(model, mesh, plan())
     g = torch.Generator().manual_seed(7)
     x, dy = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
     cref, ctp = StatsCollector(ref), StatsCollector(model)
@@ -53,8 +63,10 @@ def _rank(rank, world, recipe_name):
     return fails, len(want)
 
 
+@pytest.mark.parametrize("model_name", list(PLANS))
 @pytest.mark.parametrize("recipe", ["mxfp8", "fp8_current"])
-def test_sequence_parallel_gathered_operands_are_full_rows(recipe):
-    for rank, (fails, n) in enumerate(run_ranks(_rank, 2, recipe)):
-        assert n >= 16, f"[{recipe} TP=2 SP] rank {rank}: {n} rows"
-        assert not fails, f"[{recipe} TP=2 SP] rank {rank}: " + "; ".join(fails)
+def test_sequence_parallel_gathered_operands_are_full_rows(recipe, model_name):
+    cfg = f"[{recipe} TP=2 SP {model_name}]"
+    for rank, (fails, n) in enumerate(run_ranks(_rank, 2, recipe, model_name)):
+        assert n >= 16, f"{cfg} rank {rank}: {n} rows"
+        assert not fails, f"{cfg} rank {rank}: " + "; ".join(fails)

@@ -11,11 +11,12 @@ and for candidate formats (MXFP8, NVFP4). Outside a capture nothing runs.
 """
 
 from hybrid_dist.inspection.candidates import CANDIDATES, GEMM_OF, format_label
-from hybrid_dist.inspection.capture import ModuleStats, active_stats, capturing
+from hybrid_dist.inspection.capture import ModuleStats, active_stats, capturing, is_capturing
 from hybrid_dist.inspection.collector import StatsCollector, clean_fqn
 from hybrid_dist.inspection.stats import FIELDS, HIST_BINS, HIST_LO, WIDTH, block_scales, combine_stats, decode, quant_stats
 
 __all__ = [
     "CANDIDATES", "FIELDS", "GEMM_OF", "HIST_BINS", "HIST_LO", "ModuleStats", "StatsCollector", "WIDTH",
-    "active_stats", "block_scales", "capturing", "clean_fqn", "combine_stats", "decode", "format_label", "quant_stats",
+    "active_stats", "block_scales", "capturing", "clean_fqn", "combine_stats", "decode", "format_label",
+    "is_capturing", "quant_stats",
 ]

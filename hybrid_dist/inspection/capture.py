@@ -43,6 +43,11 @@ def capturing() -> Iterator[None]:
         _CAPTURING[0] = prev
 
 
+def is_capturing() -> bool:
+    """Whether a logging step is capturing statistics (``capturing()``)."""
+    return _CAPTURING[0]
+
+
 def active_stats(plan) -> "ModuleStats | None":
     """``plan.stats`` while capturing, else None (see the note)."""
     if not _CAPTURING[0]:
