@@ -5,7 +5,9 @@ with the high-precision tensor ``x2d [M, K]`` it was made from, in the quantizer
 orientation and domain: the stored ``[R, C]`` (columnwise is ``x2d.T``), and for an NVFP4
 direction with a random Hadamard transform, ``x · T`` (what the quantizer rounded). The
 result is one float64 vector (``FIELDS``, then ``HIST_BINS`` histogram counts), computed
-with torch ops on the tensor's device: no host sync, traceable by ``torch.compile``.
+on the tensor's device without a host sync: on CUDA the first six fields by one kernel
+(``kernels.stats``, one read of the operand, its codes and scales), elsewhere by torch ops
+(the reference; ``fused=False`` picks them on CUDA too).
 
     amax          max |x|                                          (exact)
     signal_norm   ‖x‖₂             (fp32 reduction)
@@ -95,25 +97,30 @@ def dequantized_domain(storage) -> torch.Tensor:
 
 
 def _fused_head(x2d: torch.Tensor | None, storage) -> torch.Tensor | None:
-    """The first six fields from one CUDA kernel (``kernels.stats``), or None where the torch
-    code computes them (CPU, no reference, a format the kernel does not cover)."""
-    if x2d is None or not x2d.is_cuda or x2d.dim() != 2:
-        return None
-    from hybrid_dist.kernels import stats as kernel  # Triton: CUDA installs only
+    """The first six fields from one kernel (``kernels.stats``), or None for a storage kind
+    it does not cover (every kind of ``BLOCK_SCALES`` and identity is covered)."""
+    from hybrid_dist.kernels import stats as kernel  # imports Triton
 
-    if not kernel.supported(storage):
+    if not kernel.supported(storage) or (x2d is not None and x2d.dim() != 2):
         return None
-    if getattr(storage, "rht_seed", None) is not None:
+    if x2d is None:
+        x = None
+    elif getattr(storage, "rht_seed", None) is not None:
         x = quantizer_domain(x2d, storage)  # fp32 x·T, as the quantizer rounded it
     else:
         x = x2d.t() if storage.transposed else x2d  # a view: the kernel reads through strides
     return kernel.stats_head(x, storage)
 
 
-def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False) -> torch.Tensor:
-    """float64 ``[WIDTH]`` statistics of ``storage`` against ``x2d`` (see the module doc);
-    on CUDA the six head fields come from one fused kernel (``kernels.stats``)."""
-    head = _fused_head(x2d, storage)
+def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False,
+                fused: bool | None = None) -> torch.Tensor:
+    """float64 ``[WIDTH]`` statistics of ``storage`` against ``x2d`` (see the module doc).
+    ``fused``: whether the six head fields come from one kernel (``kernels.stats``) rather
+    than the torch ops; None: on CUDA tensors. The torch ops are the reference; True off
+    CUDA needs the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    if fused is None:
+        fused = storage.device.type == "cuda"
+    head = _fused_head(x2d, storage) if fused else None
     dev = storage.device
     hist = _scale_histogram(storage, dev)
     numel = torch.full((), float(x2d.numel() if x2d is not None else math.prod(storage.shape2d)),

@@ -11,7 +11,14 @@ fp64.
 Guarantee: ``x̂`` is the fp32 product ``dequantized_domain`` forms (codes · block scale,
 then · per-tensor scale, in that order), and the saturation limit is ``s_b · elem_max`` in
 fp32, so ``amax`` and the three counts equal the torch reference bitwise; the norms differ
-from it only in summation order (fp32 tree sums per tile).
+from it only in summation order (fp32 tree sums per tile). A NaN in ``x`` makes ``amax``
+NaN, as ``torch.amax`` does: ``tl.max`` may drop a NaN, so the host takes ``amax`` NaN
+where the sum of squares is (a NaN is the only way a sum of squares becomes NaN).
+
+``x=None`` (no high-precision tensor: a quantized parameter) reads the storage only and
+takes ``x = x̂``, as the torch code does: ``amax``, ``signal_norm`` and ``nonzero`` of the
+dequantized tensor, ``noise_norm`` and ``underflow`` NaN, ``saturated`` NaN (0 for an
+identity direction, which has no blocks).
 
 Layouts (stored ``[R, C]``): FP8 per-tensor ``data`` + ``scale_inv`` ``[]``; FP8 blocks
 ``scale_inv [R/br, C/128]``; MXFP8 E8M0 ``scale [R, C/32]``; NVFP4 ``data [R, C/2]`` (two
@@ -21,6 +28,8 @@ strides (cached: they are 16-128× smaller than the data).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -44,13 +53,12 @@ _WIDTH = 6
 
 @triton.jit
 def _stats_kernel(x_ptr, sx0, sx1, d_ptr, sd0, sd1, s_ptr, ss0, ss1, g_ptr, out_ptr, R, C,
-                  FMT: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                  FMT: tl.constexpr, HAS_REF: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                   ELEM_MAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rr = (pid_r * BR + tl.arange(0, BR))[:, None].to(tl.int64)
     cc = (pid_c * BC + tl.arange(0, BC))[None, :].to(tl.int64)
     mask = (rr < R) & (cc < C)
-    x = tl.load(x_ptr + rr * sx0 + cc * sx1, mask=mask, other=0.0).to(tl.float32)
     if FMT == 4:  # NVFP4: the code's nibble of its byte
         byte = tl.load(d_ptr + rr * sd0 + (cc // 2) * sd1, mask=mask, other=0).to(tl.int32)
         q = e2m1_decode((byte >> ((cc & 1) * 4).to(tl.int32)) & 0xF)
@@ -75,20 +83,25 @@ def _stats_kernel(x_ptr, sx0, sx1, d_ptr, sd0, sd1, s_ptr, ss0, ss1, g_ptr, out_
             bs = tl.load(sp, mask=mask, other=0.0).to(tl.float32)
             xh = (q * bs) * g
             s_b = bs * g
-    ax = tl.abs(x)
-    d = x - xh
-    nz = x != 0.0
-    if FMT == 0:
-        sat = tl.zeros_like(ax)
+    if HAS_REF:
+        x = tl.load(x_ptr + rr * sx0 + cc * sx1, mask=mask, other=0.0).to(tl.float32)
     else:
-        sat = tl.where(ax > s_b * ELEM_MAX, 1.0, 0.0)
+        x = xh
+    ax = tl.abs(x)
+    nz = x != 0.0
     base = out_ptr + (pid_r * tl.num_programs(1) + pid_c) * 6
     tl.store(base + 0, tl.max(tl.max(ax, axis=1), axis=0))
     tl.store(base + 1, tl.sum(tl.sum(x * x, axis=1), axis=0))
-    tl.store(base + 2, tl.sum(tl.sum(d * d, axis=1), axis=0))
     tl.store(base + 3, tl.sum(tl.sum(tl.where(nz, 1.0, 0.0), axis=1), axis=0))
-    tl.store(base + 4, tl.sum(tl.sum(tl.where(nz & (xh == 0.0), 1.0, 0.0), axis=1), axis=0))
-    tl.store(base + 5, tl.sum(tl.sum(sat, axis=1), axis=0))
+    if HAS_REF:  # without a reference the host writes NaN for these
+        d = x - xh
+        if FMT == 0:
+            sat = tl.zeros_like(ax)
+        else:
+            sat = tl.where(ax > s_b * ELEM_MAX, 1.0, 0.0)
+        tl.store(base + 2, tl.sum(tl.sum(d * d, axis=1), axis=0))
+        tl.store(base + 4, tl.sum(tl.sum(tl.where(nz & (xh == 0.0), 1.0, 0.0), axis=1), axis=0))
+        tl.store(base + 5, tl.sum(tl.sum(sat, axis=1), axis=0))
 
 
 @triton.jit
@@ -137,21 +150,29 @@ def supported(storage) -> bool:
     return _format_args(storage) is not None
 
 
-def stats_head(x: torch.Tensor, storage) -> torch.Tensor:
-    """float64 ``[6]`` (module doc) of ``storage`` stored ``[R, C]`` against ``x [R, C]``."""
+def stats_head(x: torch.Tensor | None, storage) -> torch.Tensor:
+    """float64 ``[6]`` (module doc) of ``storage`` stored ``[R, C]`` against ``x [R, C]``
+    (None: no reference)."""
     fmt, data, scale, ts, srows, scols, emax = _format_args(storage)
-    r, c = x.shape
+    r, c = storage.shape2d
+    if x is not None and tuple(x.shape) != (r, c):
+        raise ValueError(f"stats_head: x has shape {tuple(x.shape)}, the storage is stored [{r}, {c}]; pass x "
+                         "in the stored orientation (x2d.t() for a columnwise storage)")
     grid = (cdiv(r, _BR), cdiv(c, _BC))
-    partial = torch.zeros(grid[0] * grid[1], _WIDTH, dtype=torch.float32, device=x.device)
-    if x.numel():
-        if data.dtype.itemsize == 1 and data.dtype.is_floating_point and fmt == _IDENTITY:
-            data = data.float()
+    partial = torch.empty(grid[0] * grid[1], _WIDTH, dtype=torch.float32, device=data.device)
+    if partial.numel():
         s = scale if scale is not None else partial
-        launch(_stats_kernel, grid, x, x.stride(0), x.stride(1), data, data.stride(0), data.stride(1),
+        xa = x if x is not None else data  # not read without a reference
+        launch(_stats_kernel, grid, xa, xa.stride(0), xa.stride(1), data, data.stride(0), data.stride(1),
                s, s.stride(0), s.stride(1) if s.dim() > 1 else 0, ts if ts is not None else partial, partial, r, c,
-               FMT=fmt, SCALE_ROWS=srows, SCALE_COLS=scols, ELEM_MAX=float(emax), BR=_BR, BC=_BC, num_warps=4)
+               FMT=fmt, HAS_REF=x is not None, SCALE_ROWS=srows, SCALE_COLS=scols, ELEM_MAX=float(emax),
+               BR=_BR, BC=_BC, num_warps=4)
     p = partial.double()
     head = p.sum(0)
     head[0] = p[:, 0].amax() if p.shape[0] else 0.0
+    head[0] = torch.where(head[1].isnan(), head[1], head[0])  # sum x² is NaN iff some x is
     head[1:3] = head[1:3].sqrt()
+    if x is None:  # what needs the reference; an identity direction has no blocks to saturate
+        head[2] = head[4] = math.nan
+        head[5] = 0.0 if fmt == _IDENTITY else math.nan
     return head

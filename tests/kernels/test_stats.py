@@ -1,9 +1,14 @@
-"""``kernels.stats`` against the torch statistics (``inspection.stats``). ``stats_head``: amax
-and the three counts bitwise, norms within 1e-5 relative, for every storage kind and both
-directions, on tensors with zeros, values that flush to zero and values that saturate
-(delayed scaling's stale scale). ``scale_histogram``: bitwise the torch histogram, with
-zero, NaN, negative, subnormal and clamped scales. On CPU under the Triton interpreter; on
-CUDA at a larger shape (the storages from the CUDA quantize kernels)."""
+"""``quant_stats`` with its head fields from the fused kernel (``kernels.stats``) against the
+torch ops (``fused=False``, the reference), whole vectors: amax, the three counts, numel,
+sharded and the block-scale histogram bitwise, the norms within 1e-5 relative (fp32 tree
+sums per tile against torch's reduction order). Every storage kind and both directions, on
+tensors with zeros, values that flush to zero and values that saturate (delayed scaling's
+stale scale); without a reference (``x2d=None``: NaN fields in the same places); a NaN in
+the reference (amax NaN); and a shape whose tiles are ragged in both dims. On CPU under the
+Triton interpreter; on CUDA at larger shapes (the storages from the CUDA quantize kernels).
+``scale_histogram``: bitwise the torch histogram, with zero, NaN, negative, subnormal and
+clamped scales.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import torch
 from hybrid_dist.formats import (
     Float8BlockQuantizer, Float8Quantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
 )
-from hybrid_dist.inspection.stats import FIELDS, _torch_head, quantizer_domain
+from hybrid_dist.inspection.candidates import fits
+from hybrid_dist.inspection.stats import FIELDS, quant_stats
 from tests._helpers import run_check_under_triton_interpreter
 
 QUANTIZERS = {
@@ -29,8 +35,9 @@ QUANTIZERS = {
     "nvfp4_2d": NVFP4Quantizer(block_2d=True),
     "nvfp4_rht": NVFP4Quantizer(rht=True),
 }
-EXACT = [FIELDS.index(f) for f in ("amax", "nonzero", "underflow", "saturated")]
 NORMS = [FIELDS.index(f) for f in ("signal_norm", "noise_norm")]
+EXACT = [i for i in range(len(FIELDS)) if i not in NORMS]  # and the histogram after FIELDS
+NO_REF = [FIELDS.index(f) for f in ("noise_norm", "underflow", "saturated")]
 
 
 def _input(m: int, k: int, device) -> torch.Tensor:
@@ -42,46 +49,106 @@ def _input(m: int, k: int, device) -> torch.Tensor:
 
 
 def _storages(name: str, x: torch.Tensor):
+    """``(direction, storage)`` of every direction of ``x`` that fits the format's blocks."""
     q = QUANTIZERS[name]
-    out = list(zip(("rowwise", "columnwise"), q.quantize_storages(x, rowwise=True, columnwise=True)))
-    if name.startswith("fp8_e"):  # a stale delayed scale: 4x too large, so values saturate
+    out = []
+    for direction in ("rowwise", "columnwise"):
+        if fits(q, *x.shape, direction):
+            row, col = q.quantize_storages(x, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+            out.append((direction, row if row is not None else col))
+    if name.startswith("fp8_e") and out:  # a stale delayed scale: 4x too large, so values saturate
         row = out[0][1]
         out.append(("rowwise saturating", type(row)(data=row.data, scale_inv=row.scale_inv / 4, transposed=False)))
     return out
 
 
-def _compare(x: torch.Tensor, name: str) -> None:
-    from hybrid_dist.kernels.stats import stats_head
-
-    for direction, st in _storages(name, x):
-        dom = quantizer_domain(x, st) if getattr(st, "rht_seed", None) is not None else (x.t() if st.transposed else x)
-        got, ref = stats_head(dom, st).cpu(), _torch_head(x, st).cpu()
-        what = f"{name} {direction}"
-        assert torch.equal(got[EXACT], ref[EXACT]), f"{what}: {got[EXACT].tolist()} != {ref[EXACT].tolist()}"
-        for i in NORMS:
+def _assert_same(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``got`` equals ``ref`` bitwise but for the norms (1e-5 relative); NaN where ``ref`` is."""
+    got, ref = got.cpu(), ref.cpu()
+    assert torch.equal(got.isnan(), ref.isnan()), f"{what}: NaN at {got.isnan().tolist()} vs {ref.isnan().tolist()}"
+    exact = EXACT + list(range(len(FIELDS), got.numel()))
+    g, r = got[exact].nan_to_num(), ref[exact].nan_to_num()
+    bad = [FIELDS[i] if i < len(FIELDS) else f"hist[{i - len(FIELDS)}]" for i, a, b in zip(exact, g, r) if a != b]
+    assert not bad, f"{what}: {bad} differ: {got[exact].tolist()} != {ref[exact].tolist()}"
+    for i in NORMS:
+        if not math.isnan(ref[i]):
             assert math.isclose(got[i], ref[i], rel_tol=1e-5), f"{what} {FIELDS[i]}: {got[i]} vs {ref[i]}"
-        assert ref[FIELDS.index("nonzero")] > 0 and ref[FIELDS.index("underflow")] >= (name != "identity")
+
+
+def _compare(x: torch.Tensor, name: str, *, no_ref: bool = True) -> None:
+    for direction, st in _storages(name, x):
+        what = f"{name} {direction} {tuple(x.shape)}"
+        ref = quant_stats(x, st, sharded=True, fused=False)
+        _assert_same(quant_stats(x, st, sharded=True, fused=True), ref, what)
+        f = dict(zip(FIELDS, ref.tolist()))
+        assert f["nonzero"] > 0 and f["underflow"] >= (name != "identity") and f["sharded"] == 1, what
         if direction.endswith("saturating"):
-            assert ref[FIELDS.index("saturated")] > 0, what
+            assert f["saturated"] > 0, what
+        if no_ref:
+            ref = quant_stats(None, st, fused=False)
+            assert ref[NO_REF].isnan().sum() == (2 if name == "identity" else 3), what
+            _assert_same(quant_stats(None, st, fused=True), ref, f"{what} without a reference")
+
+
+def _compare_nan_amax(x: torch.Tensor) -> None:
+    """A NaN in the reference: amax is NaN (``tl.max`` alone would drop it), the counts stay."""
+    for name in ("identity", "mxfp8"):
+        for direction, st in _storages(name, x):
+            bad = x.clone()
+            bad[5, 9] = math.nan
+            ref = quant_stats(bad, st, fused=False)
+            assert math.isnan(ref[FIELDS.index("amax")]), name
+            _assert_same(quant_stats(bad, st, fused=True), ref, f"{name} {direction} with a NaN")
 
 
 def _check_stats_kernel():
     x = _input(128, 256, "cpu")
     for name in QUANTIZERS:
         _compare(x, name)
+    _compare_nan_amax(x)
+
+
+def _check_stats_kernel_ragged():
+    x = _input(208, 384, "cpu")  # 208 = 6.5 row tiles; columnwise, 1.6 column tiles
+    for name in QUANTIZERS:
+        _compare(x, name, no_ref=False)
 
 
 def test_stats_kernel_under_triton_interpreter():
     run_check_under_triton_interpreter("tests.kernels.test_stats", "stats_kernel")
 
 
+def test_stats_kernel_ragged_under_triton_interpreter():
+    run_check_under_triton_interpreter("tests.kernels.test_stats", "stats_kernel_ragged")
+
+
+def test_quant_stats_refuses_a_wrong_orientation():
+    """``stats_head`` takes ``x`` in the stored orientation (host check, no launch)."""
+    pytest.importorskip("triton")
+    from hybrid_dist.kernels.stats import stats_head
+
+    x = _input(128, 256, "cpu")
+    _, col = QUANTIZERS["mxfp8"].quantize_storages(x, rowwise=False, columnwise=True)
+    with pytest.raises(ValueError, match=r"stored \[256, 128\]"):
+        stats_head(x, col)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1024, 4096), (384, 2048)], ids=str)
+@pytest.mark.parametrize("shape", [(1024, 4096), (384, 2048), (208, 384)], ids=str)
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_stats_kernel_cuda(name, shape):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    _compare(_input(*shape, "cuda"), name)
+    x = _input(*shape, "cuda")
+    _compare(x, name)
+    # the default on CUDA is the kernel; the CPU torch code gives the same vector (not for
+    # RHT: x·T is a matmul, whose rounding differs between the devices)
+    for direction, st in _storages(name, x) if name != "nvfp4_rht" else ():
+        cpu = st.map_tensors(lambda t: t.cpu())
+        _assert_same(quant_stats(x, st), quant_stats(x.cpu(), cpu), f"{name} {direction} cuda vs cpu")
+
+
+@pytest.mark.gpu
+def test_stats_kernel_cuda_nan_amax():
+    _compare_nan_amax(_input(1024, 4096, "cuda"))
 
 
 def _check_histogram(device: str = "cpu"):
