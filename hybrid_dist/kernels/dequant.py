@@ -1,10 +1,9 @@
 """Bandwidth-bound dequantize-to-bf16 kernels (the GEMM operand path of block formats).
 
 Each kernel turns one stored direction ``[R, C]`` into bf16 ``[R, C]`` with its block
-scales applied and its per-tensor scale **not** applied. The products are exact in bf16:
-E4M3 × 2**k (MXFP8, k in E8M0 range of normal bf16) and E2M1 × E4M3 (NVFP4: at most 5
-significant bits). With ``scale`` (an fp32 scalar tensor) each value is multiplied by it in
-fp32 before the one rounding to bf16: ``bf16((q · s_block) · scale)``, no longer exact. ``scale_cast``
+scales applied and its per-tensor scale **not** applied (that goes on the fp32
+accumulator). The products are exact in bf16: E4M3 × 2**k (MXFP8, k in E8M0 range of
+normal bf16) and E2M1 × E4M3 (NVFP4: at most 5 significant bits). ``scale_cast``
 applies per-tensor scales to an fp32 accumulator and casts, in the reference's order
 (``(acc · s_a) · s_b``, then one rounding).
 """
@@ -15,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_dist.kernels._jit_common import cdiv, e2m1_decode, eager_or_op, exp2_int, round_bf16
+from hybrid_dist.kernels._jit_common import cdiv, e2m1_decode, eager_or_op, exp2_int
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.library_op import library_op
 
@@ -23,8 +22,7 @@ _BR, _BC = 64, 128
 
 
 @triton.jit
-def _mxfp8_dequant_kernel(d_ptr, s_ptr, g_ptr, out_ptr, R, C, HAS_G: tl.constexpr, BR: tl.constexpr,
-                          BC: tl.constexpr):
+def _mxfp8_dequant_kernel(d_ptr, s_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rr = pid_r * BR + tl.arange(0, BR)[:, None]
     rc = pid_c * BC + tl.arange(0, BC)[None, :]
@@ -32,14 +30,12 @@ def _mxfp8_dequant_kernel(d_ptr, s_ptr, g_ptr, out_ptr, R, C, HAS_G: tl.constexp
     q = tl.load(d_ptr + rr * C + rc, mask=mask, other=0.0).to(tl.float32)
     sc = pid_c * (BC // 32) + tl.arange(0, BC // 32)[None, :]
     e = tl.load(s_ptr + rr * (C // 32) + sc, mask=(rr < R) & (sc < C // 32), other=127).to(tl.int32)
-    v = tl.reshape(tl.reshape(q, (BR, BC // 32, 32)) * exp2_int(e - 127)[:, :, None], (BR, BC))
-    if HAS_G:
-        v = v * tl.load(g_ptr)
-    tl.store(out_ptr + rr * C + rc, round_bf16(v).to(tl.bfloat16), mask=mask)
+    v = tl.reshape(q, (BR, BC // 32, 32)) * exp2_int(e - 127)[:, :, None]
+    tl.store(out_ptr + rr * C + rc, tl.reshape(v, (BR, BC)).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _nvfp4_dequant_kernel(d_ptr, s_ptr, g_ptr, out_ptr, R, C, BLOCK_ROWS: tl.constexpr, HAS_G: tl.constexpr,
+def _nvfp4_dequant_kernel(d_ptr, s_ptr, out_ptr, R, C, BLOCK_ROWS: tl.constexpr,
                           BR: tl.constexpr, BC: tl.constexpr):
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rr = pid_r * BR + tl.arange(0, BR)[:, None]
@@ -50,11 +46,8 @@ def _nvfp4_dequant_kernel(d_ptr, s_ptr, g_ptr, out_ptr, R, C, BLOCK_ROWS: tl.con
     sc = pid_c * (BC // 16) + tl.arange(0, BC // 16)[None, :]
     s = tl.load(s_ptr + sr * (C // 16) + sc, mask=(sr < R // BLOCK_ROWS) & (sc < C // 16), other=0.0)
     v = tl.reshape(v, (BR // BLOCK_ROWS, BLOCK_ROWS, BC // 16, 16)) * s.to(tl.float32)[:, None, :, None]
-    v = tl.reshape(v, (BR, BC))
-    if HAS_G:
-        v = v * tl.load(g_ptr)
     rc = pid_c * BC + tl.arange(0, BC)[None, :]
-    tl.store(out_ptr + rr * C + rc, round_bf16(v).to(tl.bfloat16), mask=(rr < R) & (rc < C))
+    tl.store(out_ptr + rr * C + rc, tl.reshape(v, (BR, BC)).to(tl.bfloat16), mask=(rr < R) & (rc < C))
 
 
 @triton.jit
@@ -71,41 +64,35 @@ def _scale_cast_kernel(acc_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr,
 
 
 @library_op("hybrid_dist::mxfp8_dequantize")
-def mxfp8_dequantize_op(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-    """bf16 ``[R, C]`` of MXFP8 ``data [R, C]`` with E8M0 ``scale [R, C/32]`` (times the fp32
-    scalar ``tensor_scale`` before the rounding, if given)."""
+def mxfp8_dequantize_op(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[R, C]`` of MXFP8 ``data [R, C]`` with E8M0 ``scale [R, C/32]``."""
     r, c = data.shape
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
     if data.numel():
-        g = tensor_scale if tensor_scale is not None else out
         launch(_mxfp8_dequant_kernel, (cdiv(r, _BR), cdiv(c, _BC)),
-               data, scale, g, out, r, c, HAS_G=tensor_scale is not None, BR=_BR, BC=_BC, num_warps=4)
+               data, scale, out, r, c, BR=_BR, BC=_BC, num_warps=4)
     return out
 
 
 @mxfp8_dequantize_op.register_fake
-def _(data, scale, tensor_scale=None):
+def _(data, scale):
     return data.new_empty(data.shape, dtype=torch.bfloat16)
 
 
 @library_op("hybrid_dist::nvfp4_dequantize")
-def nvfp4_dequantize_op(data: torch.Tensor, block_scale: torch.Tensor, block_rows: int,
-                        tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+def nvfp4_dequantize_op(data: torch.Tensor, block_scale: torch.Tensor, block_rows: int) -> torch.Tensor:
     """bf16 ``[R, C]`` of packed NVFP4 ``data [R, C/2]`` with E4M3 ``block_scale``
-    ``[R/block_rows, C/16]`` (times the fp32 scalar ``tensor_scale`` before the rounding, if
-    given; the global scale is not applied otherwise)."""
+    ``[R/block_rows, C/16]`` (global scale not applied)."""
     r, c = data.shape[0], data.shape[1] * 2
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
     if data.numel():
-        g = tensor_scale if tensor_scale is not None else out
-        launch(_nvfp4_dequant_kernel, (cdiv(r, _BR), cdiv(c, _BC)), data, block_scale, g, out, r, c,
-               BLOCK_ROWS=block_rows, HAS_G=tensor_scale is not None, BR=_BR, BC=_BC, num_warps=4)
+        launch(_nvfp4_dequant_kernel, (cdiv(r, _BR), cdiv(c, _BC)),
+               data, block_scale, out, r, c, BLOCK_ROWS=block_rows, BR=_BR, BC=_BC, num_warps=4)
     return out
 
 
 @nvfp4_dequantize_op.register_fake
-def _(data, block_scale, block_rows, tensor_scale=None):
+def _(data, block_scale, block_rows):
     return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=torch.bfloat16)
 
 

@@ -9,13 +9,8 @@
 * Identity × identity (same dtype): a plain matmul in the native dtype (fp32 output from
   the same bf16 operands when an fp32 result is asked for).
 * Everything else (MXFP8, NVFP4, mixed, E5M2×E5M2): each operand is dequantized by its
-  block scales to bf16 (exact, see ``dequant``) and cuBLAS multiplies with fp32
-  accumulation. Per-tensor scales: for an fp32 output they go on the fp32 accumulator
-  (``(acc · s_a) · s_b``, then one rounding); for a bf16 output their product is folded,
-  in fp32, into the operand with fewer elements before its bf16 rounding (inside the
-  dequantize kernel), so cuBLAS writes bf16 directly: one extra rounding of that operand
-  (relative 2**-9 per element, the size of the output's own bf16 rounding) instead of an
-  fp32 output written, read and rounded again. NVFP4 operands that share a Hadamard
+  block scales to bf16 (exact, see ``dequant``), cuBLAS multiplies with fp32 accumulation,
+  per-tensor scales go on the fp32 accumulator. NVFP4 operands that share a Hadamard
   seed multiply in the transformed domain; an unshared transform defers to the reference.
 Returns ``NotImplemented`` where the reference must decide.
 """
@@ -69,17 +64,18 @@ def _scaled_mm_blockwise(a: Float8BlockStorage, b: Float8BlockStorage, out_dtype
         return None
 
 
-def bf16_operand(st, scale: torch.Tensor | None = None):
-    """bf16 ``[R, C]`` with block scales applied (exact), or None if not exact in bf16;
-    with ``scale`` (fp32 scalar) also multiplied by it in fp32 before the bf16 rounding.
+def bf16_operand(st):
+    """bf16 ``[R, C]`` with block scales applied (exact), or None if not exact in bf16.
     The dequantize kernels index row-major buffers: strided views (e.g. a transposed saved
     or gathered field) are made contiguous first."""
     if isinstance(st, MXFP8Storage):
-        return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous(), scale)
+        return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous())
     if isinstance(st, NVFP4Storage):
-        return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows, scale)
-    if isinstance(st, Float8Storage) or (isinstance(st, IdentityStorage) and st.data.dtype == torch.bfloat16):
-        return st.data.to(torch.bfloat16) if scale is None else (st.data.float() * scale).to(torch.bfloat16)
+        return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows)
+    if isinstance(st, Float8Storage):
+        return st.data.to(torch.bfloat16)
+    if isinstance(st, IdentityStorage) and st.data.dtype == torch.bfloat16:
+        return st.data
     return None
 
 
@@ -94,18 +90,10 @@ def _dequant_gemm(a, b, out_dtype):
     seeds = (getattr(a, "rht_seed", None), getattr(b, "rht_seed", None))
     if seeds[0] != seeds[1]:
         return NotImplemented  # one operand must be transformed back: reference
-    sa, sb = a.tensor_scale(), b.tensor_scale()
-    if out_dtype == torch.bfloat16 and (sa is not None or sb is not None):  # fold into the smaller operand
-        s = sa.float() if sb is None else sb.float() if sa is None else sa.float() * sb.float()
-        fold_a = a.data.numel() * (2 if isinstance(a, NVFP4Storage) else 1) <= \
-            b.data.numel() * (2 if isinstance(b, NVFP4Storage) else 1)
-        va, vb = bf16_operand(a, s if fold_a else None), bf16_operand(b, None if fold_a else s)
-        if va is None or vb is None:
-            return NotImplemented
-        return torch.mm(va, vb.t())
     va, vb = bf16_operand(a), bf16_operand(b)
     if va is None or vb is None:
         return NotImplemented
+    sa, sb = a.tensor_scale(), b.tensor_scale()
     if sa is None and sb is None and out_dtype == torch.bfloat16:
         return torch.mm(va, vb.t())
     acc = _mm_fp32(va, vb.t())
