@@ -62,8 +62,9 @@ def _storages(name: str, x: torch.Tensor):
     return out
 
 
-def _assert_same(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    """``got`` equals ``ref`` bitwise but for the norms (1e-5 relative); NaN where ``ref`` is."""
+def _assert_same(got: torch.Tensor, ref: torch.Tensor, what: str, norm_tol: float = 1e-5) -> None:
+    """``got`` equals ``ref`` bitwise but for the norms (``norm_tol`` relative); NaN where
+    ``ref`` is."""
     got, ref = got.cpu(), ref.cpu()
     assert torch.equal(got.isnan(), ref.isnan()), f"{what}: NaN at {got.isnan().tolist()} vs {ref.isnan().tolist()}"
     exact = EXACT + list(range(len(FIELDS), got.numel()))
@@ -72,7 +73,7 @@ def _assert_same(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert not bad, f"{what}: {bad} differ: {got[exact].tolist()} != {ref[exact].tolist()}"
     for i in NORMS:
         if not math.isnan(ref[i]):
-            assert math.isclose(got[i], ref[i], rel_tol=1e-5), f"{what} {FIELDS[i]}: {got[i]} vs {ref[i]}"
+            assert math.isclose(got[i], ref[i], rel_tol=norm_tol), f"{what} {FIELDS[i]}: {got[i]} vs {ref[i]}"
 
 
 def _compare(x: torch.Tensor, name: str, *, no_ref: bool = True) -> None:
@@ -143,7 +144,8 @@ def test_stats_kernel_cuda(name, shape):
     # RHT: x·T is a matmul, whose rounding differs between the devices)
     for direction, st in _storages(name, x) if name != "nvfp4_rht" else ():
         cpu = st.map_tensors(lambda t: t.cpu())
-        _assert_same(quant_stats(x, st), quant_stats(x.cpu(), cpu), f"{name} {direction} cuda vs cpu")
+        # the CPU's fp32 norm of 4M elements is off by up to ~4e-5 (the kernel sums tiles in fp64)
+        _assert_same(quant_stats(x, st), quant_stats(x.cpu(), cpu), f"{name} {direction} cuda vs cpu", norm_tol=2e-4)
 
 
 @pytest.mark.gpu
