@@ -193,17 +193,31 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
     dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
     rows_all = _wire.unpack(recv, slots, dest, sum(padded))
-    rows, cols, rows_values, start = [], [], [], 0
-    for j, (m, p) in enumerate(zip(route.local_splits, padded)):
-        st = _wire.expert_rows(rows_all, first + j, start, p)
-        v = st.dequantize(x.dtype)  # [p, K]: the rows' values (zeros in the padding)
-        rows.append(st)
-        rows_values.append(v[:m])
-        cols.append(_wire.columnwise_of(quantizer, st, v) if need_columnwise else None)
-        start += p
+    starts = [sum(padded[:j]) for j in range(len(padded))]
+    rows = [_wire.expert_rows(rows_all, first + j, s, p) for j, (s, p) in enumerate(zip(starts, padded))]
+    cols = (receiver_columnwise(quantizer, rows_all, rows, list(zip(starts, padded)), x.dtype) if need_columnwise
+            else [None] * len(rows))
     g = GroupedQuantized(rowwise=rows, columnwise=cols, splits=list(route.local_splits), padded_splits=padded,
                          offsets=off, padded_offsets=poff)
-    return g, (torch.cat(rows_values) if values else None)
+    if not values:
+        return g, None
+    return g, torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(rows, route.local_splits)])
+
+
+def receiver_columnwise(quantizer, rows_all, rows: list, spans: list[tuple[int, int]], dtype) -> list:
+    """Each local expert's columnwise storage ``[K, p_e]`` made from its received rows
+    (``_wire.columnwise_of``): ``rows_all`` every expert's padded rows, ``rows`` the
+    experts' views of it, ``spans`` their ``(start, p_e)``. A requantized format whose
+    columnwise blocks (along tokens) fit every padded segment quantizes all experts in one
+    call: no block spans two experts, so each expert's part is its own quantization."""
+    if _wire.requantized_columnwise(quantizer):
+        cq = quantizer.direction_quantizer("columnwise")
+        block = cq.block_shape("columnwise")[0]
+        if spans and all(s % block == 0 and p % block == 0 for s, p in spans):
+            _, col = cq.quantize_storages(rows_all.dequantize(dtype), rowwise=False, columnwise=True)
+            return [col.narrow_dim0(s, p).map_tensors(torch.Tensor.contiguous) for s, p in spans]
+    derived = _wire.derivable_columnwise(quantizer)
+    return [_wire.columnwise_of(quantizer, st, None if derived else st.dequantize(dtype)) for st in rows]
 
 
 def _padded_rows(counts: torch.Tensor, off: torch.Tensor, poff: torch.Tensor, rows: int) -> torch.Tensor:
