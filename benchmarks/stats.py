@@ -4,8 +4,8 @@ per format and direction, on one tensor, with and without the high-precision ref
 
     python -m benchmarks.stats [--shape 8192 14336]
 
-ms of ``quant_stats`` (both include the block-scale histogram and, with a reference, the
-RHT domain where the format has one) and the fused path's bytes read per ms (the reference,
+ms of ``quant_stats`` (each path with its own block-scale histogram and, with a reference,
+the RHT domain where the format has one) and the fused path's bytes read per ms (the reference,
 the codes and the scales once: GB/s to set against the copy bandwidth printed in the
 title). Each row's fused vector is checked against the torch one first.
 """

@@ -122,12 +122,12 @@ def _reduce(x: torch.Tensor, cfg: TPConfig, *, async_op: bool):
     return _comm.finish_or_handle(work, lambda: x, async_op)
 
 
-def _all_rows(t2d: torch.Tensor, cfg: TPConfig) -> torch.Tensor:
+def _all_rows(t2d: torch.Tensor, group) -> torch.Tensor:
     """Every rank's rows of ``t2d`` in high precision: the reference a logging step measures
     a gathered (sequence-parallel) operand against. Only statistics capture gathers it."""
-    world = _comm.group_size(cfg.group)
+    world = _comm.group_size(group)
     _comm.log_event("all_gather", "statistics_reference", str(t2d.dtype), t2d.numel() * t2d.element_size() * world)
-    _, out = _comm.all_gather_dim0(t2d.detach(), cfg.group)
+    _, out = _comm.all_gather_dim0(t2d.detach(), group)
     return out
 
 
@@ -161,7 +161,7 @@ class ColumnParallelFn(torch.autograd.Function):
         ctx.stats_x = None  # SP: the gathered high-precision input, for the columnwise row in backward
         if stats is not None:
             if shared is None:
-                x_ref = _all_rows(x.reshape(-1, k), cfg) if cfg.sequence_parallel else x
+                x_ref = _all_rows(x.reshape(-1, k), cfg.group) if cfg.sequence_parallel else x
                 local_col = wgrad_in is not None and wgrad_in.kind == "local"
                 stats.record("input", x_ref, x_row, wgrad_in.storage if local_col else None)
                 ctx.stats_x = x_ref if need_wgrad and not local_col else None
@@ -267,7 +267,7 @@ class RowParallelFn(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2d.sum(0)
         if ctx.stats is not None:
-            ctx.stats.record("grad_output", _all_rows(dy2d, cfg) if cfg.sequence_parallel else dy2d, dy_row, dy_col)
+            ctx.stats.record("grad_output", _all_rows(dy2d, cfg.group) if cfg.sequence_parallel else dy2d, dy_row, dy_col)
         dx = dw = None
         if need_dgrad:
             # dgrad: dx [M, K/tp] = dy [M, N] · W_local [N, K/tp]   (W columnwise stored [K/tp, N])
@@ -299,7 +299,7 @@ class PreparedGatherFn(torch.autograd.Function):
         row, wgrad_in, _ = gather_input(x.reshape(-1, k), group, quantizer, state, need_wgrad=need_wgrad,
                                         path=path)
         out = QuantizedTensor((world * x.shape[0], *x.shape[1:]), x.dtype, row, None, quantizer)
-        stats_x = _all_rows(x.reshape(-1, k), TPConfig(kind="colwise", group=group)) if is_capturing() else None
+        stats_x = _all_rows(x.reshape(-1, k), group) if is_capturing() else None
         _register_prepared(next(iter(row.tensors().values())), SharedWgradInput(wgrad_in, uses, stats_x))
         ctx.group = group
         return out

@@ -39,18 +39,13 @@ def _segments(x: torch.Tensor | None, offsets, poff, num_experts: int, rows: int
     for e, ((s, m), (ps, p)) in enumerate(zip(bounds, pbounds)):
         if p == 0:
             continue
-        xe = None
-        if x is not None:
-            xe = x[s:s + m]
-            if p > m:
-                xe = torch.cat([xe, xe.new_zeros(p - m, xe.shape[1])])
-        out.append((e, xe, ps, p))
+        out.append((e, None if x is None else _zero_pad_rows(x[s:s + m], p), ps, p))
     return out
 
 
-def _zero_pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``x`` with zero rows appended up to a multiple of ``multiple`` rows."""
-    extra = -x.shape[0] % multiple
+def _zero_pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` rows (``x`` has at most that many)."""
+    extra = rows - x.shape[0]
     return torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x
 
 
@@ -92,7 +87,7 @@ def expert_candidate_stats_op(x: torch.Tensor, offsets: torch.Tensor | None, pof
     block_rows = q.direction_quantizer(direction).block_shape(direction)[0]
     vecs = []
     for _, xe, _, _ in _segments(x, offsets, poff, num_experts, x.shape[0]):
-        xe = _zero_pad_rows(xe, block_rows)
+        xe = _zero_pad_rows(xe, -(-xe.shape[0] // block_rows) * block_rows)
         if not fits(q, *xe.shape, direction):
             continue
         row, col = q.quantize_storages(xe, rowwise=direction == "rowwise", columnwise=direction == "columnwise")

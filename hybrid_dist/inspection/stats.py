@@ -115,14 +115,14 @@ def _fused_head(x2d: torch.Tensor | None, storage) -> torch.Tensor | None:
 def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False,
                 fused: bool | None = None) -> torch.Tensor:
     """float64 ``[WIDTH]`` statistics of ``storage`` against ``x2d`` (see the module doc).
-    ``fused``: whether the six head fields come from one kernel (``kernels.stats``) rather
-    than the torch ops; None: on CUDA tensors. The torch ops are the reference; True off
+    ``fused``: whether the six head fields and the histogram come from the kernels
+    (``kernels.stats``) rather than the torch ops; None: on CUDA tensors. The torch ops are the reference; True off
     CUDA needs the Triton interpreter (``TRITON_INTERPRET=1``)."""
     if fused is None:
         fused = storage.device.type == "cuda"
     head = _fused_head(x2d, storage) if fused else None
     dev = storage.device
-    hist = _scale_histogram(storage, dev)
+    hist = _scale_histogram(storage, dev, fused)
     numel = torch.full((), float(x2d.numel() if x2d is not None else math.prod(storage.shape2d)),
                        dtype=torch.float64, device=dev)
     shard = torch.full((), float(sharded), dtype=torch.float64, device=dev)
@@ -131,11 +131,12 @@ def quant_stats(x2d: torch.Tensor | None, storage, *, sharded: bool = False,
     return torch.cat([head, numel.reshape(1), shard.reshape(1), hist.double()])
 
 
-def _scale_histogram(storage, device) -> torch.Tensor:
-    """int64 ``[HIST_BINS]``: blocks by ``floor(log2 s_b)`` (empty for an identity direction)."""
+def _scale_histogram(storage, device, fused: bool = False) -> torch.Tensor:
+    """int64 ``[HIST_BINS]``: blocks by ``floor(log2 s_b)`` (empty for an identity direction);
+    ``fused``: one kernel (``kernels.stats.scale_histogram``) instead of the torch ops."""
     hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=device)
     scales = block_scales(storage)
-    if scales is not None and scales[0].is_cuda and HIST_LO > -126:
+    if scales is not None and fused and HIST_LO > -126:
         from hybrid_dist.kernels.stats import scale_histogram  # Triton: CUDA installs only
 
         return scale_histogram(scales[0], HIST_LO, HIST_BINS)  # no atomics on one global bin per block
