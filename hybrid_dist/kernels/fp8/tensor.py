@@ -17,6 +17,11 @@ Kernels (``torch.library`` ops in the ``hybrid_dist`` namespace):
   and no ``amax_out`` (mutates nothing). Compiled graphs use it for current scaling, with
   the amax as torch ops (``traced_amax``) that inductor fuses into the producer.
 
+The two cast ops are ``torch.library.triton_op``s: inductor traces into them and launches
+the kernel from its generated code (no dispatcher call or Python wrapper per call), with
+the kernel and arguments of the eager path, so compiled and eager bytes are the same.
+Eager code calls the host wrappers, which launch through ``kernels._launch``.
+
 [Note: fp32 inputs] The columnwise tile is the rowwise fp8 tile transposed in registers
 (``tl.trans``): bitwise the reference from bf16 and fp16 inputs. From fp32 inputs a launch
 that writes both directions gives wrong columnwise bytes with Triton 3.6 on sm_90
@@ -34,6 +39,7 @@ from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Flo
 from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels._launch import launch
+from hybrid_dist.kernels._traced import kernel_op, traced_launch
 from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.transpose import transpose_into, transposed
 from hybrid_dist.library_op import library_op
@@ -112,28 +118,29 @@ amax_2d = eager_or_op(amax_op, _amax_2d)
 def _fp8_cast_transpose(
     x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, dtype: torch.dtype,
     scale_from_amax: bool, eps: float, pow2: bool, rowwise: bool, columnwise: bool, record_amax: bool,
+    run=launch,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. Scale from ``amax``
     (``scale_from_amax``) or ``scale``; ``record_amax`` max-reduces ``max|x|`` into
-    ``amax_out`` (mutated)."""
+    ``amax_out`` (mutated). ``run(kernel, grid, *args, **consts)`` launches the kernel."""
     m, k = x.shape
     row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     _cast_transpose_into(x, amax, scale, amax_out, scale_from_amax, eps, pow2, record_amax,
-                         row=row if rowwise else None, col=col if columnwise else None, scale_inv=scale_inv)
+                         row=row if rowwise else None, col=col if columnwise else None, scale_inv=scale_inv, run=run)
     return row, col, scale_inv
 
 
 def _cast_transpose_into(x, amax, scale, amax_out, scale_from_amax: bool, eps: float, pow2: bool,
-                         record_amax: bool, *, row, col, scale_inv) -> None:
+                         record_amax: bool, *, row, col, scale_inv, run=launch) -> None:
     """The cast-transpose launch into given buffers: ``row [M, K]`` and/or ``col [K, M]``
     (contiguous, the fp8 dtype; ``None`` skips that direction) and ``scale_inv []``."""
     m, k = x.shape
     rowwise, columnwise = row is not None, col is not None
     dtype = (row if rowwise else col).dtype
-    grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1))
-    launch(
+    grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1), 1)
+    run(
         _cast_transpose_kernel, grid,
         x, amax, scale, scale_inv, row if rowwise else col, col if columnwise else row, amax_out, m, k,
         max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype],
@@ -177,24 +184,32 @@ def _cast_fake(x, amax, scale, amax_out, dtype, scale_from_amax, eps, pow2, roww
             x.new_empty((), dtype=torch.float32))
 
 
-cast_op = library_op("hybrid_dist::fp8_cast_transpose", mutates_args=("amax_out",))(_fp8_cast_transpose)
-cast_op.register_fake(_cast_fake)
+@kernel_op("hybrid_dist::fp8_cast_transpose", mutates_args=("amax_out",), fake=_cast_fake)
+def cast_op(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, dtype: torch.dtype,
+            scale_from_amax: bool, eps: float, pow2: bool, rowwise: bool, columnwise: bool,
+            record_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_fp8_cast_transpose`` for compiled graphs (delayed scaling: the amax recorded into
+    ``amax_out``): the same kernel and arguments as eager, so the same bytes."""
+    return _fp8_cast_transpose(x, amax, scale, amax_out, dtype, scale_from_amax, eps, pow2, rowwise, columnwise,
+                               record_amax, run=traced_launch)
+
+
 fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
 
 
-def _fp8_cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool,
-                                rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_fp8_cast_transpose`` with the scale from ``amax`` and nothing recorded: an op that
-    mutates nothing, so a compiled graph passes it no placeholder ``amax_out`` buffer (and
-    functionalization clones none)."""
-    return _fp8_cast_transpose(x, amax, amax, _unused(x.device, False), dtype, True, eps, pow2, rowwise,
-                               columnwise, False)
+def _cast_current_fake(x, amax, dtype, eps, pow2, rowwise, columnwise):
+    return _cast_fake(x, amax, amax, amax, dtype, True, eps, pow2, rowwise, columnwise, False)
 
 
-cast_current_op = library_op("hybrid_dist::fp8_cast_transpose_current")(_fp8_cast_transpose_current)
-cast_current_op.register_fake(
-    lambda x, amax, dtype, eps, pow2, rowwise, columnwise: _cast_fake(x, amax, amax, amax, dtype, True, eps, pow2,
-                                                                      rowwise, columnwise, False))
+@kernel_op("hybrid_dist::fp8_cast_transpose_current", fake=_cast_current_fake)
+def cast_current_op(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool,
+                    rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_fp8_cast_transpose`` with the scale from ``amax`` and nothing recorded, for compiled
+    graphs (current scaling; mutates nothing, so no buffer is cloned): the same kernel and
+    arguments as eager, so the same bytes. ``amax`` stands in for the unread scale and the
+    never-written ``amax_out`` (the constexprs prune both)."""
+    return _fp8_cast_transpose(x, amax, amax, amax, dtype, True, eps, pow2, rowwise, columnwise, False,
+                               run=traced_launch)
 
 
 def traced_amax(x2d: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""``kernels._traced.kernel_op``: the FP8 cast ops decompose, under AOTAutograd, into one
+traced Triton launch each, with only the buffers the kernel writes cloned (so inductor can
+launch the kernel in place, with nothing copied).
+
+The decomposition reads the kernel's TTIR to find the tensors it stores to; on a CPU-only
+machine Triton has no active driver, so the test hands it an sm_90 target for that."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_dist.kernels._jit_common import INTERPRET
+
+pytestmark = pytest.mark.skipif(INTERPRET.value, reason="under the interpreter the ops are library_ops")
+
+
+@pytest.fixture
+def triton_target(monkeypatch):
+    if torch.cuda.is_available():
+        return "cuda"
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(driver, "_active", _Sm90())
+    return "cpu"
+
+
+class _Captured(Exception):
+    pass
+
+
+def _forward_graph(fn, *args) -> torch.fx.GraphModule:
+    """The functionalized forward graph AOTAutograd hands a backend for ``fn(*args)``."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        def capture(g, _):
+            graphs.append(g)
+            raise _Captured
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=capture)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:  # the backend stops after tracing (nothing runs)
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert graphs, f"no graph traced: {info.value!r}"
+    return graphs[0]
+
+
+def _launches(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any("hybrid_dist" in t for t in targets), f"an opaque hybrid_dist op is left: {targets}"
+    assert not any("clone" in t or "copy_" in t for t in targets), f"a copy is made: {targets}"
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "triton_kernel_wrapper_functional" in str(n.target)]
+
+
+def test_current_cast_is_one_launch_writing_only_its_outputs(triton_target):
+    from hybrid_dist.kernels.fp8.tensor import cast_current_op
+
+    def f(x):
+        amax = x.abs().amax().float()
+        return cast_current_op(x, amax, torch.float8_e4m3fn, 0.0, False, True, True)
+
+    x = torch.randn(96, 320, device=triton_target).bfloat16()
+    (launch,) = _launches(_forward_graph(f, x))
+    assert sorted(launch.kwargs["tensors_to_clone"]) == ["col_ptr", "row_ptr", "scale_inv_ptr"]
+    assert launch.kwargs["grid"] == [(2, 3, 1)]
+
+
+def test_delayed_cast_writes_the_history(triton_target):
+    from hybrid_dist.kernels.fp8.tensor import cast_op
+
+    def f(x, scale, history):
+        return cast_op(x, scale, scale, history, torch.float8_e4m3fn, False, 0.0, False, True, False, True)
+
+    x = torch.randn(64, 128, device=triton_target).bfloat16()
+    scale, history = torch.ones((), device=triton_target), torch.zeros(4, device=triton_target)
+    gm = _forward_graph(f, x, scale, history)
+    (launch,) = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)]
+    # rowwise only: the unused columnwise pointer is the rowwise buffer
+    assert sorted(launch.kwargs["tensors_to_clone"]) == ["amax_out_ptr", "row_ptr", "scale_inv_ptr"]
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    assert any(getattr(o, "args", (None, None))[1] == "amax_out_ptr" for o in out.args[0]), "history not written back"
