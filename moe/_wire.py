@@ -110,7 +110,7 @@ def columnwise_of(q, row: DirectionStorage, values: torch.Tensor) -> DirectionSt
 def derive_columnwise(row: DirectionStorage) -> DirectionStorage:
     """The columnwise storage ``[K, p]`` that the quantizer would make (see module doc)."""
     if isinstance(row, Float8Storage):
-        return Float8Storage(data=row.data.t().contiguous(), scale_inv=row.scale_inv, transposed=True)
+        return Float8Storage(data=device_split.transposed(row.data), scale_inv=row.scale_inv, transposed=True)
     if isinstance(row, IdentityStorage):
         return IdentityStorage(data=row.data.t(), transposed=True)
     raise AssertionError(f"no derived columnwise for {type(row).__name__}")

@@ -53,7 +53,7 @@ from hybrid_dist.moe._segment_ops import segment_state_rand
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
 __all__ = ["PackedSplit", "expert_amaxes", "fp8_rows_by_expert", "packed_fp8_rows", "split_quantize_packed",
-           "unsupported_reason"]
+           "transposed", "unsupported_reason"]
 
 _BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
 
@@ -106,6 +106,16 @@ def _fp8_kernel_fits(x) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1) or torch.compiler.is_compiling():
         return False
     return importlib.util.find_spec("triton") is not None
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """``t.t().contiguous()``; on CUDA by ``kernels.transpose`` (torch's copy of a transposed
+    1-byte view runs at a small fraction of the copy bandwidth)."""
+    if t.is_cuda and not torch.compiler.is_compiling() and importlib.util.find_spec("triton") is not None:
+        from hybrid_dist.kernels import transpose
+
+        return transpose.transposed(t)
+    return t.t().contiguous()
 
 
 def expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -278,7 +288,7 @@ def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expe
     The expert-parallel receiver uses it (``expert_parallel.quantized_exchange``)."""
     lay = _Layout(data.view(torch.uint8), tokens_per_expert, multiple)
     row = lay.x_pad.view(data.dtype)
-    col = {"data": row.t().contiguous(), "scale_inv": scale_inv} if columnwise else None
+    col = {"data": transposed(row), "scale_inv": scale_inv} if columnwise else None
     return PackedSplit(rowwise={"data": row, "scale_inv": scale_inv}, columnwise=col, offsets=lay.off,
                        padded_offsets=lay.poff, dest=lay.dest, row_expert=lay.row_expert, capacity=lay.cap,
                        multiple=multiple)
