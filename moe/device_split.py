@@ -108,10 +108,15 @@ def _fp8_kernel_fits(x) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _kernels_serve(t: torch.Tensor) -> bool:
+    """A Triton kernel may move ``t``'s bytes: a CUDA tensor, outside a traced graph."""
+    return t.is_cuda and not torch.compiler.is_compiling() and importlib.util.find_spec("triton") is not None
+
+
 def transposed(t: torch.Tensor) -> torch.Tensor:
     """``t.t().contiguous()``; on CUDA by ``kernels.transpose`` (torch's copy of a transposed
     1-byte view runs at a small fraction of the copy bandwidth)."""
-    if t.is_cuda and not torch.compiler.is_compiling() and importlib.util.find_spec("triton") is not None:
+    if _kernels_serve(t):
         from hybrid_dist.kernels import transpose
 
         return transpose.transposed(t)
@@ -287,8 +292,15 @@ def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expe
     recomputed; columnwise = rowwise transposed, as for every per-tensor FP8 quantizer).
     The expert-parallel receiver uses it (``expert_parallel.quantized_exchange``)."""
     lay = _Layout(data.view(torch.uint8), tokens_per_expert, multiple)
-    row = lay.x_pad.view(data.dtype)
-    col = {"data": transposed(row), "scale_inv": scale_inv} if columnwise else None
+    if _kernels_serve(data) and data.stride(-1) == 1:
+        from hybrid_dist.kernels.fp8.rows import place_codes
+
+        row_b, col_b = place_codes(data, lay.row_expert, lay.off, lay.poff, columnwise=columnwise)
+        row, col_data = row_b.view(data.dtype), (col_b.view(data.dtype) if columnwise else None)
+    else:
+        row = lay.x_pad.view(data.dtype)
+        col_data = row.t().contiguous() if columnwise else None
+    col = {"data": col_data, "scale_inv": scale_inv} if columnwise else None
     return PackedSplit(rowwise={"data": row, "scale_inv": scale_inv}, columnwise=col, offsets=lay.off,
                        padded_offsets=lay.poff, dest=lay.dest, row_expert=lay.row_expert, capacity=lay.cap,
                        multiple=multiple)

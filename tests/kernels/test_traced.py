@@ -58,7 +58,8 @@ def _launches(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert not any("hybrid_dist" in t for t in targets), f"an opaque hybrid_dist op is left: {targets}"
     assert not any("clone" in t or "copy_" in t for t in targets), f"a copy is made: {targets}"
-    return [n for n in gm.graph.nodes if n.op == "call_function" and "triton_kernel_wrapper_functional" in str(n.target)]
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and "triton_kernel_wrapper_functional" in str(n.target)]
 
 
 def test_current_cast_is_one_launch_writing_only_its_outputs(triton_target):

@@ -103,19 +103,21 @@ def test_packed_cuda_no_host_sync(name):
     _compare(name, q, device="cuda")  # and equal to the reference on CUDA
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_packed_fp8_rows_equals_packed_quantize(dtype):
+def test_packed_fp8_rows_equals_packed_quantize(dtype, device):
     """``packed_fp8_rows`` (the expert-parallel receiver: codes quantized per expert by the
-    sender, placed into the packed layout) is bitwise ``split_quantize_packed`` of the
-    high-precision rows, both directions and the index tensors, zero-token experts included."""
+    sender, placed into the packed layout; on CUDA by ``kernels.fp8.rows.place_codes``) is
+    bitwise ``split_quantize_packed`` of the high-precision rows, both directions and the
+    index tensors, zero-token experts included."""
     from hybrid_dist.formats._quantizer import tensor_amax
     from hybrid_dist.moe.device_split import packed_fp8_rows
 
     q = hd.Float8Quantizer(dtype=dtype)
     splits = [37, 0, 90, 73, 0]
     torch.manual_seed(0)
-    x = (torch.randn(sum(splits), 64) * torch.linspace(0.1, 30, sum(splits))[:, None]).bfloat16()
-    tpe = torch.tensor(splits)
+    x = (torch.randn(sum(splits), 64) * torch.linspace(0.1, 30, sum(splits))[:, None]).bfloat16().to(device)
+    tpe = torch.tensor(splits, device=device)
     ref = split_quantize_packed(x, tpe, q, rowwise=True, columnwise=True, multiple=16)
     sent = [q.quantize_storages(c, rowwise=True, columnwise=False, amax=tensor_amax(c))[0]
             for c in torch.split(x, splits)]

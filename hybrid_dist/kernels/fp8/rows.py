@@ -22,6 +22,10 @@ multiply and the cast saturates and rounds to nearest even, as
 (``tests/moe/test_device_split`` GPU case) and, under the Triton interpreter, on inputs
 whose casts are exact (``tests/kernels/fp8/test_rows.py``). bf16 inputs only (the
 in-register transpose is tested for bf16 tiles only; other dtypes use the torch form).
+
+``place_codes`` moves rows that are already codes (the expert-parallel receiver's FP8
+rows, as bytes) into the same layout: ``row[p] = codes[t]`` (zero bytes for padding) and
+``col = rowᵀ``, from one read, in place of a zero fill, an ``index_copy`` and a transpose.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8
 from hybrid_dist.kernels._launch import launch
 
-__all__ = ["expert_amax", "fp8_rows"]
+__all__ = ["expert_amax", "fp8_rows", "place_codes"]
 
 # 64x128 tiles, 4 warps, columnwise from the transposed bf16 tile (faster than 8 warps with
 # the 8-bit transpose of the codes, the same bytes: docs/design.md §8)
@@ -62,6 +66,24 @@ def _fp8_packed_kernel(x_ptr, scale_ptr, row_expert_ptr, off_ptr, poff_ptr, row_
         cp = pid_m * BM + tl.arange(0, BM)[None, :]
         q_t = cast_fp8(tl.trans(x).to(tl.float32) * s[None, :], FMAX, col_ptr.dtype.element_ty)
         tl.store(col_ptr + ck.to(tl.int64) * C + cp, q_t, mask=(ck < K) & (cp < C))
+
+
+@triton.jit
+def _place_codes_kernel(x_ptr, row_expert_ptr, off_ptr, poff_ptr, row_ptr, col_ptr, C, K, E, stride_t,
+                        COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rp = pid_m * BM + tl.arange(0, BM)  # packed rows; their tokens as in _fp8_packed_kernel
+    e = tl.load(row_expert_ptr + rp, mask=rp < C, other=E)
+    real = e < E
+    tok = rp - tl.load(poff_ptr + e, mask=real, other=0) + tl.load(off_ptr + e, mask=real, other=0)
+    real &= tok < tl.load(off_ptr + e + 1, mask=real, other=0)
+    rk = pid_k * BK + tl.arange(0, BK)[None, :]
+    b = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + rk, mask=real[:, None] & (rk < K), other=0)
+    tl.store(row_ptr + rp[:, None].to(tl.int64) * K + rk, b, mask=(rp[:, None] < C) & (rk < K))
+    if COL:
+        ck = pid_k * BK + tl.arange(0, BK)[:, None]
+        cp = pid_m * BM + tl.arange(0, BM)[None, :]
+        tl.store(col_ptr + ck.to(tl.int64) * C + cp, tl.trans(b), mask=(ck < K) & (cp < C))
 
 
 @triton.jit
@@ -109,3 +131,21 @@ def fp8_rows(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, off
                offsets.contiguous(), padded_offsets.contiguous(), row, col, c, k, e, max(x.stride(0), 1),
                FMAX=FP8_MAX[dtype], ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=4)
     return (row if rowwise else None), (col if columnwise else None)
+
+
+def place_codes(codes: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor, padded_offsets: torch.Tensor,
+                *, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(row [C, K], col [K, C] or None)`` uint8 (module doc): the 1-byte ``codes [T, K]``
+    (unit stride along K, rows sorted by expert) placed in the packed layout of
+    ``row_expert [C]`` and ``offsets`` / ``padded_offsets [E+1]``; bitwise ``index_copy``
+    into zeros, then a transpose. View the results as the codes' dtype."""
+    c, k, e = row_expert.numel(), codes.shape[1], offsets.numel() - 1
+    src = codes.view(torch.uint8)
+    row = torch.empty((c, k), dtype=torch.uint8, device=codes.device)
+    col = torch.empty((k, c) if columnwise else (0, 0), dtype=torch.uint8, device=codes.device)
+    if c and k:
+        grid = (triton.cdiv(c, _BM), triton.cdiv(k, _BK))
+        launch(_place_codes_kernel, grid, src, row_expert.contiguous(), offsets.contiguous(),
+               padded_offsets.contiguous(), row, col, c, k, e, max(src.stride(0), 1), COL=columnwise,
+               BM=_BM, BK=_BK, num_warps=4)
+    return row, (col if columnwise else None)

@@ -64,6 +64,18 @@ def _check():
         # parallel sender's call (device_split.fp8_rows_by_expert)
         row, _ = fp8_rows(x, scale_e, lay.eid, lay.off, lay.off, dtype, rowwise=True, columnwise=False)
         assert_bitwise_equal(row, cast_to_fp8(x * scale_e[lay.eid][:, None], dtype), f"{dtype} unpadded row")
+    # codes already quantized (the expert-parallel receiver): placed, zero padding, transposed
+    from hybrid_dist.kernels.fp8.rows import place_codes
+
+    codes = cast_to_fp8(x * scale_e[lay.eid][:, None], torch.float8_e4m3fn)
+    code_bytes = codes.view(torch.uint8)
+    want_row = code_bytes.new_zeros(lay.cap, codes.shape[1]).index_copy_(0, lay.dest, code_bytes)
+    for columnwise in (True, False):
+        row, col = place_codes(codes, lay.row_expert, lay.off, lay.poff, columnwise=columnwise)
+        assert_bitwise_equal(row, want_row, f"place_codes row (columnwise={columnwise})")
+        assert (col is None) != columnwise
+        if columnwise:
+            assert_bitwise_equal(col, want_row.t().contiguous(), "place_codes col")
     print("fp8_rows interpreter checks passed")
 
 
