@@ -168,12 +168,17 @@ def row_bytes(st: DirectionStorage) -> int:
 def unpack(buf: torch.Tensor, like: DirectionStorage, dest: torch.Tensor, rows: int) -> DirectionStorage:
     """Inverse of ``pack``: wire row i lands on row ``dest[i]`` of a zero-filled storage of
     ``rows`` rows in ``like``'s format (its per-tensor fields kept as they are)."""
-    padded = buf.new_zeros(rows, buf.shape[1]).index_copy_(0, dest, buf)
-    out, col = {}, 0
+    return split_fields(buf.new_zeros(rows, buf.shape[1]).index_copy_(0, dest, buf), like)
+
+
+def split_fields(placed: torch.Tensor, like: DirectionStorage) -> DirectionStorage:
+    """The storage in ``like``'s format whose row fields are the byte rows ``placed [C,
+    bytes]`` (``pack``'s layout; its per-tensor fields kept as they are)."""
+    rows, out, col = placed.shape[0], {}, 0
     for f in _row_fields(like):
         t = getattr(like, f)
         width = t.element_size() * torch.Size(t.shape[1:]).numel()
-        out[f] = padded[:, col:col + width].contiguous().view(t.dtype).reshape(rows, *t.shape[1:])
+        out[f] = placed[:, col:col + width].contiguous().view(t.dtype).reshape(rows, *t.shape[1:])
         col += width
     return dataclasses.replace(like, **out)
 

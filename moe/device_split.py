@@ -52,8 +52,8 @@ from hybrid_dist.formats.numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe._segment_ops import segment_state_rand
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
-__all__ = ["PackedSplit", "expert_amaxes", "fp8_rows_by_expert", "packed_fp8_rows", "split_quantize_packed",
-           "transposed", "unsupported_reason"]
+__all__ = ["PackedSplit", "expert_amaxes", "fp8_rows_by_expert", "packed_fp8_rows", "place_rows",
+           "split_quantize_packed", "transposed", "unsupported_reason"]
 
 _BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
 
@@ -282,6 +282,22 @@ def split_quantize_packed(
         col = _direction_fields(quantizer, lay, states, "columnwise", per_expert_draws) if columnwise else None
     return PackedSplit(rowwise=row, columnwise=col, offsets=lay.off, padded_offsets=lay.poff, dest=lay.dest,
                        row_expert=lay.row_expert, capacity=lay.cap, multiple=mult)
+
+
+def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int) -> tuple[torch.Tensor, PackedSplit]:
+    """1-byte ``rows [T, W]`` (sorted by expert) placed in the packed layout: ``[C, W]``
+    with zero padding rows (``kernels.fp8.rows.place_codes`` on CUDA, else ``index_copy``),
+    and the layout's split with no fields (``rowwise`` / ``columnwise`` None). The
+    expert-parallel receiver places wire rows with it (``expert_parallel``)."""
+    lay = _Layout(rows, tokens_per_expert, multiple)
+    if _kernels_serve(rows) and rows.stride(-1) == 1:
+        from hybrid_dist.kernels.fp8.rows import place_codes
+
+        placed, _ = place_codes(rows, lay.row_expert, lay.off, lay.poff, columnwise=False)
+    else:
+        placed = lay.x_pad
+    return placed, PackedSplit(rowwise=None, columnwise=None, offsets=lay.off, padded_offsets=lay.poff,
+                               dest=lay.dest, row_expert=lay.row_expert, capacity=lay.cap, multiple=multiple)
 
 
 def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,

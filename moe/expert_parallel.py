@@ -36,11 +36,13 @@ per-tensor scale, RHT and SR; identity under a quantized rowwise), delayed scali
 the rowwise direction exchange high precision and quantize after (warned once).
 
 At the receiver, the rows become the experts' per-expert storages (``GroupedQuantized``,
-the reference GEMM loop), or, where the expert layer takes the packed CUDA path with a
-per-tensor FP8 format (``GroupedLinear.packed_exchange``), are placed straight into that
-path's packed layout (``device_split.packed_fp8_rows``: ``io["x_packed"]`` /
-``io["dy_packed"]``). Either way the rowwise direction, and a columnwise one derived from
-its bits, is bitwise that of exchanging high precision. No dequantized copy is made for
+the reference GEMM loop), or, where the expert layer takes the packed CUDA path
+(``GroupedLinear.packed_exchange``: per-tensor FP8, or a requantized block format such as
+MXFP8), are placed straight into that path's packed layout (``io["x_packed"]`` /
+``io["dy_packed"]``): FP8 codes with their transpose (``device_split.packed_fp8_rows``),
+block-format wire rows as they are, then the columnwise requantized for all local experts
+in one call (``device_split.place_rows``). Either way the rowwise direction, and a
+columnwise one derived from its bits, is bitwise that of exchanging high precision. No dequantized copy is made for
 autograd: the tensor the graph carries between the exchange and the experts (forward rows,
 backward dy) is a broadcast stand-in, since the expert layer reads the rows from ``io``.
 
@@ -167,8 +169,9 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
                        stats, key: str, packed_multiple: int | None = None, values: bool = True):
     """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``: one quantize
     pass over all slots) and build the experts' :class:`GroupedQuantized` (padded to
-    ``multiple``) at the receiver; with ``packed_multiple`` (per-tensor FP8 only), their
-    ``device_split.PackedSplit`` for the sync-free grouped GEMMs instead. Returns that and
+    ``multiple``) at the receiver; with ``packed_multiple`` (``grouped_quantized.
+    exchange_packable``), their ``device_split.PackedSplit`` for the sync-free grouped GEMMs
+    instead. Returns that and
     the received rows' values ``[R, K]`` in x's dtype (expert-major), or None without
     ``values``."""
     e = len(route.counts_global)
@@ -184,11 +187,15 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     recv = _a2a(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)
     recv = _to_expert_major(recv, route)
     first = route.rank * e_l  # this rank's first global expert
-    if packed_multiple is not None:  # FP8: a row on the wire is its K codes; the scales come from the amax
+    if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales from the amax
         scale_inv = slots.scale_inv[first:first + e_l]
         g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
                                          packed_multiple, columnwise=need_columnwise)
         return g, (_packed_values(g, x.dtype) if values else None)
+    if packed_multiple is not None:
+        if values:
+            raise ValueError("quantized_exchange: packed block-format rows come without values")
+        return _packed_block_rows(recv, slots, quantizer, route, packed_multiple, need_columnwise, x.dtype), None
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
     off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
     dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
@@ -202,6 +209,21 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     if not values:
         return g, None
     return g, torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(rows, route.local_splits)])
+
+
+def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need_columnwise: bool, dtype):
+    """The packed split of received block-format rows (MXFP8, FP8 1×128: no per-tensor
+    field): the wire rows placed as they are, the columnwise requantized from their values
+    in one call over all local experts (``receiver_columnwise``: every expert's padded
+    segment is a multiple of the columnwise block, so the bytes are the per-expert ones)."""
+    placed, g = device_split.place_rows(recv, route.tokens_per_local_expert, multiple)
+    rows = _wire.split_fields(placed, slots)
+    col = None
+    if need_columnwise:
+        _, col_st = quantizer.direction_quantizer("columnwise").quantize_storages(
+            rows.dequantize(dtype), rowwise=False, columnwise=True)
+        col = col_st.tensors()
+    return dataclasses.replace(g, rowwise=rows.tensors(), columnwise=col)
 
 
 def receiver_columnwise(quantizer, rows_all, rows: list, spans: list[tuple[int, int]], dtype) -> list:

@@ -13,8 +13,8 @@ then ``torch._scaled_grouped_mm`` / ``torch._grouped_mm`` (``grouped_quantized.p
 two CUDA paths make no device-to-host sync; the quantized one is not bitwise the reference
 (it rounds per-expert scales into one bf16 operand, its module doc). Expert-parallel calls
 (``io``) take the loop, except those whose rows arrive packed for the quantized path
-(per-tensor FP8: ``packed_exchange``); recipes the quantized path refuses
-(``grouped_quantized.unsupported_reason``) take the loop on CUDA. The reference computes:
+(per-tensor FP8 and MXFP8-like block formats: ``packed_exchange``); recipes the quantized
+path refuses (``grouped_quantized.unsupported_reason``) take the loop on CUDA. The reference computes:
 
     fprop  y_e  [p_e, N] = x_e.rowwise  [p_e, K] · W_e.rowwise    [N, K]ᵀ   → rows [:m_e]
     dgrad  dx_e [p_e, K] = dy_e.rowwise [p_e, N] · W_e.columnwise [K, N]ᵀ   → rows [:m_e]
@@ -213,7 +213,8 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         """The padding multiple an expert-parallel exchange of ``tensor_type`` (``"input"`` or
         ``"grad_output"``) uses to hand this layer its rows packed (``io["x_packed"]`` /
         ``"dy_packed"``), or None when it should send per-expert storages: the layer must take
-        the packed CUDA path for ``x`` under the active recipe, with a per-tensor FP8 format."""
+        the packed CUDA path for ``x`` under the active recipe, with a format the exchange can
+        hand over packed (``grouped_quantized.exchange_packable``)."""
         recipe = self.active_recipe()
         if recipe is None:
             return None

@@ -260,10 +260,15 @@ def grouped_linear(x, weight, tokens_per_expert, plan, io: dict | None = None) -
 
 def exchange_packable(plan, tensor_type: str) -> bool:
     """An expert-parallel exchange can hand this path ``tensor_type``'s rows packed: per-tensor
-    FP8 current scaling with columnwise = rowwise transposed (``device_split.packed_fp8_rows``)."""
+    FP8 current scaling with columnwise = rowwise transposed (``device_split.packed_fp8_rows``),
+    or a block format without per-tensor fields whose columnwise the receiver requantizes
+    from the rows (MXFP8; FP8 blocks with power-of-two scales: ``_wire``'s module doc)."""
     q = getattr(plan, tensor_type)
     row = q.direction_quantizer("rowwise")
-    return isinstance(row, Float8Quantizer) and row.scaling == "current" and _wire.derivable_columnwise(q)
+    if isinstance(row, Float8Quantizer):
+        return row.scaling == "current" and _wire.derivable_columnwise(q)
+    return (not row.is_per_tensor and _wire.requantized_columnwise(q)
+            and _wire.unsupported_reason(q, need_columnwise=True) is None)
 
 
 # --- when it applies --------------------------------------------------------------------

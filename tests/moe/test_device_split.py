@@ -129,3 +129,24 @@ def test_packed_fp8_rows_equals_packed_quantize(dtype, device):
     for f in ("offsets", "padded_offsets", "dest", "row_expert"):
         assert torch.equal(getattr(got, f), getattr(ref, f)), f"{dtype} {f}"
     assert (got.capacity, got.multiple) == (ref.capacity, ref.multiple)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_place_rows_is_index_copy_into_zeros(device):
+    """``place_rows`` (the expert-parallel receiver's placement of wire rows; on CUDA
+    ``kernels.fp8.rows.place_codes``): the rows on their packed rows, zero bytes in the
+    padding, and the index tensors of ``split_quantize_packed``'s layout."""
+    from hybrid_dist.moe.device_split import place_rows
+
+    splits = [37, 0, 90, 73, 0]
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 256, (sum(splits), 70), generator=gen, dtype=torch.uint8).to(device)  # 70: K + K/32 bytes
+    tpe = torch.tensor(splits, device=device)
+    placed, g = place_rows(rows, tpe, 32)
+    ref = split_quantize_packed(torch.zeros(sum(splits), 64, device=device), tpe, hd.MXFP8Quantizer(),
+                                rowwise=True, columnwise=False, multiple=32)
+    for f in ("offsets", "padded_offsets", "dest", "row_expert"):
+        assert torch.equal(getattr(g, f), getattr(ref, f)), f
+    assert (g.capacity, g.multiple, g.rowwise, g.columnwise) == (ref.capacity, 32, None, None)
+    want = rows.new_zeros(g.capacity, rows.shape[1]).index_copy_(0, ref.dest, rows)
+    assert_bitwise_equal(placed, want, f"placed rows ({device})")
