@@ -15,7 +15,10 @@
 # SKIP=REGEX leaves out matching runs; M8B/M1B/MOE override the model options (CPU check:
 # NGPU=2 INSTALL=0 SKIP=compile M8B="--preset tiny --batch-size 2 --seq-len 64" ...).
 # A failing run (crash, timeout, OOM) is reported with the tail of its log and the script
-# goes on.
+# goes on. ROUNDS=N (default 1) runs the selected plan N times over, each configuration once
+# per round in turn (files thr_NAME.r<k>.jsonl): the table then gives per configuration the
+# median tokens/s and the median of the per-round ratios, for steps bound by a host whose
+# speed drifts between runs (the 1b).
 #
 #   OUT=gpu_logs bash benchmarks/run_throughput_gpu.sh
 set -o pipefail
@@ -25,6 +28,7 @@ STEPS=${STEPS:-6}
 BUDGET_S=${BUDGET_S:-400}
 ONLY=${ONLY:-}
 SKIP=${SKIP:-}
+ROUNDS=${ROUNDS:-1}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 [ "${INSTALL:-1}" = 1 ] && python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/thr_gpus.txt"
@@ -93,15 +97,17 @@ EOF
 }
 
 port=29600
+for round in $(seq 1 "$ROUNDS"); do
+sfx=""; [ "$ROUNDS" -gt 1 ] && sfx=".r$round"
 while IFS='|' read -r name cap needs_tao opts; do
   [ -z "$name" ] && continue
   [ -n "$ONLY" ] && ! [[ $name =~ $ONLY ]] && continue
   [ -n "$SKIP" ] && [[ $name =~ $SKIP ]] && continue
-  f="$OUT/thr_$name.jsonl"; log="$OUT/thr_$name.log"
+  f="$OUT/thr_$name$sfx.jsonl"; log="$OUT/thr_$name$sfx.log"
   rm -f "$f" "$log"
-  if [ "$needs_tao" = 1 ] && [ "$TORCHAO" = 0 ]; then stub "$name" "no torchao" "$opts --fsdp $NGPU"; continue; fi
+  if [ "$needs_tao" = 1 ] && [ "$TORCHAO" = 0 ]; then stub "$name$sfx" "no torchao" "$opts --fsdp $NGPU"; continue; fi
   left=$((BUDGET_S - SECONDS))
-  if [ "$left" -lt 30 ]; then stub "$name" skipped "$opts --fsdp $NGPU"; echo "-- $name: skipped (budget)"; continue; fi
+  if [ "$left" -lt 30 ]; then stub "$name$sfx" skipped "$opts --fsdp $NGPU"; echo "-- $name$sfx: skipped (budget)"; continue; fi
   [ "$cap" -gt "$left" ] && cap=$left
   port=$((port + 1)); t0=$SECONDS
   # shellcheck disable=SC2086
@@ -110,10 +116,10 @@ while IFS='|' read -r name cap needs_tao opts; do
   rc=$?
   if [ "$rc" = 0 ] || grep -q '"event": "summary"' "$f" 2> /dev/null; then
     [ "$rc" = 0 ] || echo "   ($name exited with rc=$rc after writing its summary)"
-    echo "-- $name ($((SECONDS - t0)) s): $(grep '^summary:' "$log" | tail -n 1)"
+    echo "-- $name$sfx ($((SECONDS - t0)) s): $(grep '^summary:' "$log" | tail -n 1)"
   else
-    [ -f "$f" ] || stub "$name" "failed rc=$rc" "$opts --fsdp $NGPU"
-    echo "-- $name FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); errors in $log:"
+    [ -f "$f" ] || stub "$name$sfx" "failed rc=$rc" "$opts --fsdp $NGPU"
+    echo "-- $name$sfx FAILED (rc=$rc after $((SECONDS - t0)) s; 124 = timeout after ${cap} s); errors in $log:"
     grep -E "Error|Exception|error:" "$log" | grep -v "ChildFailedError\|^W1\|^\[W" | head -n 6 | sed 's/^/     /'
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # workers may outlive torchrun: end any left on the GPUs
       sleep 3
@@ -123,9 +129,13 @@ while IFS='|' read -r name cap needs_tao opts; do
     fi
   fi
 done <<< "$PLAN"
+done
 
 echo "total wall: ${SECONDS} s"
-files=()  # in plan order (also those of earlier calls with ONLY)
-while IFS='|' read -r name _; do [ -n "$name" ] && [ -f "$OUT/thr_$name.jsonl" ] && files+=("$OUT/thr_$name.jsonl"); done <<< "$PLAN"
+files=()  # in plan order (also those of earlier calls with ONLY), every round
+while IFS='|' read -r name _; do
+  [ -z "$name" ] && continue
+  for f in "$OUT/thr_$name.jsonl" "$OUT/thr_$name".r*.jsonl; do [ -f "$f" ] && files+=("$f"); done
+done <<< "$PLAN"
 if [ "${#files[@]}" = 0 ]; then echo "no runs selected"; exit 1; fi
 python3 -m benchmarks.throughput "${files[@]}" | tee "$OUT/throughput.md"

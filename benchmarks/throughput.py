@@ -22,6 +22,12 @@ one row per run, grouped by model:
   same model, with the same ``--compile`` setting when there is one;
 - × torchao: tokens/s ÷ that of the compiled torchao float8 run of the same model.
 
+Runs repeated in rounds (``ROUNDS=N`` in ``run_throughput_gpu.sh``: every configuration
+once per round, in turn; files ``NAME.r<k>.jsonl``) give one row per configuration: the
+median tokens/s over the rounds that finished, ``(n=k)`` the number of those rounds, and
+as ratios the median of the per-round ratios (each against the reference of the same
+round) with their ``[min, max]``; the other columns are those of the median run.
+
 A file whose last run has no ``summary`` (it crashed or timed out) gives a row of ``—``
 marked ``failed`` (or with the ``status`` of a stub ``start`` record that
 ``run_throughput_gpu.sh`` writes for runs it skipped), so a partial benchmark still prints
@@ -33,6 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import sys
 
 from hybrid_dist.launch.presets import PRESETS
@@ -57,7 +65,8 @@ def load_last_run(path: str) -> dict:
                 runs[-1]["summary"] = rec
     if not runs:
         raise ValueError(f"{path}: no records; pass metrics files written by launch.train --metrics")
-    return {**runs[-1], "path": path}
+    m = re.search(r"\.r(\d+)\.jsonl$", path)
+    return {**runs[-1], "path": path, "round": int(m.group(1)) if m else None}
 
 
 def model_label(start: dict) -> str:
@@ -88,9 +97,13 @@ def _is_bf16_reference(start: dict) -> bool:
             and not start.get("quantized_init"))
 
 
+def _same_round(run: dict, runs: list[dict]) -> list[dict]:
+    return [r for r in runs if r.get("round") == run.get("round")]
+
+
 def _bf16_tps(run: dict, runs: list[dict]) -> float | None:
-    """tokens/s of the bf16 run of the same model (same compile setting preferred)."""
-    same = [r for r in runs if r["summary"] and _is_bf16_reference(r["start"])
+    """tokens/s of the bf16 run of the same model and round (same compile setting preferred)."""
+    same = [r for r in _same_round(run, runs) if r["summary"] and _is_bf16_reference(r["start"])
             and model_label(r["start"]) == model_label(run["start"])]
     match = [r for r in same if bool(r["start"].get("compile")) == bool(run["start"].get("compile"))]
     pick = (match or same)[:1]
@@ -98,8 +111,8 @@ def _bf16_tps(run: dict, runs: list[dict]) -> float | None:
 
 
 def _torchao_tps(run: dict, runs: list[dict]) -> float | None:
-    """tokens/s of the compiled torchao float8 run of the same model."""
-    same = [r for r in runs if r["summary"] and r["start"].get("baseline") == "torchao-float8"
+    """tokens/s of the compiled torchao float8 run of the same model and round."""
+    same = [r for r in _same_round(run, runs) if r["summary"] and r["start"].get("baseline") == "torchao-float8"
             and model_label(r["start"]) == model_label(run["start"])]
     return same[0]["summary"]["tokens_per_s"] if same else None
 
@@ -137,6 +150,40 @@ def _host(s: dict, steps: list[dict]) -> str:
     return f"{h['forward']:.0f}/{h['backward']:.0f}/{h['optimizer']:.0f} of {step_ms:.0f}"
 
 
+def _ratio(run: dict, ref) -> str:
+    """``tokens/s ÷ ref(run)`` formatted; over rounds (``run["rounds"]``) the median of the
+    per-round ratios and their ``[min, max]``."""
+    if "rounds" not in run:
+        ref_tps = ref(run)
+        return f"{run['summary']['tokens_per_s'] / ref_tps:.2f}" if ref_tps else "—"
+    ratios = [r["summary"]["tokens_per_s"] / t for r in run["rounds"] if (t := ref(r))]
+    if not ratios:
+        return "—"
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"
+
+
+def _by_configuration(runs: list[dict]) -> list[dict]:
+    """Runs of several rounds merged: per configuration, its median finished run with the
+    median tokens/s and ``rounds`` (its finished runs); unfinished rounds are left out
+    unless none finished. Runs without a round pass through."""
+    groups: dict[tuple, list[dict]] = {}
+    out = []
+    for r in runs:
+        if r.get("round") is None:
+            out.append(r)
+        else:
+            groups.setdefault((model_label(r["start"]), recipe_label(r["start"])), []).append(r)
+    for group in groups.values():
+        done = sorted((r for r in group if r["summary"]), key=lambda r: r["summary"]["tokens_per_s"])
+        if not done:
+            out.append(group[-1])
+            continue
+        rep = done[(len(done) - 1) // 2]
+        median = statistics.median(r["summary"]["tokens_per_s"] for r in done)
+        out.append({**rep, "summary": {**rep["summary"], "tokens_per_s": median}, "rounds": done})
+    return out
+
+
 def table_rows(runs: list[dict]) -> list[list[str]]:
     rows = []
     order = {label: i for i, label in enumerate(dict.fromkeys(model_label(r["start"]) for r in runs))}
@@ -144,18 +191,18 @@ def table_rows(runs: list[dict]) -> list[list[str]]:
         st = r["start"]
         return order[model_label(st)], bool(st.get("compile")), not _is_bf16_reference(st), recipe_label(st)
 
-    for run in sorted(runs, key=key):
+    for run in sorted(_by_configuration(runs), key=key):
         start, s = run["start"], run["summary"]
         if s is None:  # crashed, timed out, or never started (the GPU script's stub says why)
             rows.append([model_label(start), f"{recipe_label(start)} ({start.get('status', 'failed')})", "—", "—",
                          _gib(max((r.get("peak_mem_bytes") or 0 for r in run["steps"]), default=None)),
                          _ag(run["steps"]), "", "—", "—", "—"])
             continue
-        ref, tao = _bf16_tps(run, runs), _torchao_tps(run, runs)
         mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "n/a"
-        ratio = f"{s['tokens_per_s'] / ref:.2f}" if ref else "—"
-        vs_tao = f"{s['tokens_per_s'] / tao:.2f}" if tao else "—"
-        rows.append([model_label(start), recipe_label(start), f"{s['tokens_per_s']:,.0f}", mfu,
+        ratio = _ratio(run, lambda r: _bf16_tps(r, runs))
+        vs_tao = _ratio(run, lambda r: _torchao_tps(r, runs))
+        tps = f"{s['tokens_per_s']:,.0f}" + (f" (n={len(run['rounds'])})" if "rounds" in run else "")
+        rows.append([model_label(start), recipe_label(start), tps, mfu,
                      _gib(s.get("peak_mem_bytes")), _ag(run["steps"]), _compiled(s), ratio, vs_tao,
                      _host(s, run["steps"])])
     return rows

@@ -155,3 +155,25 @@ def test_throughput_table(tmp_path):
     summary = {"host_ms": {"forward": 100.4, "backward": 180.6, "optimizer": 9.5}, "timed_steps": [3, 4]}
     steps = [{"step": s, "step_time_s": t} for s, t in ((2, 9.0), (3, 0.19), (4, 0.21))]
     assert throughput._host(summary, steps) == "100/181/10 of 200"
+
+
+def test_throughput_table_over_rounds(tmp_path):
+    """``ROUNDS=3``: one row per configuration, the median tokens/s of the finished rounds and
+    the median of the per-round ratios (each against its own round's reference)."""
+    base = {"preset": "1b", "n_layers": 16, "baseline": "none", "compile": True}
+    tps = {"bf16": (1000.0, 1100.0, 900.0), "hd": (1000.0, 800.0, None), "tao": (500.0, 1000.0, 1000.0)}
+    starts = {"bf16": {**base, "recipe": "bf16"}, "hd": {**base, "recipe": "fp8_current", "quantized_init": True},
+              "tao": {**base, "recipe": "bf16", "baseline": "torchao-float8"}}
+    paths = []
+    for k in range(3):
+        for name in ("bf16", "hd", "tao"):
+            p = tmp_path / f"thr_1b_{name}.r{k + 1}.jsonl"
+            _write(p, {"name": name, **starts[name]}, tps[name][k], ag_est=2**30)
+            paths.append(str(p))
+    rows = throughput.table_rows([throughput.load_last_run(p) for p in paths])
+    got = {r[1]: (r[2], r[7], r[8]) for r in rows}
+    assert len(rows) == 3, rows
+    assert got["bf16 +compile"] == ("1,000 (n=3)", "1.00 [1.00, 1.00]", "1.10 [0.90, 2.00]")
+    # hd: rounds 1 and 2 finished (round 3 crashed): x bf16 1.00 and 0.73, x torchao 2.00 and 0.80
+    assert got["fp8_current +qinit +compile"] == ("900 (n=2)", "0.86 [0.73, 1.00]", "1.40 [0.80, 2.00]")
+    assert got["torchao-float8 +compile"][0] == "1,000 (n=3)"
