@@ -22,6 +22,7 @@ import torch
 
 from hybrid_dist.formats import DirectionStorage, storage_meta_fields
 from hybrid_dist.formats.identity import IdentityStorage
+from hybrid_dist.kernels import transposed_2d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +82,8 @@ def fsdp_buffer_fields(st: DirectionStorage) -> tuple[str, ...]:
 def _transport(t: torch.Tensor, axis: int) -> torch.Tensor:
     if axis == 0:
         return t.contiguous()
-    if t.dim() == 2 and t.is_cuda:  # a 2D transpose: the tiled kernel (torch's FP8 copy is slow)
-        from hybrid_dist.kernels.transpose import transposed
-
-        return transposed(t)
+    if t.dim() == 2:  # a 2D transpose: the tiled kernel on CUDA (torch's FP8 copy is slow)
+        return transposed_2d(t)
     return t.movedim(axis, 0).contiguous()
 
 

@@ -54,6 +54,7 @@ from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage, nvfp4_global_scale, nvfp4_quantize_rows
 from hybrid_dist.formats import DirectionStorage
+from hybrid_dist.kernels import transposed_2d
 from hybrid_dist.moe import device_split
 
 
@@ -110,7 +111,7 @@ def columnwise_of(q, row: DirectionStorage, values: torch.Tensor) -> DirectionSt
 def derive_columnwise(row: DirectionStorage) -> DirectionStorage:
     """The columnwise storage ``[K, p]`` that the quantizer would make (see module doc)."""
     if isinstance(row, Float8Storage):
-        return Float8Storage(data=device_split.transposed(row.data), scale_inv=row.scale_inv, transposed=True)
+        return Float8Storage(data=transposed_2d(row.data), scale_inv=row.scale_inv, transposed=True)
     if isinstance(row, IdentityStorage):
         return IdentityStorage(data=row.data.t(), transposed=True)
     raise AssertionError(f"no derived columnwise for {type(row).__name__}")

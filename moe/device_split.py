@@ -53,7 +53,7 @@ from hybrid_dist.moe._segment_ops import segment_state_rand
 from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
 
 __all__ = ["PackedSplit", "expert_amaxes", "fp8_rows_by_expert", "packed_fp8_rows", "place_rows",
-           "split_quantize_packed", "transposed", "unsupported_reason"]
+           "split_quantize_packed", "unsupported_reason"]
 
 _BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
 
@@ -111,16 +111,6 @@ def _fp8_kernel_fits(x) -> bool:
 def _kernels_serve(t: torch.Tensor) -> bool:
     """A Triton kernel may move ``t``'s bytes: a CUDA tensor, outside a traced graph."""
     return t.is_cuda and not torch.compiler.is_compiling() and importlib.util.find_spec("triton") is not None
-
-
-def transposed(t: torch.Tensor) -> torch.Tensor:
-    """``t.t().contiguous()``; on CUDA by ``kernels.transpose`` (torch's copy of a transposed
-    1-byte view runs at a small fraction of the copy bandwidth)."""
-    if _kernels_serve(t):
-        from hybrid_dist.kernels import transpose
-
-        return transpose.transposed(t)
-    return t.t().contiguous()
 
 
 def expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:

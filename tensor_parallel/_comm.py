@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from hybrid_dist.kernels import transposed_2d
+
 # torch >= 2.13 names them *_single; 2.11 has only the *_tensor spelling.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -152,7 +154,7 @@ def pack_fields(fields: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, l
     """``[(tensor, axis)]`` → (flat uint8 buffer, specs). ``axis`` is the dim gathered."""
     parts, specs = [], []
     for t, axis in fields:
-        moved = t.movedim(axis, 0).contiguous()
+        moved = transposed_2d(t) if axis == 1 and t.dim() == 2 else t.movedim(axis, 0).contiguous()
         raw = moved.reshape(-1).view(torch.uint8) if moved.numel() else moved.new_empty(0, dtype=torch.uint8)
         parts.append(raw)
         specs.append(_FieldSpec(t.dtype, tuple(moved.shape), axis, raw.numel()))
@@ -171,5 +173,7 @@ def unpack_gathered(out: torch.Tensor, specs: list[_FieldSpec], world: int) -> l
         offset += sp.nbytes
         # [world, n_axis, *rest] → [world·n_axis, *rest] is the concatenation over ranks
         vals = chunk.view(sp.dtype).reshape(world * sp.moved_shape[0], *sp.moved_shape[1:])
-        result.append(vals.movedim(0, sp.axis).contiguous())
+        # the 2D transposed copy (a columnwise storage gathered along its token axis) by the kernel
+        result.append(transposed_2d(vals) if sp.axis == 1 and vals.dim() == 2
+                      else vals.movedim(0, sp.axis).contiguous())
     return result
