@@ -158,6 +158,8 @@ def pack_fields(fields: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, l
         raw = moved.reshape(-1).view(torch.uint8) if moved.numel() else moved.new_empty(0, dtype=torch.uint8)
         parts.append(raw)
         specs.append(_FieldSpec(t.dtype, tuple(moved.shape), axis, raw.numel()))
+    if len(parts) == 1:  # one field (per-tensor FP8 data): gathered as it is, no packing copy
+        return parts[0], specs
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return flat, specs
 
