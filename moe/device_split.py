@@ -274,20 +274,24 @@ def split_quantize_packed(
                        row_expert=lay.row_expert, capacity=lay.cap, multiple=mult)
 
 
-def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int) -> tuple[torch.Tensor, PackedSplit]:
-    """1-byte ``rows [T, W]`` (sorted by expert) placed in the packed layout: ``[C, W]``
-    with zero padding rows (``kernels.fp8.rows.place_codes`` on CUDA, else ``index_copy``),
-    and the layout's split with no fields (``rowwise`` / ``columnwise`` None). The
-    expert-parallel receiver places wire rows with it (``expert_parallel``)."""
+def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
+               columnwise: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, PackedSplit]:
+    """1-byte ``rows [T, W]`` (sorted by expert) placed in the packed layout: ``[C, W]`` with
+    zero padding rows, its transpose ``[W, C]`` if ``columnwise`` (else None), and the
+    layout's split with no fields (``rowwise`` / ``columnwise`` None): one read of the rows
+    by ``kernels.fp8.rows.place_codes`` on CUDA, else ``index_copy`` and a transpose. The
+    expert-parallel receiver places its wire rows with it (``expert_parallel``)."""
     lay = _Layout(rows, tokens_per_expert, multiple)
     if _kernels_serve(rows) and rows.stride(-1) == 1:
         from hybrid_dist.kernels.fp8.rows import place_codes
 
-        placed, _ = place_codes(rows, lay.row_expert, lay.off, lay.poff, columnwise=False)
+        placed, placed_t = place_codes(rows, lay.row_expert, lay.off, lay.poff, columnwise=columnwise)
     else:
         placed = lay.x_pad
-    return placed, PackedSplit(rowwise=None, columnwise=None, offsets=lay.off, padded_offsets=lay.poff,
-                               dest=lay.dest, row_expert=lay.row_expert, capacity=lay.cap, multiple=multiple)
+        placed_t = placed.t().contiguous() if columnwise else None
+    return placed, placed_t, PackedSplit(rowwise=None, columnwise=None, offsets=lay.off, padded_offsets=lay.poff,
+                                         dest=lay.dest, row_expert=lay.row_expert, capacity=lay.cap,
+                                         multiple=multiple)
 
 
 def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
@@ -297,16 +301,7 @@ def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expe
     the high-precision rows with the same per-expert scales (the codes are placed, not
     recomputed; columnwise = rowwise transposed, as for every per-tensor FP8 quantizer).
     The expert-parallel receiver uses it (``expert_parallel.quantized_exchange``)."""
-    lay = _Layout(data.view(torch.uint8), tokens_per_expert, multiple)
-    if _kernels_serve(data) and data.stride(-1) == 1:
-        from hybrid_dist.kernels.fp8.rows import place_codes
-
-        row_b, col_b = place_codes(data, lay.row_expert, lay.off, lay.poff, columnwise=columnwise)
-        row, col_data = row_b.view(data.dtype), (col_b.view(data.dtype) if columnwise else None)
-    else:
-        row = lay.x_pad.view(data.dtype)
-        col_data = row.t().contiguous() if columnwise else None
-    col = {"data": col_data, "scale_inv": scale_inv} if columnwise else None
-    return PackedSplit(rowwise={"data": row, "scale_inv": scale_inv}, columnwise=col, offsets=lay.off,
-                       padded_offsets=lay.poff, dest=lay.dest, row_expert=lay.row_expert, capacity=lay.cap,
-                       multiple=multiple)
+    row, col, g = place_rows(data.view(torch.uint8), tokens_per_expert, multiple, columnwise=columnwise)
+    return dataclasses.replace(
+        g, rowwise={"data": row.view(data.dtype), "scale_inv": scale_inv},
+        columnwise={"data": col.view(data.dtype), "scale_inv": scale_inv} if columnwise else None)

@@ -216,7 +216,7 @@ def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need
     field): the wire rows placed as they are, the columnwise requantized from their values
     in one call over all local experts (``receiver_columnwise``: every expert's padded
     segment is a multiple of the columnwise block, so the bytes are the per-expert ones)."""
-    placed, g = device_split.place_rows(recv, route.tokens_per_local_expert, multiple)
+    placed, _, g = device_split.place_rows(recv, route.tokens_per_local_expert, multiple)
     rows = _wire.split_fields(placed, slots)
     col = None
     if need_columnwise:

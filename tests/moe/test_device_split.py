@@ -142,7 +142,7 @@ def test_place_rows_is_index_copy_into_zeros(device):
     gen = torch.Generator().manual_seed(3)
     rows = torch.randint(0, 256, (sum(splits), 70), generator=gen, dtype=torch.uint8).to(device)  # 70: K + K/32 bytes
     tpe = torch.tensor(splits, device=device)
-    placed, g = place_rows(rows, tpe, 32)
+    placed, placed_t, g = place_rows(rows, tpe, 32, columnwise=True)
     ref = split_quantize_packed(torch.zeros(sum(splits), 64, device=device), tpe, hd.MXFP8Quantizer(),
                                 rowwise=True, columnwise=False, multiple=32)
     for f in ("offsets", "padded_offsets", "dest", "row_expert"):
@@ -150,3 +150,5 @@ def test_place_rows_is_index_copy_into_zeros(device):
     assert (g.capacity, g.multiple, g.rowwise, g.columnwise) == (ref.capacity, 32, None, None)
     want = rows.new_zeros(g.capacity, rows.shape[1]).index_copy_(0, ref.dest, rows)
     assert_bitwise_equal(placed, want, f"placed rows ({device})")
+    assert_bitwise_equal(placed_t, want.t().contiguous(), f"placed rows, transposed ({device})")
+    assert place_rows(rows, tpe, 32)[1] is None
