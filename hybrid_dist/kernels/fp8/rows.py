@@ -43,6 +43,7 @@ __all__ = ["expert_amax", "fp8_rows", "place_codes"]
 # 64x128 tiles, 4 warps, columnwise from the transposed bf16 tile (faster than 8 warps with
 # the 8-bit transpose of the codes, the same bytes: docs/design.md §8)
 _BM, _BK = 64, 128  # also the tile of the per-expert amax pass
+_PLACE_TILE = 64  # place_codes: 64x64 byte tiles transposed in registers, as kernels.transpose's
 
 
 @triton.jit
@@ -144,8 +145,8 @@ def place_codes(codes: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Te
     row = torch.empty((c, k), dtype=torch.uint8, device=codes.device)
     col = torch.empty((k, c) if columnwise else (0, 0), dtype=torch.uint8, device=codes.device)
     if c and k:
-        grid = (triton.cdiv(c, _BM), triton.cdiv(k, _BK))
+        grid = (triton.cdiv(c, _PLACE_TILE), triton.cdiv(k, _PLACE_TILE))
         launch(_place_codes_kernel, grid, src, row_expert.contiguous(), offsets.contiguous(),
                padded_offsets.contiguous(), row, col, c, k, e, max(src.stride(0), 1), COL=columnwise,
-               BM=_BM, BK=_BK, num_warps=4)
+               BM=_PLACE_TILE, BK=_PLACE_TILE, num_warps=4)
     return row, (col if columnwise else None)
