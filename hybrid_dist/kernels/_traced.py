@@ -4,8 +4,9 @@ A ``torch.library.triton_op`` is decomposed when AOTAutograd functionalizes a gr
 kernel its body launches through ``traced_launch`` (``wrap_triton``) becomes a node that
 inductor emits as a direct launch in its generated code, next to the allocations of the
 body's outputs, so a compiled graph pays neither a dispatcher call nor a Python wrapper per
-call (a ``library_op`` pays both, ~30–60 µs of host time on the hosts measured). The
-kernel, its arguments and its constexprs are the eager path's, so the bytes are the same.
+call (the FP8 cast: 20 µs of host time per call against 65 µs as a ``library_op``, one
+profiled 1b step on a 2×H200 host). The kernel, its arguments and its constexprs are the
+eager path's, so the bytes are the same.
 
 The Triton interpreter's kernels cannot be traced by ``wrap_triton`` (it runs them on fake
 tensors), so under ``TRITON_INTERPRET=1`` the same function is registered as a
