@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
+from hybrid_dist.kernels import kernels_serve
 from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.formats.numerics import cast_to_fp8
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, stacked_delayed_states
@@ -106,11 +107,6 @@ def _fp8_kernel_fits(x) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1) or torch.compiler.is_compiling():
         return False
     return importlib.util.find_spec("triton") is not None
-
-
-def _kernels_serve(t: torch.Tensor) -> bool:
-    """A Triton kernel may move ``t``'s bytes: a CUDA tensor, outside a traced graph."""
-    return t.is_cuda and not torch.compiler.is_compiling() and importlib.util.find_spec("triton") is not None
 
 
 def expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -282,7 +278,7 @@ def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: in
     by ``kernels.fp8.rows.place_codes`` on CUDA, else ``index_copy`` and a transpose. The
     expert-parallel receiver places its wire rows with it (``expert_parallel``)."""
     lay = _Layout(rows, tokens_per_expert, multiple)
-    if _kernels_serve(rows) and rows.stride(-1) == 1:
+    if kernels_serve(rows) and rows.stride(-1) == 1:
         from hybrid_dist.kernels.fp8.rows import place_codes
 
         placed, placed_t = place_codes(rows, lay.row_expert, lay.off, lay.poff, columnwise=columnwise)

@@ -53,11 +53,17 @@ if _AVAILABLE:  # CPU-only installs (CI) never import Triton
     _register.register_all()
 
 
+def kernels_serve(t: torch.Tensor) -> bool:
+    """True when this package's Triton kernels may run eagerly on ``t``: CUDA and Triton are
+    present, ``t`` is on CUDA, and no graph is being traced."""
+    return _AVAILABLE and t.is_cuda and not torch.compiler.is_compiling()
+
+
 def transposed_2d(t: torch.Tensor) -> torch.Tensor:
     """``t.t().contiguous()`` of a 2D tensor: on CUDA the tiled Triton kernel
     (``kernels.transpose``, bitwise a copy; torch's copy of a transposed 1-byte view runs at
     a small fraction of the copy bandwidth), elsewhere and while compiling torch's."""
-    if _AVAILABLE and t.is_cuda and not torch.compiler.is_compiling():
+    if kernels_serve(t):
         from hybrid_dist.kernels.transpose import transposed
 
         return transposed(t)
@@ -67,4 +73,4 @@ __all__ = ["amax_into_impl_for", "amaxes_into_impl_for", "delayed_advance_impl_f
            "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for", "register_amax_into",
            "register_amaxes_into", "register_delayed_advance", "register_fused_quantize", "register_gemm",
            "register_quantize", "register_quantize_into", "register_requantize_many", "registered_quantizers",
-           "requantize_many_impl_for", "transposed_2d"]
+           "kernels_serve", "requantize_many_impl_for", "transposed_2d"]

@@ -1,0 +1,24 @@
+"""``kernels.transposed_2d`` (the one transposed copy of quantized bytes: FSDP2's columnwise
+transport, the TP gather along a token axis, the MoE receiver) is ``t.t().contiguous()``
+bitwise, on CPU (torch) and on CUDA (the tiled kernel), for 1- to 8-byte elements and views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_dist.kernels import kernels_serve, transposed_2d
+from tests._helpers import assert_bitwise_equal
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8, torch.bfloat16, torch.float32, torch.int64])
+def test_transposed_2d_is_a_transposed_copy(device, dtype):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 100, (130, 200), generator=gen).to(device)
+    t = base.to(torch.uint8).view(dtype) if dtype.itemsize == 1 and dtype != torch.uint8 else base.to(dtype)
+    for src in (t, t[3:101, 7:190]):  # contiguous, and a strided view
+        got = transposed_2d(src)
+        assert got.is_contiguous() and got.shape == src.shape[::-1]
+        assert_bitwise_equal(got, src.t().contiguous(), f"{dtype} {tuple(src.shape)} on {device}")
+    assert kernels_serve(t) == (device == "cuda")
