@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -107,3 +108,19 @@ def print_profile(step, title: str, *, rows: int = 15) -> None:
     print(f"\n## profile {title}: {total:.2f} ms of kernels, {sum(e.count for e in kernels)} launches")
     for e in kernels[:rows]:
         print(f"  x{e.count:<4d} {e.self_device_time_total / 1e3:8.3f} ms  {e.key[:150]}")
+
+
+def print_step_profile(step, title: str) -> None:
+    """One profiled step (every rank runs it: collectives): GPU kernels and host ops, rank 0 prints."""
+    ev = profile_step(step)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    kernels = top_kernels(ev, len(ev))
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    host = sorted((e for e in ev if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    print(f"\n## profile {title}: {gpu_ms:.2f} ms of kernels, {sum(e.count for e in kernels)} launches, "
+          f"{sum(e.self_cpu_time_total for e in host) / 1e3:.2f} ms of host op time")
+    for e in kernels[:12]:
+        print(f"  gpu x{e.count:<4d} {e.self_device_time_total / 1e3:8.3f} ms  {e.key[:120]}")
+    for e in host[:12]:
+        print(f"  cpu x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.3f} ms  {e.key[:120]}")

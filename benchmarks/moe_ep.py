@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid_dist as hd
-from benchmarks._bench import print_table, profile_step, top_kernels
+from benchmarks._bench import print_step_profile, print_table
 from hybrid_dist.moe import MoE
 
 
@@ -49,22 +49,6 @@ TINY = Shape(hidden=64, ffn=64, experts_per_rank=2, top_k=2, tokens=32)
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _print_step_profile(step, title: str) -> None:
-    """One profiled step (every rank runs it: collectives): GPU kernels and host ops, rank 0 prints."""
-    ev = profile_step(step)
-    if dist.get_rank() != 0:
-        return
-    kernels = top_kernels(ev, len(ev))
-    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
-    host = sorted((e for e in ev if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
-    print(f"\n## profile {title}: {gpu_ms:.2f} ms of kernels, {sum(e.count for e in kernels)} launches, "
-          f"{sum(e.self_cpu_time_total for e in host) / 1e3:.2f} ms of host op time")
-    for e in kernels[:12]:
-        print(f"  gpu x{e.count:<4d} {e.self_device_time_total / 1e3:8.3f} ms  {e.key[:120]}")
-    for e in host[:12]:
-        print(f"  cpu x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.3f} ms  {e.key[:120]}")
 
 
 def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group, profile=False):
@@ -93,7 +77,7 @@ def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group, pr
         times.append(time.perf_counter() - t0)
     sent = sum(moe.wire.bytes.values()) / steps
     if profile:
-        _print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} dispatch")
+        print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} dispatch")
     return statistics.median(times[warmup:]), sent
 
 

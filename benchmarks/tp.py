@@ -5,7 +5,8 @@ quantize). Gradient reduce-scatters are bf16 in both. Prints one table on rank 0
 
 Run on 2–4 GPUs of one host: ``torchrun --nproc_per_node=4 -m benchmarks.tp``
 (``--seq``, ``--hidden``, ``--ffn`` change the shape; activations are ``[S/tp, 1, H]``;
-``--device cpu`` runs a gloo smoke test of the script itself, timings meaningless).
+``--device cpu`` runs a gloo smoke test of the script itself, timings meaningless;
+``--profile fp8_current`` prints one profiled step per path: top GPU kernels and host ops).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import hybrid_dist as hd
-from benchmarks._bench import print_table
+from benchmarks._bench import print_step_profile, print_table
 from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel, record_wire_bytes
 
 RECIPES = ["bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
@@ -80,6 +81,8 @@ def _measure(recipe_name, mesh, args, quantized: bool):
     with record_wire_bytes() as log:
         step()
     ms = _time_ms(step, args.device, iters=args.iters)
+    if recipe_name in args.profile and args.device == "cuda":
+        print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} gathers")
     return ms, log
 
 
@@ -90,7 +93,11 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
+    p.add_argument("--profile", default="", help="recipes (comma-separated) whose steps are profiled once: "
+                   "top GPU kernels and host ops of each path, on rank 0")
     args = p.parse_args()
+    args.profile = set(filter(None, args.profile.split(",")))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -99,7 +106,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     mesh = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
     rows = []
-    for name in RECIPES:
+    for name in args.recipes.split(","):
         try:
             hp_ms, hp_log = _measure(name, mesh, args, quantized=False)
             q_ms, q_log = _measure(name, mesh, args, quantized=True)
