@@ -22,6 +22,7 @@ _FUSED: dict[tuple[str, type], Callable] = {}  # (producer op, quantizer class) 
 _GEMM: list[Callable] = []
 _DELAYED_ADVANCE: list[Callable] = []  # at most one: impl(history, scale, quantizer)
 _RHT_AMAX: list[Callable] = []  # at most one: impl(quantizer, x2d) -> fp32 []
+_DEQUANTIZE_BF16: dict[type, Callable] = {}  # storage class -> impl(storage) -> bf16 [R, C]
 
 
 def register_quantize(quantizer_cls: type, impl: Callable) -> None:
@@ -80,6 +81,13 @@ def register_rht_amax(impl: Callable) -> None:
     _RHT_AMAX[:] = [impl]
 
 
+def register_dequantize_bf16(storage_cls: type, impl: Callable) -> None:
+    """``impl(storage) -> bf16 [R, C]``: the stored matrix with its block scales applied,
+    bitwise ``storage.values().to(torch.bfloat16)``; only for storages whose values are
+    exact in bf16 and that have no per-tensor scale (MXFP8)."""
+    _DEQUANTIZE_BF16[storage_cls] = impl
+
+
 def register_delayed_advance(impl: Callable) -> None:
     """``impl(history, scale, quantizer)``: ``DelayedScalingState.advance`` in place for a
     history ``[L]`` and scale ``[]``, or a stack ``[E, L]`` and ``[E]``."""
@@ -124,6 +132,12 @@ def fused_quantize_impl_for(op: str, quantizer, x: torch.Tensor):
 
 def gemm_impls_for(a_device: torch.device) -> list[Callable]:
     return _GEMM if a_device.type == "cuda" else []
+
+
+def dequantize_bf16_impl_for(storage, device: torch.device):
+    if device.type != "cuda":
+        return None
+    return _DEQUANTIZE_BF16.get(type(storage))
 
 
 def delayed_advance_impl_for(history: torch.Tensor):

@@ -25,6 +25,8 @@ from typing import ClassVar
 
 import torch
 
+from hybrid_dist import _kernel_registry
+
 # field -> {"R" or "C": (axis in the field tensor, logical elements per index)}
 FieldAxes = dict[str, dict[str, tuple[int, int]]]
 
@@ -80,7 +82,13 @@ class DirectionStorage:
         return self.with_tensors({f: fn(t) for f, t in self.tensors().items()})
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Logical ``[M, K]`` in ``dtype``."""
+        """Logical ``[M, K]`` in ``dtype``. bf16 of a format with a registered kernel
+        (``_kernel_registry.register_dequantize_bf16``) is one pass of that kernel, bitwise
+        the reference below."""
+        impl = _kernel_registry.dequantize_bf16_impl_for(self, self.device) if dtype == torch.bfloat16 else None
+        if impl is not None:
+            v = impl(self)
+            return v.t() if self.transposed else v
         v = self.values()
         s = self.tensor_scale()
         if s is not None:
