@@ -50,11 +50,11 @@ import torch
 
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
-from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
+from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage, nvfp4_global_scale, nvfp4_quantize_rows
 from hybrid_dist.formats import DirectionStorage
-from hybrid_dist.kernels import transposed_2d
+from hybrid_dist.derived_columnwise import derivable_columnwise, derive_columnwise
 from hybrid_dist.moe import device_split
 
 
@@ -74,12 +74,6 @@ def unsupported_reason(q, *, need_columnwise: bool) -> str | None:
                 "per-tensor FP8 quantizer both ways) or by requantizing the received values when "
                 "both directions are power-of-two block formats (MXFP8, FP8 blocks)")
     return None
-
-
-def derivable_columnwise(q) -> bool:
-    """The columnwise storage is the rowwise one transposed (exact)."""
-    row, col = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
-    return row == col and isinstance(row, (Float8Quantizer, IdentityQuantizer))
 
 
 def _pow2_blocks(q) -> bool:
@@ -106,15 +100,6 @@ def columnwise_of(q, row: DirectionStorage, values: torch.Tensor) -> DirectionSt
     if requantized_columnwise(q):
         return q.direction_quantizer("columnwise").quantize_storages(values, rowwise=False, columnwise=True)[1]
     raise AssertionError(f"no receiver columnwise for {q}")
-
-
-def derive_columnwise(row: DirectionStorage) -> DirectionStorage:
-    """The columnwise storage ``[K, p]`` that the quantizer would make (see module doc)."""
-    if isinstance(row, Float8Storage):
-        return Float8Storage(data=transposed_2d(row.data), scale_inv=row.scale_inv, transposed=True)
-    if isinstance(row, IdentityStorage):
-        return IdentityStorage(data=row.data.t(), transposed=True)
-    raise AssertionError(f"no derived columnwise for {type(row).__name__}")
 
 
 def _row_fields(st: DirectionStorage) -> list[str]:

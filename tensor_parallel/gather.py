@@ -10,7 +10,9 @@ as ``[S, B, H]`` shard S). With a quantizer there are two paths:
 (b) ``"quantized"``: quantize the local shard, all-gather each requested direction's
     buffers (rowwise stored ``[M, K]`` gathers along rows, columnwise stored ``[K, M]``
     along columns: the axes come from each storage's ``field_axes()``), all fields of all
-    directions in one collective.
+    directions in one collective. Where the columnwise direction is the rowwise one
+    transposed (one per-tensor FP8 quantizer for both, ``hybrid_dist.derived_columnwise``)
+    only the rowwise bytes travel and the columnwise is derived from the gathered rows.
 
 [Note: when (a) and (b) agree bitwise]
 * Per-tensor scales (FP8, NVFP4's fp32 scale): the shard amaxes are all-reduced (MAX)
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from hybrid_dist.amax_sync import all_reduce_amaxes
+from hybrid_dist.derived_columnwise import derivable_columnwise, derive_columnwise
 from hybrid_dist.warn import warn_once
 
 from hybrid_dist.formats import Quantizer, tensor_amax
@@ -201,13 +204,16 @@ def gather_along_first_dim(x: torch.Tensor, group, *, quantizer: Quantizer | Non
     if path == "high_precision" or blocker or (path == "auto" and all_identity):
         return _gather_then_quantize(x2d, group, quantizer, full_shape, x.dtype, rowwise, columnwise,
                                      state, async_op)
-    row, col = quantize_with_group_amax(quantizer, x2d, group, rowwise=rowwise, columnwise=columnwise,
+    derive = rowwise and columnwise and derivable_columnwise(quantizer)  # gather rowwise, transpose after
+    row, col = quantize_with_group_amax(quantizer, x2d, group, rowwise=rowwise, columnwise=columnwise and not derive,
                                         state=state)
     local = {d: st for d, st in (("rowwise", row), ("columnwise", col)) if st is not None}
     res = gather_storages(local, group, async_op=async_op)
 
     def wrap(g):
-        return QuantizedTensor(full_shape, x.dtype, g.get("rowwise"), g.get("columnwise"), quantizer)
+        row = g.get("rowwise")
+        col = derive_columnwise(row) if derive else g.get("columnwise")
+        return QuantizedTensor(full_shape, x.dtype, row, col, quantizer)
 
     if async_op:
         return _comm.CollectiveHandle(res, lambda: wrap(res.wait()))  # res.wait() via the handle
