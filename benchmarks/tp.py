@@ -86,6 +86,24 @@ def _measure(recipe_name, mesh, args, quantized: bool):
     return ms, log
 
 
+def table_rows(recipes: list[str], mesh, args) -> list[list]:
+    """One row per recipe: step ms with bf16 and with quantized gathers, their ratio, and
+    the MiB each rank gathers (both paths) and reduce-scatters per step. ``args``: ``seq``,
+    ``hidden``, ``ffn``, ``iters``, ``device``, ``profile`` (a set of recipe names)."""
+    rows = []
+    for name in recipes:
+        try:
+            hp_ms, hp_log = _measure(name, mesh, args, quantized=False)
+            q_ms, q_log = _measure(name, mesh, args, quantized=True)
+        except Exception as e:  # keep the table: report the failure in its row
+            rows.append([name, f"failed: {type(e).__name__}: {e}"[:100], "", "", "", "", ""])
+            continue
+        mb = 1 / 2**20
+        rows.append([name, hp_ms, q_ms, hp_ms / q_ms, hp_log.total("all_gather") * mb,
+                     q_log.total("all_gather") * mb, q_log.total("reduce_scatter") * mb])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seq", type=int, default=8192)
@@ -105,17 +123,7 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     mesh = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
-    rows = []
-    for name in args.recipes.split(","):
-        try:
-            hp_ms, hp_log = _measure(name, mesh, args, quantized=False)
-            q_ms, q_log = _measure(name, mesh, args, quantized=True)
-        except Exception as e:  # keep the table: report the failure in its row
-            rows.append([name, f"failed: {type(e).__name__}: {e}"[:100], "", "", "", "", ""])
-            continue
-        mb = 1 / 2**20
-        rows.append([name, hp_ms, q_ms, hp_ms / q_ms, hp_log.total("all_gather") * mb,
-                     q_log.total("all_gather") * mb, q_log.total("reduce_scatter") * mb])
+    rows = table_rows(args.recipes.split(","), mesh, args)
     if dist.get_rank() == 0:
         tp = dist.get_world_size()
         print_table(

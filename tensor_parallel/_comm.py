@@ -13,7 +13,6 @@ fp8 support (gloo) carry fp8 payloads.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Callable
 
@@ -50,7 +49,7 @@ class WireLog:
                    if (kind is None or e.kind == kind) and (what is None or e.what == what))
 
 
-_LOG: contextvars.ContextVar[WireLog | None] = contextvars.ContextVar("hd_tp_wire_log", default=None)
+_ACTIVE: list[WireLog] = []  # the open record_wire_bytes() logs, innermost last
 
 
 @contextlib.contextmanager
@@ -60,19 +59,20 @@ def record_wire_bytes():
         with record_wire_bytes() as log:
             gather_along_first_dim(x, group, quantizer=q)
         log.total("all_gather", "rowwise")
-    """
+
+    Process-wide: collectives issued from other threads while the block is open are
+    recorded too (on CUDA, autograd runs the backward on its own device thread)."""
     log = WireLog()
-    token = _LOG.set(log)
+    _ACTIVE.append(log)
     try:
         yield log
     finally:
-        _LOG.reset(token)
+        _ACTIVE.remove(log)
 
 
 def log_event(kind: str, what: str, fmt: str, nbytes: int) -> None:
-    log = _LOG.get()
-    if log is not None:
-        log.events.append(WireEvent(kind=kind, what=what, fmt=fmt, nbytes=int(nbytes)))
+    if _ACTIVE:
+        _ACTIVE[-1].events.append(WireEvent(kind=kind, what=what, fmt=fmt, nbytes=int(nbytes)))
 
 
 # --- async handle ---------------------------------------------------------------------
