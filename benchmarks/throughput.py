@@ -5,7 +5,8 @@ Reads metrics JSONL files written by ``torchrun ... -m hybrid_dist.launch.train 
 one row per run, grouped by model:
 
 - preset: from the ``start`` record: the preset, ``moe<E>top<k>`` for MoE, ``L<n>`` when
-  ``--layers`` changed the depth, tokens per GPU as ``batch×seq``, ``fsdp<N>``;
+  ``--layers`` changed the depth, tokens per GPU as ``batch×seq``, ``fsdp<N>`` (and
+  ``tp<N>`` / ``ep<N>`` where used);
 - recipe: the recipe or the baseline (``torchao-float8``), ``+qinit`` (``--quantized-init``),
   ``+compile``;
 - tokens/s: from the ``summary`` record: all ranks' tokens / time over the timed steps
@@ -79,7 +80,11 @@ def model_label(start: dict) -> str:
         label += f" L{n_layers}"
     if start.get("batch_size") and start.get("seq_len"):
         label += f" {start['batch_size']}×{start['seq_len']}"
-    return label + f" fsdp{start.get('fsdp', '?')}"
+    label += f" fsdp{start.get('fsdp', '?')}"
+    for dim in ("tp", "ep"):  # the other parallel dims, where used
+        if (start.get(dim) or 1) > 1:
+            label += f" {dim}{start[dim]}"
+    return label
 
 
 def recipe_label(start: dict) -> str:

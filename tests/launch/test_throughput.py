@@ -177,3 +177,11 @@ def test_throughput_table_over_rounds(tmp_path):
     # hd: rounds 1 and 2 finished (round 3 crashed): x bf16 1.00 and 0.73, x torchao 2.00 and 0.80
     assert got["fp8_current +qinit +compile"] == ("900 (n=2)", "0.86 [0.73, 1.00]", "1.40 [0.80, 2.00]")
     assert got["torchao-float8 +compile"][0] == "1,000 (n=3)"
+
+
+def test_model_label_names_tp_and_ep_where_used():
+    start = {"preset": "8b", "n_layers": 16, "batch_size": 1, "seq_len": 8192, "fsdp": 2}
+    assert throughput.model_label({**start, "tp": 2}) == "8b L16 1×8192 fsdp2 tp2"
+    assert throughput.model_label({**start, "tp": 1, "ep": 1}) == "8b L16 1×8192 fsdp2"
+    moe = {**start, "moe_experts": 8, "moe_top_k": 2, "ep": 4}
+    assert throughput.model_label(moe) == "8b moe8top2 L16 1×8192 fsdp2 ep4"
