@@ -4,7 +4,8 @@
 # parallelism against bf16 in the same call (8b L16 at TP=2 x FSDP=NGPU/2; the 1b and 8b L4
 # MoE presets at EP=NGPU), each run capped. Logs go to $OUT (or ./gpu_logs); the launcher
 # rows end in one table ($OUT/dist_throughput.md, python -m benchmarks.throughput).
-# STAGES (default "tests tp moe_ep launch") picks the stages; BUDGET_S (default 540) stops
+# STAGES (default "tests tp moe_ep launch"; also "fsdp2": the 8-block stack at 1x4096 with
+# its host-time profile) picks the stages; BUDGET_S (default 540) stops
 # starting launcher runs after that many seconds of the whole script. TP_M, MOE1, MOE8
 # override the models (CPU check: NGPU=2 STAGES=launch TP_M="--preset tiny --batch-size 2
 # --seq-len 64" MOE1="--preset tiny --moe-experts 4 --moe-top-k 2 --batch-size 2 --seq-len 64"
@@ -25,6 +26,8 @@ if has tests; then
   timeout 230 python3 -m pytest -q -m gpu $N -p no:cacheprovider tests_distributed tests/moe 2>&1 | tail -15 \
     | tee "$OUT/dist_tests.log"
 fi
+has fsdp2 && timeout 170 torchrun --nproc_per_node "$NGPU" -m benchmarks.fsdp2 --seq 4096 --profile 2>&1 | grep -v "^W1" \
+  | tee "$OUT/fsdp2_bench.log"
 has tp && timeout 120 torchrun --nproc_per_node "$NGPU" -m benchmarks.tp 2>&1 | grep -v "^W1" | tee "$OUT/tp_bench.log"
 has moe_ep && timeout 150 torchrun --nproc_per_node "$NGPU" -m benchmarks.moe_ep --recipes bf16,fp8_current,mxfp8 \
   --steps 6 --warmup 2 2>&1 | grep -v "^W1" | tee "$OUT/moe_ep_bench.log"
