@@ -3,8 +3,9 @@
 [Note: the wgrad input under SP]
 The forward needs the gathered input **rowwise** (fprop); the backward needs it gathered
 **columnwise** (wgrad). Instead of saving the gathered tensor, the forward keeps only the
-local shard — quantized columnwise with the group amax when path (b) is valid, else in
-high precision — and the backward re-gathers it (quantized, or gather-then-quantize).
+local shard — quantized columnwise with the group amax when path (b) is valid (or, where
+the columnwise is the rowwise transposed, the rowwise shard it already made), else in high
+precision — and the backward re-gathers it (quantized, or gather-then-quantize).
 ``WgradInput`` is that saved thing; ``start()`` launches the gather asynchronously so it
 overlaps the dgrad GEMM.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_dist.derived_columnwise import derivable_columnwise, derive_columnwise
 from hybrid_dist.formats import DirectionStorage
 from hybrid_dist.formats.identity import IdentityStorage
 from hybrid_dist.tensor_parallel import _comm
@@ -30,6 +32,8 @@ class WgradInput:
 
     kinds: ``"local"`` (not sequence parallel: the storage is already the full columnwise
     operand), ``"quantized"`` (local columnwise shard; backward all-gathers it),
+    ``"derived"`` (local rowwise shard of a quantizer whose columnwise is the rowwise
+    transposed, ``hybrid_dist.derived_columnwise``; backward all-gathers it and transposes),
     ``"high_precision"`` (local shard in high precision; backward all-gathers it and
     quantizes the result columnwise).
     """
@@ -46,6 +50,9 @@ class WgradInput:
         if self.kind == "quantized":
             h = gather_storages({"columnwise": self.storage}, self.group, async_op=True)
             return _comm.CollectiveHandle(h, lambda: h.wait()["columnwise"])
+        if self.kind == "derived":
+            h = gather_storages({"rowwise": self.storage}, self.group, async_op=True)
+            return _comm.CollectiveHandle(h, lambda: derive_columnwise(h.wait()["rowwise"]))
         x_local = self.storage.data
         world = _comm.group_size(self.group)
         _comm.log_event("all_gather", "high_precision", str(x_local.dtype),
@@ -85,9 +92,10 @@ def gather_input(x2d: torch.Tensor, group, quantizer, state, *, need_wgrad: bool
         if reason and not hp:
             _warn_once(reason)
     want_row, want_col = not row_block, need_wgrad and not col_block
+    derive = want_row and want_col and derivable_columnwise(quantizer)  # backward gathers the rowwise shard
     reqs = list(extra)
     if want_row or want_col:
-        reqs.insert(0, ShardRequest(quantizer=quantizer, x2d=x2d, rowwise=want_row, columnwise=want_col,
+        reqs.insert(0, ShardRequest(quantizer=quantizer, x2d=x2d, rowwise=want_row, columnwise=want_col and not derive,
                                     state=state))
     results = quantize_shards_with_group_amax(reqs, group)
     row_local, col_local = results.pop(0) if (want_row or want_col) else (None, None)
@@ -100,6 +108,8 @@ def gather_input(x2d: torch.Tensor, group, quantizer, state, *, need_wgrad: bool
         row, _ = quantizer.quantize_storages(full, rowwise=True, columnwise=False, state=state)
     if not need_wgrad:
         return row, None, results
+    if derive:
+        return row, WgradInput("derived", row_local, group=group), results
     if col_local is not None:
         return row, WgradInput("quantized", col_local, group=group), results
     return (row, WgradInput("high_precision", IdentityStorage(data=x2d.detach(), transposed=False),

@@ -12,7 +12,8 @@ as ``[S, B, H]`` shard S). With a quantizer there are two paths:
     along columns: the axes come from each storage's ``field_axes()``), all fields of all
     directions in one collective. Where the columnwise direction is the rowwise one
     transposed (one per-tensor FP8 quantizer for both, ``hybrid_dist.derived_columnwise``)
-    only the rowwise bytes travel and the columnwise is derived from the gathered rows.
+    the rowwise bytes travel (also when only the columnwise is asked for: they are its
+    transport layout) and the columnwise is the gathered rows transposed.
 
 [Note: when (a) and (b) agree bitwise]
 * Per-tensor scales (FP8, NVFP4's fp32 scale): the shard amaxes are all-reduced (MAX)
@@ -204,16 +205,16 @@ def gather_along_first_dim(x: torch.Tensor, group, *, quantizer: Quantizer | Non
     if path == "high_precision" or blocker or (path == "auto" and all_identity):
         return _gather_then_quantize(x2d, group, quantizer, full_shape, x.dtype, rowwise, columnwise,
                                      state, async_op)
-    derive = rowwise and columnwise and derivable_columnwise(quantizer)  # gather rowwise, transpose after
-    row, col = quantize_with_group_amax(quantizer, x2d, group, rowwise=rowwise, columnwise=columnwise and not derive,
-                                        state=state)
+    derive = columnwise and derivable_columnwise(quantizer)  # gather the rowwise bytes, transpose after
+    row, col = quantize_with_group_amax(quantizer, x2d, group, rowwise=rowwise or derive,
+                                        columnwise=columnwise and not derive, state=state)
     local = {d: st for d, st in (("rowwise", row), ("columnwise", col)) if st is not None}
     res = gather_storages(local, group, async_op=async_op)
 
     def wrap(g):
         row = g.get("rowwise")
         col = derive_columnwise(row) if derive else g.get("columnwise")
-        return QuantizedTensor(full_shape, x.dtype, row, col, quantizer)
+        return QuantizedTensor(full_shape, x.dtype, row if rowwise else None, col, quantizer)
 
     if async_op:
         return _comm.CollectiveHandle(res, lambda: wrap(res.wait()))  # res.wait() via the handle

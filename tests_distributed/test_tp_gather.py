@@ -112,8 +112,10 @@ def _check_paths(name, q, tp, group, grank, fails, bytes_seen):
                     if ref.storage_of(d) is not None:
                         got = log.total("all_gather", d)
                         want = expected_bytes(_fmt_key(name, d), x_full.numel() // K, K)
-                        if d == "columnwise" and dirs[0] and derivable_columnwise(q):
-                            want = 0  # the rowwise bytes travel; the columnwise is their transpose
+                        if derivable_columnwise(q):  # only the rowwise bytes travel (the columnwise's
+                            assert log.total("all_gather", "columnwise") == 0, cfg  # transport layout)
+                            got = log.total("all_gather")
+                            want = expected_bytes(_fmt_key(name, "rowwise"), x_full.numel() // K, K)
                         assert got == want, f"{cfg} {d}: {got} bytes on the wire, expected {want}"
                         bytes_seen[f"{name}/{d}"] = got / x_full.numel()
                 for s in states:
