@@ -8,6 +8,13 @@ logical-dim-0 axis is first, then viewed as bytes) and gathered with a single
 ``all_gather_single``/``all_gather_into_tensor``; the receiver unpacks each rank's slice
 and concatenates along the field's own axis. Viewing as bytes also lets backends without
 fp8 support (gloo) carry fp8 payloads.
+
+[Note: collectives under torch.compile]
+Dynamo cannot trace c10d's ``async_op=True`` calls (each one is a graph break). While
+compiling, the primitives below issue functional collectives
+(``torch.distributed._functional_collectives``) instead: they return their output, the
+graph waits where it is used, and inductor may overlap them with compute. Eager code keeps
+the c10d calls and their async handles.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from hybrid_dist.kernels import transposed_2d
 
@@ -112,11 +120,16 @@ def group_size(group) -> int:
 
 def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     """All-gather ``x`` along dim 0: ``[d0, *rest]`` → ``[world·d0, *rest]`` (rank order).
-    Returns ``(work or None, output)``; the output is valid after ``work.wait()``."""
+    Returns ``(work or None, output)``; the output is valid after ``work.wait()``. While
+    compiling: a functional collective (note "collectives under torch.compile"), work None."""
     world = group_size(group)
     x = x.contiguous()
+    as_bytes = x.dtype.itemsize == 1 and x.dtype.is_floating_point  # fp8: carried as bytes
+    if torch.compiler.is_compiling():
+        out = funcol.all_gather_tensor(x.view(torch.uint8) if as_bytes else x, 0, group)
+        return None, out.view(x.dtype) if as_bytes else out
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    if x.dtype.itemsize == 1 and x.dtype.is_floating_point:  # fp8: carried as bytes
+    if as_bytes:
         work = _all_gather_single(out.view(torch.uint8), x.view(torch.uint8), group=group, async_op=async_op)
     else:
         work = _all_gather_single(out, x, group=group, async_op=async_op)
@@ -132,12 +145,22 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
             f"the group size {world}. Pad the sequence to a multiple of {world}."
         )
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return None, funcol.reduce_scatter_tensor(x, "sum", 0, group)
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     work = _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return work, out
 
 
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
+
+
 def all_reduce_(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """``x`` reduced over ``group`` in place; the work (None while compiling: a functional
+    all-reduce copied back into ``x``)."""
+    if torch.compiler.is_compiling():
+        x.copy_(funcol.all_reduce(x, _OP_NAMES[op], group))
+        return None
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 

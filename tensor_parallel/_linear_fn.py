@@ -35,7 +35,7 @@ from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel._inputs import WgradInput, gather_input
 from hybrid_dist.tensor_parallel.gather import (
     ShardRequest,
-    gather_along_first_dim,
+    gather_storages_along_first_dim,
     quantize_shards_with_group_amax,
     quantize_with_group_amax,
     reduce_scatter_along_first_dim,
@@ -255,10 +255,9 @@ class RowParallelFn(torch.autograd.Function):
         db = None
         if cfg.sequence_parallel:
             # dy [M/tp, N] → gathered [M, N] in the grad_output format (rows = sequence)
-            dy_q = gather_along_first_dim(dy2d, cfg.group, quantizer=plan.grad_output, rowwise=need_dgrad,
-                                          columnwise=need_wgrad, state=plan.states["grad_output"],
-                                          path=cfg.gather_path)
-            dy_row, dy_col = dy_q.rowwise, dy_q.columnwise
+            dy_row, dy_col = gather_storages_along_first_dim(
+                dy2d, cfg.group, plan.grad_output, rowwise=need_dgrad, columnwise=need_wgrad,
+                state=plan.states["grad_output"], path=cfg.gather_path)
             if ctx.has_bias and ctx.needs_input_grad[2]:  # the bias saw every row: sum over ranks
                 db = _reduce_bias(dy2d.sum(0), cfg)
         else:

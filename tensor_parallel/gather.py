@@ -184,11 +184,29 @@ def gather_along_first_dim(x: torch.Tensor, group, *, quantizer: Quantizer | Non
     if path not in PATHS:
         raise ValueError(f"gather_along_first_dim: path must be one of {PATHS}, got {path!r}")
     world = _comm.group_size(group)
-    full_shape = (world * x.shape[0], *x.shape[1:])
     if quantizer is None:
         _comm.log_event("all_gather", "high_precision", str(x.dtype), x.numel() * x.element_size() * world)
         work, out = _comm.all_gather_dim0(x, group, async_op=async_op)
         return _comm.finish_or_handle(work, lambda: out, async_op)
+    full_shape = (world * x.shape[0], *x.shape[1:])
+
+    def wrap(storages):
+        return QuantizedTensor(full_shape, x.dtype, storages[0], storages[1], quantizer)
+
+    res = gather_storages_along_first_dim(x, group, quantizer, rowwise=rowwise, columnwise=columnwise,
+                                          async_op=async_op, state=state, path=path)
+    if async_op:
+        return _comm.CollectiveHandle(res, lambda: wrap(res.wait()))  # res.wait() via the handle
+    return wrap(res)
+
+
+def gather_storages_along_first_dim(x: torch.Tensor, group, quantizer: Quantizer, *, rowwise: bool,
+                                    columnwise: bool, async_op: bool = False, state=None, path: str = "auto"):
+    """``gather_along_first_dim`` with a quantizer, as the ``(rowwise, columnwise)`` storages
+    of the gathered tensor (None where not asked for) instead of a ``QuantizedTensor``: what
+    traced code reads (Dynamo cannot read the attributes of a ``QuantizedTensor`` made inside
+    the graph)."""
+    world = _comm.group_size(group)
     dirs = _directions(rowwise, columnwise)
     k = x.shape[-1]
     m_local = x.numel() // k if k else 0
@@ -203,32 +221,30 @@ def gather_along_first_dim(x: torch.Tensor, group, *, quantizer: Quantizer | Non
     # all directions high precision: (b) would send the same bytes once per direction
     all_identity = all(isinstance(quantizer.direction_quantizer(d), IdentityQuantizer) for d in dirs)
     if path == "high_precision" or blocker or (path == "auto" and all_identity):
-        return _gather_then_quantize(x2d, group, quantizer, full_shape, x.dtype, rowwise, columnwise,
-                                     state, async_op)
+        return _gather_then_quantize(x2d, group, quantizer, rowwise, columnwise, state, async_op)
     derive = columnwise and derivable_columnwise(quantizer)  # gather the rowwise bytes, transpose after
     row, col = quantize_with_group_amax(quantizer, x2d, group, rowwise=rowwise or derive,
                                         columnwise=columnwise and not derive, state=state)
     local = {d: st for d, st in (("rowwise", row), ("columnwise", col)) if st is not None}
     res = gather_storages(local, group, async_op=async_op)
 
-    def wrap(g):
+    def pair(g):
         row = g.get("rowwise")
         col = derive_columnwise(row) if derive else g.get("columnwise")
-        return QuantizedTensor(full_shape, x.dtype, row if rowwise else None, col, quantizer)
+        return (row if rowwise else None), col
 
     if async_op:
-        return _comm.CollectiveHandle(res, lambda: wrap(res.wait()))  # res.wait() via the handle
-    return wrap(res)
+        return _comm.CollectiveHandle(res, lambda: pair(res.wait()))
+    return pair(res)
 
 
-def _gather_then_quantize(x2d, group, quantizer, full_shape, dtype, rowwise, columnwise, state, async_op):
+def _gather_then_quantize(x2d, group, quantizer, rowwise, columnwise, state, async_op):
     world = _comm.group_size(group)
     _comm.log_event("all_gather", "high_precision", str(x2d.dtype), x2d.numel() * x2d.element_size() * world)
     work, out = _comm.all_gather_dim0(x2d, group, async_op=async_op)
 
     def finish():
-        row, col = quantizer.quantize_storages(out, rowwise=rowwise, columnwise=columnwise, state=state)
-        return QuantizedTensor(full_shape, dtype, row, col, quantizer)
+        return quantizer.quantize_storages(out, rowwise=rowwise, columnwise=columnwise, state=state)
 
     return _comm.finish_or_handle(work, finish, async_op)
 
