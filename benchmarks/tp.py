@@ -6,7 +6,8 @@ quantize). Gradient reduce-scatters are bf16 in both. Prints one table on rank 0
 Run on 2–4 GPUs of one host: ``torchrun --nproc_per_node=4 -m benchmarks.tp``
 (``--seq``, ``--hidden``, ``--ffn`` change the shape; activations are ``[S/tp, 1, H]``;
 ``--device cpu`` runs a gloo smoke test of the script itself, timings meaningless;
-``--profile fp8_current`` prints one profiled step per path: top GPU kernels and host ops).
+``--profile fp8_current`` prints one profiled step per path: top GPU kernels and host ops;
+``--compile`` compiles the block, whose collectives are then functional collectives).
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def _measure(recipe_name, mesh, args, quantized: bool):
     tp = mesh.size()
     x = torch.randn(args.seq // tp, 1, args.hidden, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    step = _step(model, x, dy)
-    with record_wire_bytes() as log:
-        step()
+    with record_wire_bytes() as log:  # bytes of an eager step (compiled code logs nothing)
+        _step(model, x, dy)()
+    step = _step(torch.compile(model, fullgraph=True) if args.compile else model, x, dy)
     ms = _time_ms(step, args.device, iters=args.iters)
     if recipe_name in args.profile and args.device == "cuda":
         print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} gathers")
@@ -89,7 +90,8 @@ def _measure(recipe_name, mesh, args, quantized: bool):
 def table_rows(recipes: list[str], mesh, args) -> list[list]:
     """One row per recipe: step ms with bf16 and with quantized gathers, their ratio, and
     the MiB each rank gathers (both paths) and reduce-scatters per step. ``args``: ``seq``,
-    ``hidden``, ``ffn``, ``iters``, ``device``, ``profile`` (a set of recipe names)."""
+    ``hidden``, ``ffn``, ``iters``, ``device``, ``profile`` (a set of recipe names),
+    ``compile``."""
     rows = []
     for name in recipes:
         try:
@@ -112,6 +114,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
+    p.add_argument("--compile", action="store_true", help="torch.compile the MLP (fullgraph) in both paths")
     p.add_argument("--profile", default="", help="recipes (comma-separated) whose steps are profiled once: "
                    "top GPU kernels and host ops of each path, on rank 0")
     args = p.parse_args()
@@ -130,7 +133,8 @@ def main() -> None:
             ["recipe", "step ms (bf16 gathers)", "step ms (quantized gathers)", "speedup",
              "all-gather MiB/step (bf16)", "all-gather MiB/step (quantized)", "reduce-scatter MiB/step"],
             rows,
-            f"TP={tp}+SP MLP block fwd+bwd, S={args.seq}, H={args.hidden}, F={args.ffn}, bf16 activations "
+            f"TP={tp}+SP MLP block fwd+bwd{' (compiled)' if args.compile else ''}, S={args.seq}, H={args.hidden}, "
+            f"F={args.ffn}, bf16 activations "
             f"(bytes = gathered output per rank)")
     dist.destroy_process_group()
 

@@ -69,7 +69,8 @@ def record_wire_bytes():
         log.total("all_gather", "rowwise")
 
     Process-wide: collectives issued from other threads while the block is open are
-    recorded too (on CUDA, autograd runs the backward on its own device thread)."""
+    recorded too (on CUDA, autograd runs the backward on its own device thread). Compiled
+    code records nothing."""
     log = WireLog()
     _ACTIVE.append(log)
     try:
@@ -79,7 +80,9 @@ def record_wire_bytes():
 
 
 def log_event(kind: str, what: str, fmt: str, nbytes: int) -> None:
-    if _ACTIVE:
+    """Record one collective in the innermost open log. Not while compiling (a traced
+    region records nothing: measure bytes on an eager step)."""
+    if _ACTIVE and not torch.compiler.is_compiling():
         _ACTIVE[-1].events.append(WireEvent(kind=kind, what=what, fmt=fmt, nbytes=int(nbytes)))
 
 

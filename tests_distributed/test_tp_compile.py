@@ -6,8 +6,8 @@ under torch.compile"; the amax all-reduce likewise, ``amax_sync``).
 * The launcher's Megatron TP Transformer (3 tiny blocks; wq/wk/wv/w1/w3 column-parallel,
   wo/w2 row-parallel: all-reduces of outputs and input gradients, amax all-reduces of the
   sharded weights and activations), three AdamW steps: the losses.
-* A sequence-parallel MLP with quantized all-gathers and reduce-scatters
-  (``benchmarks.tp.MLP``): the output and every gradient of two steps.
+* A sequence-parallel MLP with quantized all-gathers (and with bf16 ones) and
+  reduce-scatters (``benchmarks.tp.MLP``): the output and every gradient of two steps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid_dist as hd
-from tests._tiers import by_recipe
+from tests._tiers import by_recipe, slow
 from tests_distributed._harness import run_ranks
 
 STEPS = 3
@@ -67,7 +67,7 @@ def _train_transformer(recipe_name: str, compiled: bool):
     return losses, counter.frame_count, sum(counters["graph_break"].values())
 
 
-def _sp_mlp(recipe_name: str, compiled: bool):
+def _sp_mlp(recipe_name: str, compiled: bool, quantized_gather: bool = True):
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -80,8 +80,8 @@ def _sp_mlp(recipe_name: str, compiled: bool):
     torch.manual_seed(0)
     model = MLP(64, 128, hd.recipe_from_name(recipe_name), "cpu")
     parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), {
-        "fc1": HybridColwiseParallel(sequence_parallel=True, quantized_gather=True),
-        "fc2": HybridRowwiseParallel(sequence_parallel=True, quantized_gather=True)})
+        "fc1": HybridColwiseParallel(sequence_parallel=True, quantized_gather=quantized_gather),
+        "fc2": HybridRowwiseParallel(sequence_parallel=True, quantized_gather=quantized_gather)})
     fn, counter = _counted(model, compiled)
     g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own sequence shard
     out = []
@@ -94,15 +94,22 @@ def _sp_mlp(recipe_name: str, compiled: bool):
     return out, counter.frame_count if compiled else 0, sum(counters["graph_break"].values())
 
 
-def _compiled_and_eager(rank: int, world_size: int, fn_name: str, recipe_name: str):
+def _compiled_and_eager(rank: int, world_size: int, fn_name: str, recipe_name: str, **kw):
     fn = {"transformer": _train_transformer, "sp_mlp": _sp_mlp}[fn_name]
-    return fn(recipe_name, compiled=True), fn(recipe_name, compiled=False)
+    return fn(recipe_name, compiled=True, **kw), fn(recipe_name, compiled=False, **kw)
 
 
-def _sp_mlp_differences(rank: int, world_size: int, recipe_name: str):
+def _sp_mlp_differences(rank: int, world_size: int, recipe_name: str, quantized_gather: bool):
     """Frames, graph breaks and the (step, tensor index) pairs where compiled and eager
-    differ, compared on the rank (tensors do not cross the process boundary)."""
-    (out, frames, breaks), (ref, _, _) = _compiled_and_eager(rank, world_size, "sp_mlp", recipe_name)
+    differ, compared on the rank (tensors do not cross the process boundary). The compiled
+    run is inside ``record_wire_bytes()``: traced code records nothing and does not break."""
+    from hybrid_dist.tensor_parallel import record_wire_bytes
+
+    with record_wire_bytes() as log:
+        compiled = _sp_mlp(recipe_name, compiled=True, quantized_gather=quantized_gather)
+    assert not log.events, f"compiled code logged {len(log.events)} collectives"
+    out, frames, breaks = compiled
+    ref, _, _ = _sp_mlp(recipe_name, compiled=False, quantized_gather=quantized_gather)
     diffs = [(step, i) for step, (got, want) in enumerate(zip(out, ref))
              for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
     return frames, breaks, diffs
@@ -118,10 +125,12 @@ def test_compiled_tp_transformer_one_graph_bitwise_eager(name):
         assert losses == ref, f"{where}: compiled losses {losses} != eager {ref}"
 
 
+@pytest.mark.parametrize("quantized_gather", [True, pytest.param(False, marks=slow)], ids=["quantized", "bf16_gathers"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_compiled_sp_mlp_quantized_gathers_bitwise_eager(name):
-    for rank, (frames, breaks, diffs) in enumerate(run_ranks(_sp_mlp_differences, 2, name)):
-        where = f"{name}, SP MLP with quantized gathers, TP=2 on 2 gloo ranks, rank {rank}"
+def test_compiled_sp_mlp_bitwise_eager(name, quantized_gather):
+    for rank, (frames, breaks, diffs) in enumerate(run_ranks(_sp_mlp_differences, 2, name, quantized_gather)):
+        gathers = "quantized gathers" if quantized_gather else "bf16 gathers"
+        where = f"{name}, SP MLP with {gathers}, TP=2 on 2 gloo ranks, rank {rank}"
         assert breaks == 0, f"{where}: {breaks} graph breaks"
         assert frames == 1, f"{where}: {frames} graphs for 2 steps (expected 1)"
         # tensors: output, input grad, fc1 and fc2 weight grads
