@@ -4,8 +4,9 @@
 # parallelism against bf16 in the same call (8b L16 at TP=2 x FSDP=NGPU/2; the 1b and 8b L4
 # MoE presets at EP=NGPU), each run capped. Logs go to $OUT (or ./gpu_logs); the launcher
 # rows end in one table ($OUT/dist_throughput.md, python -m benchmarks.throughput).
-# STAGES (default "tests tp moe_ep launch"; also "fsdp2": the 8-block stack at 1x4096 with
-# its host-time profile) picks the stages; BUDGET_S (default 540) stops
+# STAGES (default "tests tp moe_ep launch tp_compile": the TP benchmark compiled, last, in
+# what is left of the budget; also "fsdp2": the 8-block stack at 1x4096 with its host-time
+# profile) picks the stages; BUDGET_S (default 540) stops
 # starting launcher runs after that many seconds of the whole script. TP_M, MOE1, MOE8
 # override the models (CPU check: NGPU=2 STAGES=launch TP_M="--preset tiny --batch-size 2
 # --seq-len 64" MOE1="--preset tiny --moe-experts 4 --moe-top-k 2 --batch-size 2 --seq-len 64"
@@ -15,7 +16,7 @@ set -o pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
-STAGES=${STAGES:-"tests tp moe_ep launch"}
+STAGES=${STAGES:-"tests tp moe_ep launch tp_compile"}
 BUDGET_S=${BUDGET_S:-540}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -1
@@ -57,5 +58,9 @@ ep_8b_L4_moe8_fp8_current|$MOE8 --recipe fp8_current
 PLAN
   ls "$OUT"/dist_thr_*.jsonl > /dev/null 2>&1 && python3 -m benchmarks.throughput "$OUT"/dist_thr_*.jsonl \
     | tee "$OUT/dist_throughput.md"
+fi
+if has tp_compile && [ $((BUDGET_S + 30 - SECONDS)) -gt 60 ]; then
+  timeout $((BUDGET_S + 30 - SECONDS)) torchrun --nproc_per_node "$NGPU" -m benchmarks.tp --compile \
+    --recipes bf16,fp8_current,fp8_delayed,mxfp8 2>&1 | grep -v "^W1" | tee "$OUT/tp_compile_bench.log"
 fi
 echo "total wall: ${SECONDS} s"
