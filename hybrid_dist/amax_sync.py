@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
+from hybrid_dist.all_reduce import all_reduce_
 from hybrid_dist.formats import tensor_amaxes
 
 
@@ -37,10 +37,7 @@ def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Seq
     else:
         buf = torch.stack([a.float().reshape(()) for a in amaxes])
     for group in groups:
-        if torch.compiler.is_compiling():  # traceable: a functional all-reduce copied back
-            buf.copy_(funcol.all_reduce(buf, "max", group))
-        else:
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(buf, group, op=dist.ReduceOp.MAX)
     return buf
 
 

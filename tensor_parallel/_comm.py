@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from hybrid_dist.all_reduce import all_reduce_  # noqa: F401  (the TP SUMs, traceable)
 from hybrid_dist.kernels import transposed_2d
 
 # torch >= 2.13 names them *_single; 2.11 has only the *_tensor spelling.
@@ -153,18 +154,6 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     work = _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return work, out
-
-
-_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
-
-
-def all_reduce_(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """``x`` reduced over ``group`` in place; the work (None while compiling: a functional
-    all-reduce copied back into ``x``)."""
-    if torch.compiler.is_compiling():
-        x.copy_(funcol.all_reduce(x, _OP_NAMES[op], group))
-        return None
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
 # --- byte packing -----------------------------------------------------------------------
