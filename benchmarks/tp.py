@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -97,7 +98,8 @@ def table_rows(recipes: list[str], mesh, args) -> list[list]:
         try:
             hp_ms, hp_log = _measure(name, mesh, args, quantized=False)
             q_ms, q_log = _measure(name, mesh, args, quantized=True)
-        except Exception as e:  # keep the table: report the failure in its row
+        except Exception as e:  # keep the table: report the failure in its row (traceback on stderr)
+            traceback.print_exc()
             rows.append([name, f"failed: {type(e).__name__}: {e}"[:100], "", "", "", "", ""])
             continue
         mb = 1 / 2**20

@@ -13,13 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
 
-
-def all_reduce_(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """``x`` reduced over ``group`` in place; the work (None while compiling or when not
-    ``async_op``)."""
+def all_reduce_(x: torch.Tensor, group, *, op: str = "sum", async_op: bool = False):
+    """``x`` reduced over ``group`` in place (``op``: ``"sum"`` or ``"max"``); the work
+    (None while compiling or when not ``async_op``). ``op`` is a string because Dynamo
+    (torch 2.11) cannot hash a ``dist.ReduceOp`` while tracing."""
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce_: op must be 'sum' or 'max', got {op!r}")
     if torch.compiler.is_compiling():
-        x.copy_(funcol.all_reduce(x, _OP_NAMES[op], group))
+        x.copy_(funcol.all_reduce(x, op, group))
         return None
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    return dist.all_reduce(x, op=reduce_op, group=group, async_op=async_op)

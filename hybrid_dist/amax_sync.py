@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from hybrid_dist.all_reduce import all_reduce_
 from hybrid_dist.formats import tensor_amaxes
@@ -37,7 +36,7 @@ def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Seq
     else:
         buf = torch.stack([a.float().reshape(()) for a in amaxes])
     for group in groups:
-        all_reduce_(buf, group, op=dist.ReduceOp.MAX)
+        all_reduce_(buf, group, op="max")
     return buf
 
 

@@ -24,3 +24,35 @@ def test_one_all_reduce_gives_the_max_on_every_rank():
         assert out == [3.0, 10.0, 0.0], f"rank {rank}: {out}"
         assert collectives == 1, f"rank {rank}: {collectives} collectives for 3 amaxes, expected 1"
         assert none == [rank + 1.0, 10.0 - rank, 0.0] and empty == 0, f"rank {rank}"
+
+
+def _all_reduce_ops(rank, world):
+    import torch.distributed as dist
+
+    from hybrid_dist.all_reduce import all_reduce_
+
+    def compiled(x, op):  # the traced path: a functional all-reduce copied back
+        all_reduce_(x, dist.group.WORLD, op=op)
+        return x
+
+    fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    out = {}
+    for op in ("sum", "max"):
+        eager = torch.tensor([rank + 1.0, 5.0 - rank])
+        all_reduce_(eager, dist.group.WORLD, op=op)
+        out[op] = (eager.tolist(), fn(torch.tensor([rank + 1.0, 5.0 - rank]), op).tolist())
+    try:
+        all_reduce_(torch.zeros(1), dist.group.WORLD, op=dist.ReduceOp.MAX)
+        out["bad"] = "no error"
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+def test_all_reduce_sum_and_max_eager_and_compiled():
+    """``all_reduce_`` names its op by string (Dynamo on torch 2.11 cannot hash a
+    ``dist.ReduceOp``): the same values eagerly and compiled, and a clear error otherwise."""
+    for rank, out in enumerate(run_ranks(_all_reduce_ops, 2)):
+        assert out["sum"] == ([3.0, 9.0], [3.0, 9.0]), f"rank {rank}: {out['sum']}"
+        assert out["max"] == ([2.0, 5.0], [2.0, 5.0]), f"rank {rank}: {out['max']}"
+        assert "op must be 'sum' or 'max'" in out["bad"], f"rank {rank}: {out['bad']}"
