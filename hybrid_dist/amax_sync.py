@@ -20,14 +20,14 @@ from typing import Sequence
 
 import torch
 
-from hybrid_dist.all_reduce import all_reduce_
+from hybrid_dist.all_reduce import all_reduce
 from hybrid_dist.formats import tensor_amaxes
 
 
 def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Sequence) -> torch.Tensor:
     """``[n]`` fp32: the MAX of each 0-dim (or 1-element) ``amaxes[i]`` over every group in
     ``groups`` (one collective per group for all ``n`` values; none for no groups). An
-    ``[n]`` fp32 tensor is reduced in place. An empty ``amaxes`` returns an empty vector
+    ``[n]`` fp32 tensor may be reduced in place (eagerly); use the result. An empty ``amaxes`` returns an empty vector
     without communicating."""
     if len(amaxes) == 0:
         return torch.zeros(0, dtype=torch.float32)
@@ -36,7 +36,7 @@ def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Seq
     else:
         buf = torch.stack([a.float().reshape(()) for a in amaxes])
     for group in groups:
-        all_reduce_(buf, group, op="max")
+        _, buf = all_reduce(buf, group, op="max")
     return buf
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from hybrid_dist.all_reduce import all_reduce_  # noqa: F401  (the TP SUMs, traceable)
+from hybrid_dist.all_reduce import all_reduce  # noqa: F401  (the TP SUMs, traceable)
 from hybrid_dist.kernels import transposed_2d
 
 # torch >= 2.13 names them *_single; 2.11 has only the *_tensor spelling.

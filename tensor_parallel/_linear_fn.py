@@ -118,7 +118,7 @@ def _reduce(x: torch.Tensor, cfg: TPConfig, *, async_op: bool):
         return reduce_scatter_along_first_dim(x, cfg.group, async_op=async_op)
     _comm.log_event("all_reduce", "partial_sum", str(x.dtype), x.numel() * x.element_size())
     x = x.contiguous()
-    work = _comm.all_reduce_(x, cfg.group, async_op=async_op)
+    work, x = _comm.all_reduce(x, cfg.group, async_op=async_op)
     return _comm.finish_or_handle(work, lambda: x, async_op)
 
 
@@ -282,7 +282,7 @@ class RowParallelFn(torch.autograd.Function):
 def _reduce_bias(db: torch.Tensor, cfg: TPConfig) -> torch.Tensor:
     _comm.log_event("all_reduce", "bias_grad", str(db.dtype), db.numel() * db.element_size())
     db = db.contiguous()
-    _comm.all_reduce_(db, cfg.group)
+    _, db = _comm.all_reduce(db, cfg.group)
     return db
 
 

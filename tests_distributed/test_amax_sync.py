@@ -29,20 +29,19 @@ def test_one_all_reduce_gives_the_max_on_every_rank():
 def _all_reduce_ops(rank, world):
     import torch.distributed as dist
 
-    from hybrid_dist.all_reduce import all_reduce_
+    from hybrid_dist.all_reduce import all_reduce
 
-    def compiled(x, op):  # the traced path: a functional all-reduce copied back
-        all_reduce_(x, dist.group.WORLD, op=op)
-        return x
+    def compiled(x, op):  # the traced path: a functional all-reduce, a new tensor
+        return all_reduce(x, dist.group.WORLD, op=op)[1]
 
     fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
     out = {}
     for op in ("sum", "max"):
         eager = torch.tensor([rank + 1.0, 5.0 - rank])
-        all_reduce_(eager, dist.group.WORLD, op=op)
+        all_reduce(eager, dist.group.WORLD, op=op)  # eagerly in place
         out[op] = (eager.tolist(), fn(torch.tensor([rank + 1.0, 5.0 - rank]), op).tolist())
     try:
-        all_reduce_(torch.zeros(1), dist.group.WORLD, op=dist.ReduceOp.MAX)
+        all_reduce(torch.zeros(1), dist.group.WORLD, op=dist.ReduceOp.MAX)
         out["bad"] = "no error"
     except ValueError as e:
         out["bad"] = str(e)
@@ -50,7 +49,7 @@ def _all_reduce_ops(rank, world):
 
 
 def test_all_reduce_sum_and_max_eager_and_compiled():
-    """``all_reduce_`` names its op by string (Dynamo on torch 2.11 cannot hash a
+    """``all_reduce`` names its op by string (Dynamo on torch 2.11 cannot hash a
     ``dist.ReduceOp``): the same values eagerly and compiled, and a clear error otherwise."""
     for rank, out in enumerate(run_ranks(_all_reduce_ops, 2)):
         assert out["sum"] == ([3.0, 9.0], [3.0, 9.0]), f"rank {rank}: {out['sum']}"
