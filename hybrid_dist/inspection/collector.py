@@ -22,6 +22,10 @@ from hybrid_dist.inspection.candidates import GEMM_OF
 from hybrid_dist.inspection.capture import ModuleStats, capturing
 from hybrid_dist.inspection.stats import decode
 from hybrid_dist.recipe_module import RecipeModuleMixin
+from hybrid_dist.warn import warn_once
+
+# torch 2.11's compiled backward drops the writes into the statistics buffers (2.13 keeps them)
+_COMPILED_BACKWARD_DROPS_WRITES = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
 # wrapper prefixes that are not part of a module's name in the unwrapped model
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -41,6 +45,13 @@ class StatsCollector:
 
     def __init__(self, model: nn.Module, *, candidates: bool = True, device: torch.device | None = None):
         self.modules: list[ModuleStats] = []
+        if _COMPILED_BACKWARD_DROPS_WRITES and any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+                                                   for m in model.modules()):
+            warn_once(
+                f"hybrid_dist statistics: torch {torch.__version__}'s compiled backward drops the writes "
+                "to the statistics buffers, so the grad_output rows of compiled steps read as "
+                "unwritten; torch >= 2.13 records them (the forward rows are right either way).",
+                key="compiled-backward-stats")
         for fqn, mod in model.named_modules():
             if not isinstance(mod, RecipeModuleMixin):
                 continue

@@ -98,6 +98,12 @@ def test_zero_extra_ops_when_off(recipe):
     assert len(stats_ops) == n_rows
 
 
+# torch 2.11's compiled backward drops the grad_output rows' buffer writes (the collector warns)
+NEEDS_2_13 = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+                                reason="compiled backward statistics need torch >= 2.13")
+
+
+@NEEDS_2_13
 def test_compile_fullgraph_with_statistics():
     """``fullgraph=True`` raises on a graph break; the captured rows equal eager's (amax and
     counts exactly, SQNR within 0.01 dB)."""
@@ -145,6 +151,7 @@ def _compiled_ops(capture: bool) -> tuple[collections.Counter, int]:
     return ops, len(c.read()) if capture else 0
 
 
+@NEEDS_2_13
 def test_compiled_statistics_are_one_operator_per_row():
     """The graph with statistics has one ``storage_stats`` / ``candidate_stats`` call per row
     and otherwise only the buffer writes beyond the graph without: no reduction of theirs is
@@ -154,3 +161,25 @@ def test_compiled_statistics_are_one_operator_per_row():
     assert sum(on[op] for op in STATS_OPS) == rows
     extra = {op: on[op] - off[op] for op in on if on[op] > off[op] and op not in STATS_OPS + BUFFER_WRITES}
     assert not extra, f"ops the statistics added to the compiled graph: {extra}"
+
+
+def test_collector_warns_where_compiled_backward_rows_are_dropped(monkeypatch):
+    """On a torch whose compiled backward drops the statistics writes, a collector over a
+    model with compiled modules says so; over an eager model it says nothing."""
+    import warnings
+
+    from hybrid_dist import warn
+    from hybrid_dist.inspection import collector
+
+    monkeypatch.setattr(collector, "_COMPILED_BACKWARD_DROPS_WRITES", True)
+    monkeypatch.setattr(warn, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as eager:
+        warnings.simplefilter("always")
+        StatsCollector(_model("fp8_current"))
+    model = _model("fp8_current")
+    model[0] = torch.compile(model[0], backend="eager")
+    with warnings.catch_warnings(record=True) as compiled:
+        warnings.simplefilter("always")
+        StatsCollector(model)
+    assert not [w for w in eager if "statistics" in str(w.message)]
+    assert any("grad_output rows of compiled steps" in str(w.message) for w in compiled)
