@@ -43,12 +43,29 @@ def _worker(rank, world_size, store_path, backend, fn, args, queue):
             dist.destroy_process_group()
 
 
+_FORK_REFUSED = "Unable to handle autograd's threading in combination with fork"
+_SPAWN_ONLY = [False]  # set once a forked rank refused to run backward
+
+
 def _start_method(backend: str) -> str:
-    parent_state = dist.is_initialized() or torch.cuda.is_initialized()
+    parent_state = dist.is_initialized() or torch.cuda.is_initialized() or _SPAWN_ONLY[0]
     return "fork" if backend == "gloo" and not parent_state else "spawn"
 
 
 def _run(fn, world_size: int, args, *, backend: str, timeout: float):
+    """``_run_once``; when forked ranks could not run autograd (a torch build whose parent
+    process started autograd's device threads, e.g. a CUDA wheel without a GPU), again
+    with spawned ranks, and every later run spawns."""
+    try:
+        return _run_once(fn, world_size, args, backend=backend, timeout=timeout)
+    except AssertionError as e:
+        if _FORK_REFUSED not in str(e) or _start_method(backend) != "fork":
+            raise
+        _SPAWN_ONLY[0] = True
+        return _run_once(fn, world_size, args, backend=backend, timeout=timeout)
+
+
+def _run_once(fn, world_size: int, args, *, backend: str, timeout: float):
     ctx = mp.get_context(_start_method(backend))
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
