@@ -27,8 +27,8 @@ from hybrid_dist.formats import tensor_amaxes
 def all_reduce_amaxes(amaxes: Sequence[torch.Tensor] | torch.Tensor, groups: Sequence) -> torch.Tensor:
     """``[n]`` fp32: the MAX of each 0-dim (or 1-element) ``amaxes[i]`` over every group in
     ``groups`` (one collective per group for all ``n`` values; none for no groups). An
-    ``[n]`` fp32 tensor may be reduced in place (eagerly); use the result. An empty ``amaxes`` returns an empty vector
-    without communicating."""
+    ``[n]`` fp32 tensor may be reduced in place (eagerly): use the result. An empty
+    ``amaxes`` returns an empty vector without communicating."""
     if len(amaxes) == 0:
         return torch.zeros(0, dtype=torch.float32)
     if isinstance(amaxes, torch.Tensor):
