@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybrid_dist as hd
 from hybrid_dist.inspection import StatsCollector, decode, quant_stats
+from hybrid_dist.inspection import collector as collector_module
 
 
 def _model(recipe: str):
@@ -99,7 +100,7 @@ def test_zero_extra_ops_when_off(recipe):
 
 
 # torch 2.11's compiled backward drops the grad_output rows' buffer writes (the collector warns)
-NEEDS_2_13 = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+NEEDS_2_13 = pytest.mark.skipif(collector_module._COMPILED_BACKWARD_DROPS_WRITES,
                                 reason="compiled backward statistics need torch >= 2.13")
 
 
@@ -169,9 +170,8 @@ def test_collector_warns_where_compiled_backward_rows_are_dropped(monkeypatch):
     import warnings
 
     from hybrid_dist import warn
-    from hybrid_dist.inspection import collector
 
-    monkeypatch.setattr(collector, "_COMPILED_BACKWARD_DROPS_WRITES", True)
+    monkeypatch.setattr(collector_module, "_COMPILED_BACKWARD_DROPS_WRITES", True)
     monkeypatch.setattr(warn, "_WARNED", set())
     with warnings.catch_warnings(record=True) as eager:
         warnings.simplefilter("always")
