@@ -62,8 +62,9 @@ def kernels_serve(t: torch.Tensor) -> bool:
 def transposed_2d(t: torch.Tensor) -> torch.Tensor:
     """``t.t().contiguous()`` of a 2D tensor: on CUDA the tiled Triton kernel
     (``kernels.transpose``, bitwise a copy; torch's copy of a transposed 1-byte view runs at
-    a small fraction of the copy bandwidth), elsewhere and while compiling torch's."""
-    if kernels_serve(t):
+    a small fraction of the copy bandwidth), traced as an operator while compiling;
+    elsewhere torch's."""
+    if _AVAILABLE and t.is_cuda and t.dim() == 2 and t.element_size() in (1, 2, 4, 8):
         from hybrid_dist.kernels.transpose import transposed
 
         return transposed(t)

@@ -10,6 +10,11 @@ and written transposed, so both sides are coalesced.
 
 ``src`` may be any 2D view (strides are honoured); ``dst`` must be contiguous with
 ``dst.shape == src.shape[::-1]`` and the same element size.
+
+``transposed(src)`` while compiling is the operator ``hybrid_dist::transposed_2d``, a
+``triton_op`` that launches the same kernel from inductor's generated code: inductor's own
+lowering of ``src.t().contiguous()`` for 1-byte elements ran at ~0.35 TB/s on an H200
+(8192 × 4096 fp8, 0.18 ms), a tenth of the copy rate.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.kernels._launch import launch
+from hybrid_dist.kernels._traced import kernel_op, traced_launch
 
 _VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE = 64
@@ -60,6 +66,26 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
+def _transposed_fake(src: torch.Tensor) -> torch.Tensor:
+    return src.new_empty((src.shape[1], src.shape[0]))
+
+
+@kernel_op("hybrid_dist::transposed_2d", fake=_transposed_fake)
+def transposed_op(src: torch.Tensor) -> torch.Tensor:
+    """``src [R, C]`` (2D, 1/2/4/8-byte elements) → ``src.t().contiguous()`` by the tiled
+    kernel, for compiled graphs (the kernel and arguments of the eager path)."""
+    r, c = src.shape
+    dst = src.new_empty((c, r))
+    if r and c:
+        view = _VIEW[src.element_size()]
+        traced_launch(_transpose_kernel, (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE)),
+                      src.view(view) if src.dtype != view else src, dst.view(view) if dst.dtype != view else dst,
+                      r, c, src.stride(0), src.stride(1), TILE=_TILE)
+    return dst
+
+
 def transposed(src: torch.Tensor) -> torch.Tensor:
-    """``src.t().contiguous()`` through the kernel."""
+    """``src.t().contiguous()`` through the kernel (while compiling: ``transposed_op``)."""
+    if torch.compiler.is_compiling():
+        return transposed_op(src)
     return transpose_into(torch.empty((src.shape[1], src.shape[0]), dtype=src.dtype, device=src.device), src)

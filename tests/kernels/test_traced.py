@@ -89,3 +89,12 @@ def test_delayed_cast_writes_the_history(triton_target):
     assert sorted(launch.kwargs["tensors_to_clone"]) == ["amax_out_ptr", "row_ptr", "scale_inv_ptr"]
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     assert any(getattr(o, "args", (None, None))[1] == "amax_out_ptr" for o in out.args[0]), "history not written back"
+
+
+def test_transpose_is_one_launch_writing_only_its_output(triton_target):
+    from hybrid_dist.kernels.transpose import transposed_op
+
+    x = torch.randint(0, 255, (200, 130), device=triton_target, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    (launch,) = _launches(_forward_graph(lambda t: transposed_op(t[5:197]), x))
+    assert sorted(launch.kwargs["tensors_to_clone"]) == ["dst_ptr"]
+    assert launch.kwargs["grid"] == [(3, 3, 1)]  # ceil(192 / 64) x ceil(130 / 64)
