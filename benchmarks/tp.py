@@ -7,9 +7,7 @@ Run on 2–4 GPUs of one host: ``torchrun --nproc_per_node=4 -m benchmarks.tp``
 (``--seq``, ``--hidden``, ``--ffn`` change the shape; activations are ``[S/tp, 1, H]``;
 ``--device cpu`` runs a gloo smoke test of the script itself, timings meaningless;
 ``--profile fp8_current`` prints one profiled step per path: top GPU kernels and host ops;
-``--compile`` compiles the block, whose collectives are then functional collectives;
-``--overlap-chunks C`` adds the quantized-gather path with ``fc2``'s GEMM and reduce-scatter
-in ``C`` overlapped chunks, and the largest difference of its output from the unchunked one).
+``--compile`` compiles the block, whose collectives are then functional collectives).
 """
 
 from __future__ import annotations
@@ -72,37 +70,22 @@ def _time_ms(fn, device: str, *, warmup: int = 3, iters: int = 10) -> float:
     return float(t)
 
 
-def _measure(recipe_name, mesh, args, quantized: bool, overlap: int = 0):
-    """``(step ms, wire log, one forward's output)`` of one path."""
+def _measure(recipe_name, mesh, args, quantized: bool):
     torch.manual_seed(0)
     model = MLP(args.hidden, args.ffn, hd.recipe_from_name(recipe_name), args.device)
     parallelize_module(model, mesh, {
         "fc1": HybridColwiseParallel(sequence_parallel=True, quantized_gather=quantized),
-        "fc2": HybridRowwiseParallel(sequence_parallel=True, quantized_gather=quantized, overlap_chunks=overlap)})
+        "fc2": HybridRowwiseParallel(sequence_parallel=True, quantized_gather=quantized)})
     tp = mesh.size()
     x = torch.randn(args.seq // tp, 1, args.hidden, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     with record_wire_bytes() as log:  # bytes of an eager step (compiled code logs nothing)
         _step(model, x, dy)()
-    if args.compile:
-        torch._dynamo.reset()  # each path compiles afresh (no recompile limit over many models)
-    run = torch.compile(model, fullgraph=True) if args.compile else model
-    step = _step(run, x, dy)
+    step = _step(torch.compile(model, fullgraph=True) if args.compile else model, x, dy)
     ms = _time_ms(step, args.device, iters=args.iters)
     if recipe_name in args.profile and args.device == "cuda":
-        print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} gathers"
-                           + (f", {overlap} overlapped chunks" if overlap else ""))
-    return ms, log, run(x).detach()
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b|, the max over ranks: 0.0 when bitwise equal (NaN when they differ only
-    where |a - b| is 0 or NaN, e.g. signed zeros). Only the forward output can differ: the
-    chunks change the row-parallel fprop alone."""
-    d = 0.0 if torch.equal(a, b) else float((a.float() - b.float()).abs().max()) or float("nan")
-    d = torch.tensor(d, device=a.device)
-    dist.all_reduce(d, op=dist.ReduceOp.MAX)
-    return float(d)
+        print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} gathers")
+    return ms, log
 
 
 def table_rows(recipes: list[str], mesh, args) -> list[list]:
@@ -113,20 +96,15 @@ def table_rows(recipes: list[str], mesh, args) -> list[list]:
     rows = []
     for name in recipes:
         try:
-            hp_ms, hp_log, _ = _measure(name, mesh, args, quantized=False)
-            q_ms, q_log, q_out = _measure(name, mesh, args, quantized=True)
-            extra = []
-            if args.overlap_chunks:
-                o_ms, _, o_out = _measure(name, mesh, args, quantized=True, overlap=args.overlap_chunks)
-                extra = [o_ms, hp_ms / o_ms, _max_diff(o_out, q_out)]
+            hp_ms, hp_log = _measure(name, mesh, args, quantized=False)
+            q_ms, q_log = _measure(name, mesh, args, quantized=True)
         except Exception as e:  # keep the table: report the failure in its row (traceback on stderr)
             traceback.print_exc()
-            rows.append([name, f"failed: {type(e).__name__}: {e}"[:100], "", "", "", "", ""]
-                        + ["", "", ""] * bool(args.overlap_chunks))
+            rows.append([name, f"failed: {type(e).__name__}: {e}"[:100], "", "", "", "", ""])
             continue
         mb = 1 / 2**20
         rows.append([name, hp_ms, q_ms, hp_ms / q_ms, hp_log.total("all_gather") * mb,
-                     q_log.total("all_gather") * mb, q_log.total("reduce_scatter") * mb, *extra])
+                     q_log.total("all_gather") * mb, q_log.total("reduce_scatter") * mb])
     return rows
 
 
@@ -139,8 +117,6 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     p.add_argument("--compile", action="store_true", help="torch.compile the MLP (fullgraph) in both paths")
-    p.add_argument("--overlap-chunks", type=int, default=0,
-                   help="also time the quantized path with fc2's GEMM + reduce-scatter in this many chunks")
     p.add_argument("--profile", default="", help="recipes (comma-separated) whose steps are profiled once: "
                    "top GPU kernels and host ops of each path, on rank 0")
     args = p.parse_args()
@@ -155,11 +131,9 @@ def main() -> None:
     rows = table_rows(args.recipes.split(","), mesh, args)
     if dist.get_rank() == 0:
         tp = dist.get_world_size()
-        c = args.overlap_chunks
         print_table(
             ["recipe", "step ms (bf16 gathers)", "step ms (quantized gathers)", "speedup",
-             "all-gather MiB/step (bf16)", "all-gather MiB/step (quantized)", "reduce-scatter MiB/step"]
-            + ([f"step ms (quantized, {c} chunks)", "speedup", "max |output diff| vs unchunked"] if c else []),
+             "all-gather MiB/step (bf16)", "all-gather MiB/step (quantized)", "reduce-scatter MiB/step"],
             rows,
             f"TP={tp}+SP MLP block fwd+bwd{' (compiled)' if args.compile else ''}, S={args.seq}, H={args.hidden}, "
             f"F={args.ffn}, bf16 activations "

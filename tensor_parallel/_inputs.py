@@ -76,14 +76,12 @@ class WgradInput:
 
 
 def gather_input(x2d: torch.Tensor, group, quantizer, state, *, need_wgrad: bool, path: str = "auto",
-                 extra: tuple[ShardRequest, ...] = (), gather_rowwise: bool = True):
+                 extra: tuple[ShardRequest, ...] = ()):
     """Sequence-parallel input ``x2d [M_local, K]`` → ``(rowwise storage [M, K] gathered,
     WgradInput or None, results of extra)``. Per direction, path (b) where its blocks fit
     the shard and ``path`` allows it, else path (a) (one-time warning under ``"auto"``).
     ``extra``: other shards (the layer's weight) quantized with the group amax in the same
-    all-reduce as this input's. ``gather_rowwise=False``: on path (b) the rowwise storage
-    returned is the local shard ``[M_local, K]``, not gathered (the caller gathers it, e.g.
-    in chunks overlapping its GEMM); path (a) gathers as always."""
+    all-reduce as this input's."""
     hp = path == "high_precision"
     m_local = x2d.shape[0]
     row_block = "high precision requested" if hp else quantized_path_blocker(quantizer, m_local, ["rowwise"])
@@ -102,7 +100,7 @@ def gather_input(x2d: torch.Tensor, group, quantizer, state, *, need_wgrad: bool
     results = quantize_shards_with_group_amax(reqs, group)
     row_local, col_local = results.pop(0) if (want_row or want_col) else (None, None)
     if want_row:
-        row = gather_storages({"rowwise": row_local}, group)["rowwise"] if gather_rowwise else row_local
+        row = gather_storages({"rowwise": row_local}, group)["rowwise"]
     else:
         world = _comm.group_size(group)
         _comm.log_event("all_gather", "high_precision", str(x2d.dtype), x2d.numel() * x2d.element_size() * world)

@@ -33,7 +33,6 @@ from hybrid_dist.linear import weight_operands
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel._inputs import WgradInput, gather_input
-from hybrid_dist.tensor_parallel._overlap import chunkable, gather_gemm, gathers_in_chunks, gemm_reduce_scatter
 from hybrid_dist.tensor_parallel.gather import (
     ShardRequest,
     gather_storages_along_first_dim,
@@ -46,16 +45,12 @@ from hybrid_dist.tensor_parallel.gather import (
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TPConfig:
     """How one ``hd.Linear`` is split. ``gather_path``: ``"auto"`` gathers quantized
-    where valid, ``"high_precision"`` always gathers high precision (for comparisons).
-    ``overlap_chunks`` > 1: under SP a column-parallel fprop runs as that many all-gather +
-    GEMM chunks and a row-parallel fprop as that many GEMM + reduce-scatter chunks, the
-    collectives overlapping the GEMMs (``_overlap``)."""
+    where valid, ``"high_precision"`` always gathers high precision (for comparisons)."""
 
     kind: str  # "colwise" | "rowwise"
     group: Any  # the TP ProcessGroup
     sequence_parallel: bool = False
     gather_path: str = "auto"
-    overlap_chunks: int = 0
 
 
 # id(rowwise data tensor of a prepared, gathered-once input) -> (weakref to it, its
@@ -143,7 +138,6 @@ class ColumnParallelFn(torch.autograd.Function):
         k = x.shape[-1]
         shared = prepared_holder(x)
         w_req = _weight_request(weight, plan, need_dgrad=need_dgrad)
-        chunked = False
         if shared is not None:  # PrepareHybridModuleInput gathered it once for all consumers
             if x.quantizer != plan.input:
                 raise ValueError(
@@ -153,11 +147,9 @@ class ColumnParallelFn(torch.autograd.Function):
             done = quantize_shards_with_group_amax([w_req], cfg.group) if w_req is not None else []
         elif cfg.sequence_parallel:
             world = _comm.group_size(cfg.group)
-            # overlapped chunks: the local quantized rows come back, the fprop gathers them
-            chunked = not is_capturing() and gathers_in_chunks(plan.input, x.numel() // k, cfg)
             x_row, wgrad_in, done = gather_input(
                 x.reshape(-1, k), cfg.group, plan.input, plan.states["input"], need_wgrad=need_wgrad,
-                path=cfg.gather_path, extra=(w_req,) if w_req is not None else (), gather_rowwise=not chunked)
+                path=cfg.gather_path, extra=(w_req,) if w_req is not None else ())
             lead = (world * x.shape[0], *x.shape[1:-1])
         else:  # x is replicated: quantized whole on every rank, no amax to reduce
             row, col = plan.input.quantize_storages(x.reshape(-1, k), rowwise=True, columnwise=need_wgrad,
@@ -178,12 +170,7 @@ class ColumnParallelFn(torch.autograd.Function):
                 ctx.stats_x = shared.stats_x if need_wgrad else None
             stats.record("weight", weight, w_row, w_col, sharded=True)
         # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
-        out_dtype = plan.recipe.fprop.out_dtype or x.dtype
-        if chunked:
-            y = gather_gemm(x_row, w_row, cfg.group, cfg.overlap_chunks, out_dtype=out_dtype,
-                            config=plan.recipe.fprop)
-        else:
-            y = gemm.gemm_nt(x_row, w_row, out_dtype=out_dtype, config=plan.recipe.fprop)
+        y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.shared = shared if need_wgrad else None
@@ -249,14 +236,8 @@ class RowParallelFn(torch.autograd.Function):
             stats.record("input", x, x_row, x_col, sharded=True)
             stats.record("weight", weight, w_row, w_col, sharded=True)
         # fprop: y [M, N] (partial over K shards) = x [M, K/tp] · W_local [N, K/tp]ᵀ
-        out_dtype = plan.recipe.fprop.out_dtype or x.dtype
-        if cfg.sequence_parallel and chunkable(x_row, _comm.group_size(cfg.group), cfg.overlap_chunks):
-            y = gemm_reduce_scatter(x_row, w_row, cfg.group, cfg.overlap_chunks, out_dtype=out_dtype,
-                                    config=plan.recipe.fprop)
-            y = y.reshape(x.shape[0] // _comm.group_size(cfg.group), *x.shape[1:-1], y.shape[-1])
-        else:
-            y = gemm.gemm_nt(x_row, w_row, out_dtype=out_dtype, config=plan.recipe.fprop)
-            y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)
+        y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
+        y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)
         if bias is not None:
             y = y + bias.to(y.dtype)
         saved_storages.pack(ctx, w_col if need_dgrad else None, x_col if need_wgrad else None)

@@ -5,10 +5,7 @@
   (all-gathered in the input quantizer's rowwise format). Output: ``[S, *, N/tp]`` local.
 * ``HybridRowwiseParallel(sequence_parallel=False)``: ``W`` → ``Shard(1)`` (bias
   replicated, added after the reduction). Input ``[S, *, K/tp]``; output all-reduced
-  ``[S, *, N]``, or with SP reduce-scattered to ``[S/tp, *, N]``; with SP and
-  ``overlap_chunks=C`` (≥ 2) the fprop GEMM and its reduce-scatter run in ``C`` chunks,
-  each reduce-scatter overlapping the next chunk's GEMM (``_overlap``; per-tensor FP8 and
-  high-precision inputs, other formats unchunked).
+  ``[S, *, N]``, or with SP reduce-scattered to ``[S/tp, *, N]``.
 * ``PrepareHybridModuleInput(consumers=("wq", "wk", "wv"))``: on the parent module,
   all-gathers the SP input once, quantized with the consumers' (equal) input quantizer,
   and hands the gathered tensor to every consumer (each a colwise-parallel layer); the
@@ -117,13 +114,10 @@ class _HybridLinearStyle(ParallelStyle):
     KIND = ""
     WEIGHT, BIAS = Shard(0), Shard(0)
 
-    def __init__(self, *, sequence_parallel: bool = False, quantized_gather: bool = True, overlap_chunks: int = 0):
+    def __init__(self, *, sequence_parallel: bool = False, quantized_gather: bool = True):
         super().__init__()
-        if overlap_chunks < 0 or overlap_chunks == 1:
-            raise ValueError(f"{type(self).__name__}: overlap_chunks must be 0 (off) or >= 2, got {overlap_chunks}")
         self.sequence_parallel = sequence_parallel
         self.quantized_gather = quantized_gather
-        self.overlap_chunks = overlap_chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
@@ -137,8 +131,7 @@ class _HybridLinearStyle(ParallelStyle):
         _shard_param(module, "bias", device_mesh, self.BIAS, self.src_data_rank)
         module._hd_tp = TPConfig(kind=self.KIND, group=device_mesh.get_group(),
                                  sequence_parallel=self.sequence_parallel,
-                                 gather_path="auto" if self.quantized_gather else "high_precision",
-                                 overlap_chunks=self.overlap_chunks)
+                                 gather_path="auto" if self.quantized_gather else "high_precision")
         module.__class__ = _tp_class(type(module))
         return module
 

@@ -18,8 +18,7 @@ SEQ, HIDDEN, FFN = 64, 64, 128
 
 def _rows(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"]
-    args = types.SimpleNamespace(seq=SEQ, hidden=HIDDEN, ffn=FFN, iters=1, device="cpu", profile=set(), compile=False,
-                                 overlap_chunks=0)
+    args = types.SimpleNamespace(seq=SEQ, hidden=HIDDEN, ffn=FFN, iters=1, device="cpu", profile=set(), compile=False)
     return table_rows(["bf16", "fp8_current", "mxfp8"], mesh, args)
 
 
