@@ -81,6 +81,8 @@ def _measure(recipe_name, mesh, args, quantized: bool):
     dy = torch.randn_like(x)
     with record_wire_bytes() as log:  # bytes of an eager step (compiled code logs nothing)
         _step(model, x, dy)()
+    if args.compile:
+        torch._dynamo.reset()  # each path compiles afresh (no recompile limit over many recipes)
     step = _step(torch.compile(model, fullgraph=True) if args.compile else model, x, dy)
     ms = _time_ms(step, args.device, iters=args.iters)
     if recipe_name in args.profile and args.device == "cuda":
