@@ -7,7 +7,9 @@ Run on 2–4 GPUs of one host: ``torchrun --nproc_per_node=4 -m benchmarks.tp``
 (``--seq``, ``--hidden``, ``--ffn`` change the shape; activations are ``[S/tp, 1, H]``;
 ``--device cpu`` runs a gloo smoke test of the script itself, timings meaningless;
 ``--profile fp8_current`` prints one profiled step per path: top GPU kernels and host ops;
-``--compile`` compiles the block, whose collectives are then functional collectives).
+``--compile`` compiles the block, whose collectives are then functional collectives;
+``--rounds N`` times the two paths in turn N times, for a ratio that host and clock drift
+within a run do not decide).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def _time_ms(fn, device: str, *, warmup: int = 3, iters: int = 10) -> float:
     return float(t)
 
 
-def _measure(recipe_name, mesh, args, quantized: bool):
+def _build(recipe_name, mesh, args, quantized: bool):
+    """``(step, wire log of one eager step)`` of one path (compiled with ``args.compile``)."""
     torch.manual_seed(0)
     model = MLP(args.hidden, args.ffn, hd.recipe_from_name(recipe_name), args.device)
     parallelize_module(model, mesh, {
@@ -81,31 +84,39 @@ def _measure(recipe_name, mesh, args, quantized: bool):
     dy = torch.randn_like(x)
     with record_wire_bytes() as log:  # bytes of an eager step (compiled code logs nothing)
         _step(model, x, dy)()
-    if args.compile:
-        torch._dynamo.reset()  # each path compiles afresh (no recompile limit over many recipes)
-    step = _step(torch.compile(model, fullgraph=True) if args.compile else model, x, dy)
-    ms = _time_ms(step, args.device, iters=args.iters)
-    if recipe_name in args.profile and args.device == "cuda":
-        print_step_profile(step, f"{recipe_name}, {'quantized' if quantized else 'bf16'} gathers")
-    return ms, log
+    return _step(torch.compile(model, fullgraph=True) if args.compile else model, x, dy), log
+
+
+def _ratio(ratios: list[float]) -> str:
+    mid = statistics.median(ratios)
+    return f"{mid:.3f}" if len(ratios) == 1 else f"{mid:.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
 
 
 def table_rows(recipes: list[str], mesh, args) -> list[list]:
-    """One row per recipe: step ms with bf16 and with quantized gathers, their ratio, and
-    the MiB each rank gathers (both paths) and reduce-scatters per step. ``args``: ``seq``,
-    ``hidden``, ``ffn``, ``iters``, ``device``, ``profile`` (a set of recipe names),
-    ``compile``."""
+    """One row per recipe: step ms with bf16 and with quantized gathers (medians over
+    ``args.rounds`` rounds, each timing both paths in turn), the median of the per-round
+    ratios [min, max], and the MiB each rank gathers (both paths) and reduce-scatters per
+    step. ``args``: ``seq``, ``hidden``, ``ffn``, ``iters``, ``rounds``, ``device``,
+    ``profile`` (a set of recipe names), ``compile``."""
     rows = []
     for name in recipes:
         try:
-            hp_ms, hp_log = _measure(name, mesh, args, quantized=False)
-            q_ms, q_log = _measure(name, mesh, args, quantized=True)
+            paths = {quantized: _build(name, mesh, args, quantized) for quantized in (False, True)}
+            ms = {False: [], True: []}
+            for _ in range(getattr(args, "rounds", 1)):
+                for quantized, (step, _) in paths.items():
+                    ms[quantized].append(_time_ms(step, args.device, iters=args.iters))
+            if name in args.profile and args.device == "cuda":
+                for quantized, (step, _) in paths.items():
+                    print_step_profile(step, f"{name}, {'quantized' if quantized else 'bf16'} gathers")
         except Exception as e:  # keep the table: report the failure in its row (traceback on stderr)
             traceback.print_exc()
             rows.append([name, f"failed: {type(e).__name__}: {e}"[:100], "", "", "", "", ""])
             continue
         mb = 1 / 2**20
-        rows.append([name, hp_ms, q_ms, hp_ms / q_ms, hp_log.total("all_gather") * mb,
+        hp_log, q_log = paths[False][1], paths[True][1]
+        rows.append([name, statistics.median(ms[False]), statistics.median(ms[True]),
+                     _ratio([a / b for a, b in zip(ms[False], ms[True])]), hp_log.total("all_gather") * mb,
                      q_log.total("all_gather") * mb, q_log.total("reduce_scatter") * mb])
     return rows
 
@@ -116,6 +127,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1, help="time both paths in turn this many times; ratios are "
+                   "medians of the per-round ratios [min, max]")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     p.add_argument("--compile", action="store_true", help="torch.compile the MLP (fullgraph) in both paths")
@@ -123,6 +136,8 @@ def main() -> None:
                    "top GPU kernels and host ops of each path, on rank 0")
     args = p.parse_args()
     args.profile = set(filter(None, args.profile.split(",")))
+    if args.compile:  # both paths of every recipe stay compiled (one cache entry per model)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(RECIPES))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
