@@ -12,9 +12,8 @@ and written transposed, so both sides are coalesced.
 ``dst.shape == src.shape[::-1]`` and the same element size.
 
 ``transposed(src)`` while compiling is the operator ``hybrid_dist::transposed_2d``, a
-``triton_op`` that launches the same kernel from inductor's generated code: inductor's own
-lowering of ``src.t().contiguous()`` for 1-byte elements ran at ~0.35 TB/s on an H200
-(8192 × 4096 fp8, 0.18 ms), a tenth of the copy rate.
+``triton_op``: inductor launches this kernel from its generated code, with the eager path's
+arguments, instead of lowering ``src.t().contiguous()`` itself (``docs/design.md`` §7).
 """
 
 from __future__ import annotations
