@@ -42,12 +42,19 @@ if has launch; then
     [ -z "$name" ] && continue
     left=$((BUDGET_S - SECONDS))
     if [ "$left" -lt 60 ]; then echo "-- $name skipped (budget)"; continue; fi
-    port=$((port + 1))
+    port=$((port + 1)); cap=$((left < 150 ? left : 150)); t0=$SECONDS
     # shellcheck disable=SC2086
-    timeout $((left < 150 ? left : 150)) torchrun --nproc-per-node "$NGPU" --master-port "$port" \
+    timeout -k 10 "$cap" torchrun --nproc-per-node "$NGPU" --master-port "$port" \
       -m hybrid_dist.launch.train $opts --steps 8 --log-every 100 --metrics "$OUT/dist_thr_$name.jsonl" \
       > "$OUT/dist_thr_$name.log" 2>&1
-    echo "-- $name: $(grep -E '^summary' "$OUT/dist_thr_$name.log" | tail -1 | cut -c1-220)"
+    rc=$?
+    if grep -q '^summary' "$OUT/dist_thr_$name.log"; then
+      echo "-- $name: $(grep -E '^summary' "$OUT/dist_thr_$name.log" | tail -1 | cut -c1-220)"
+    else  # a crash names its error; a run stopped at the cap shows how far it got
+      echo "-- $name: no summary (rc=$rc after $((SECONDS - t0)) s, cap ${cap} s; 124 = stopped at the cap):"
+      { grep -E 'Error|Exception|error:' "$OUT/dist_thr_$name.log" | grep -v -E 'ChildFailedError|SignalException|^W[0-9]'
+        grep -E '^step ' "$OUT/dist_thr_$name.log" | tail -n 1; } | head -n 4 | cut -c1-200 | sed 's/^/     /'
+    fi
   done <<PLAN
 tp2_8b_bf16|$TP_M --recipe bf16
 tp2_8b_fp8_current|$TP_M --recipe fp8_current
