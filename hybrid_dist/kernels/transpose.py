@@ -54,14 +54,20 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
             f"transpose_into: needs a 2D src [R, C] and a contiguous dst [C, R] of the same element size "
             f"(1, 2, 4 or 8 bytes); got src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}"
         )
-    r, c = src.shape
     if torch.compiler.is_compiling():  # inductor generates its own transpose
         return dst.copy_(src.t())
+    return _launch_transpose(dst, src, launch)
+
+
+def _launch_transpose(dst: torch.Tensor, src: torch.Tensor, run) -> torch.Tensor:
+    """The kernel's launch for checked ``dst``/``src``, through ``run(kernel, grid, ...)``
+    (the eager launcher or ``traced_launch``); bytes are moved as unsigned words."""
+    r, c = src.shape
     if r and c:
         view = _VIEW[src.element_size()]
-        s = src.view(view) if src.dtype != view else src
-        launch(_transpose_kernel, (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE)),
-               s, dst.view(view), r, c, src.stride(0), src.stride(1), TILE=_TILE)
+        run(_transpose_kernel, (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE)),
+            src.view(view) if src.dtype != view else src, dst.view(view) if dst.dtype != view else dst,
+            r, c, src.stride(0), src.stride(1), TILE=_TILE)
     return dst
 
 
@@ -73,14 +79,7 @@ def _transposed_fake(src: torch.Tensor) -> torch.Tensor:
 def transposed_op(src: torch.Tensor) -> torch.Tensor:
     """``src [R, C]`` (2D, 1/2/4/8-byte elements) → ``src.t().contiguous()`` by the tiled
     kernel, for compiled graphs (the kernel and arguments of the eager path)."""
-    r, c = src.shape
-    dst = src.new_empty((c, r))
-    if r and c:
-        view = _VIEW[src.element_size()]
-        traced_launch(_transpose_kernel, (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE)),
-                      src.view(view) if src.dtype != view else src, dst.view(view) if dst.dtype != view else dst,
-                      r, c, src.stride(0), src.stride(1), TILE=_TILE)
-    return dst
+    return _launch_transpose(src.new_empty((src.shape[1], src.shape[0])), src, traced_launch)
 
 
 def transposed(src: torch.Tensor) -> torch.Tensor:
