@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_dist.amax_sync import all_reduce_amaxes
+from hybrid_dist.moe.exchange_io import ExchangeIO
 from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
@@ -314,7 +315,7 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
     (``GroupedLinear.packed_exchange``): the received rows arrive as ``io["x_packed"]``."""
     reason = _quantized_reason(plan, "input", need_columnwise)
     if reason is None:
-        io: dict = {}
+        io = ExchangeIO()
         x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats, packed)
         return x, io
     if plan is not None and reason != "identity":
@@ -322,16 +323,16 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
     return _Exchange.apply(x_perm, route, True, stats, "dispatch"), None
 
 
-def combine_io(plan, packed: int | None = None) -> dict | None:
-    """The ``io`` dict to give the last GroupedLinear when its dy will arrive quantized
+def combine_io(plan, packed: int | None = None) -> ExchangeIO | None:
+    """The ``io`` to give the last GroupedLinear when its dy will arrive quantized
     (None: high precision; also for ``plan=None``); ``packed`` as for ``dispatch`` (dy then
     arrives as ``io["dy_packed"]``)."""
     if plan is None or _quantized_reason(plan, "grad_output", True) is not None:
         return None
-    return {} if packed is None else {"packed": packed}
+    return ExchangeIO() if packed is None else ExchangeIO(packed=packed)
 
 
-def combine(y_local, route: Route, *, plan=None, io: dict | None = None, stats=None):
+def combine(y_local, route: Route, *, plan=None, io: ExchangeIO | None = None, stats=None):
     """Local expert outputs → slots (high precision). With ``io = combine_io(plan)`` (also
     given to the last GroupedLinear's forward), the backward payload dy travels in that
     GroupedLinear's gradient format and fills ``io["dy_quantized"]`` for its backward."""

@@ -47,6 +47,8 @@ from hybrid_dist.inspection import active_stats
 from hybrid_dist.recipe_module import RecipeModuleMixin, in_backward
 from hybrid_dist.formats.float8 import DelayedScalingState, advance_stacked
 from hybrid_dist.linear import LinearPlan
+from hybrid_dist.moe.exchange_io import ExchangeIO
+from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe
 from hybrid_dist.moe import _grouped_mm, grouped_quantized, grouped_reference
 from hybrid_dist.moe._checks import check_token_counts
@@ -88,7 +90,7 @@ def _grouped_gemm_rows(a_list, b_list, splits, *, out_dtype, config, width, like
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, plan: GroupedPlan, io: dict | None):
+    def forward(ctx, x, weight, tokens_per_expert, plan: GroupedPlan, io: ExchangeIO | None):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         e, n, _ = weight.shape
         x_q = io.get("x_quantized") if io else None
@@ -144,7 +146,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 
 def apply_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-                         plan: GroupedPlan, *, io: dict[str, Any] | None = None, name: str = "") -> torch.Tensor:
+                         plan: GroupedPlan, *, io: ExchangeIO | None = None, name: str = "") -> torch.Tensor:
     """``GroupedLinear``'s quantized forward with an explicit plan: ``y [T, N]`` of ``x [T, K]``
     (rows sorted by expert), ``weight [E, N, K]`` and ``tokens_per_expert [E]`` (int, on x's
     device), through the path the module doc picks. Unless it runs inside a backward (an
@@ -197,11 +199,12 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         """This module's quantizers and per-expert states under ``recipe``."""
         return self.plan_for(recipe)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, *, io: dict[str, Any] | None = None):
-        """``io`` (expert-parallel hook): ``{"x_quantized": GroupedQuantized}`` replaces the
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, *, io: ExchangeIO | None = None):
+        """``io`` (expert-parallel hook, an ``ExchangeIO``; a dict serves outside module hooks
+        that rebuild arguments): ``"x_quantized"`` (a ``GroupedQuantized``) replaces the
         input quantization; ``"dy_quantized"``, filled before this layer's backward runs,
         replaces the gradient quantization (``expert_parallel``). On the packed CUDA path
-        the same as ``"x_packed"`` / ``"dy_packed"`` (``device_split.PackedSplit``; the dict
+        the same as ``"x_packed"`` / ``"dy_packed"`` (``device_split.PackedSplit``; ``io``
         then holds ``"x_packed"`` or ``"packed"``: ``packed_exchange``)."""
         self._check(x, tokens_per_expert)
         recipe = self.active_recipe()
@@ -219,10 +222,22 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         if recipe is None:
             return None
         plan = self.plan(recipe)
-        fits = grouped_quantized.fits(plan, x, self.weight)
+        fits = grouped_quantized.fits(plan, x, self._forward_weight_like())
         if not (fits and grouped_quantized.exchange_packable(plan, tensor_type)):
             return None
         return grouped_quantized.packed_multiple(plan)
+
+    def _forward_weight_like(self) -> torch.Tensor:
+        """The weight as this module's forward will see it, for choosing a path before it
+        runs: under FSDP2 mixed precision the parameter is the sharded master (fp32, say)
+        until the forward's pre-hook gathers it in ``param_dtype``; then a meta tensor of
+        that dtype and the full shape stands in (DTensor ``shape`` is the global one)."""
+        w = self.weight
+        state = getattr(self, "_get_fsdp_state", None)  # a fully_shard-ed module (FSDP2's own state)
+        dtype = state()._mp_policy.param_dtype if state is not None else None
+        if dtype is None or dtype == w.dtype or isinstance(w, QuantizedTensor):
+            return w
+        return torch.empty(w.shape, dtype=dtype, device="meta")
 
     def _check(self, x, tokens_per_expert) -> None:
         if x.dim() != 2 or x.shape[1] != self.in_features:

@@ -250,7 +250,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def grouped_linear(x, weight, tokens_per_expert, plan, io: dict | None = None) -> torch.Tensor:
+def grouped_linear(x, weight, tokens_per_expert, plan, io=None) -> torch.Tensor:
     """``y [T, N]`` of the grouped quantized path (module doc); the caller advances the
     input/weight states as for the reference path. Runs on CPU too (emulated kernels).
     ``io``: expert-parallel packed operands (``"x_packed"``, and ``"dy_packed"`` filled
