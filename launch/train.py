@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import traceback
 
 import torch.distributed as dist
 
@@ -29,6 +30,21 @@ def _error(e: Exception, *, every_rank: bool = False) -> int:
     if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"hybrid_dist.launch.train: error: {e}", file=sys.stderr, flush=True)
     return 2
+
+
+def _exit_on_unexpected_error() -> None:
+    """An unexpected error on one rank of several: print its traceback and end the process
+    at once. The orderly shutdown (``destroy_process_group``, or aborting the groups) waits
+    for this rank's collectives in flight, which the other ranks, waiting for this rank in
+    theirs, never complete (NCCL and gloo alike); once this rank exits, ``torchrun`` stops
+    the others and the job fails with this traceback."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    print(f"hybrid_dist.launch.train: rank {dist.get_rank()} failed:", file=sys.stderr)
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error(e)
     except CollectiveTimeout as e:
         return _error(e, every_rank=True)
+    except Exception:
+        _exit_on_unexpected_error()
+        raise
     finally:
         # the model and optimizer are in reference cycles (FSDP2's hooks): free them, and the
         # collectives' work objects they hold, while the interpreter is alive; left to its

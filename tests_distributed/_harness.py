@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import signal
+import subprocess
 import tempfile
 import traceback
 
@@ -127,3 +129,15 @@ def nccl_world() -> int:
 def run_nccl(fn, world_size: int, *args, timeout: float = 600.0):
     """``fn(rank, world_size, *args)`` on one NCCL process per CUDA device."""
     return _run(fn, world_size, args, backend="nccl", timeout=timeout)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (``torchrun`` starts its workers in their own
+    sessions, so a process-group kill misses them). Linux (``ps --ppid``)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
+    for child in [int(p) for p in out.stdout.split()]:
+        kill_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

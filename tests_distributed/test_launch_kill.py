@@ -18,16 +18,7 @@ import time
 import pytest
 
 from tests._tiers import slow
-
-
-def _kill_tree(pid: int) -> None:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
-    for child in [int(p) for p in out.stdout.split()]:
-        _kill_tree(child)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+from tests_distributed._harness import kill_tree
 
 
 def _job(ckpt: str, *extra: str) -> list[str]:
@@ -51,7 +42,7 @@ def test_sigkill_at_any_moment_resumes_from_the_newest_complete_step(tmp_path, d
                 break
         time.sleep(delay_s)
     finally:
-        _kill_tree(job.pid)
+        kill_tree(job.pid)
         job.wait(timeout=60)
     done = checkpoint.complete_steps(ckpt)
     assert done, f"no complete step after the kill: {sorted(os.listdir(ckpt))}"
