@@ -6,7 +6,7 @@
 # rows end in one table ($OUT/dist_throughput.md, python -m benchmarks.throughput).
 # STAGES (default "tests tp moe_ep launch tp_compile": the TP benchmark compiled, last, in
 # what is left of the budget; also "fsdp2": the 8-block stack at 1x4096 with its host-time
-# profile) picks the stages; BUDGET_S (default 540) stops
+# profile) picks the stages; ONLY (a regex) the launcher runs by name; BUDGET_S (default 540) stops
 # starting launcher runs after that many seconds of the whole script. TP_M, MOE1, MOE8
 # override the models (CPU check: NGPU=2 STAGES=launch TP_M="--preset tiny --batch-size 2
 # --seq-len 64" MOE1="--preset tiny --moe-experts 4 --moe-top-k 2 --batch-size 2 --seq-len 64"
@@ -40,6 +40,7 @@ if has launch; then
   # name | launcher options (bf16 first in each pair: the ratio's baseline)
   while IFS='|' read -r name opts; do
     [ -z "$name" ] && continue
+    [[ -n "$ONLY" && ! "$name" =~ $ONLY ]] && continue
     left=$((BUDGET_S - SECONDS))
     if [ "$left" -lt 60 ]; then echo "-- $name skipped (budget)"; continue; fi
     port=$((port + 1)); cap=$((left < 150 ? left : 150)); t0=$SECONDS
