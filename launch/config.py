@@ -38,6 +38,7 @@ class TrainConfig:
     fsdp: int = -1                  # dp_shard degree; -1 = world / (hsdp * tp)
     hsdp: int = 1                   # dp_replicate degree (HSDP when > 1)
     tp: int = 1
+    sequence_parallel: bool = False  # with --tp: the blocks' residual stream split along the sequence
     ep: int = 1                     # expert parallel, carved out of the fsdp axis
     moe_experts: int = 0            # 0 = dense MLP
     moe_top_k: int = 2
@@ -107,6 +108,17 @@ class TrainConfig:
             raise ValueError("--save-every needs --checkpoint-dir DIR")
         if self.ep > 1 and not self.moe_experts:
             raise ValueError(f"--ep {self.ep} needs an MoE model: pass --moe-experts N (a multiple of {self.ep})")
+        if self.sequence_parallel:
+            self._check_sequence_parallel()
+
+    def _check_sequence_parallel(self) -> None:
+        if self.tp < 2:
+            raise ValueError("--sequence-parallel splits the sequence over the TP ranks: it needs --tp 2 or more")
+        if self.moe_experts:
+            raise ValueError("--sequence-parallel with --moe-experts: the experts would each see a part of the "
+                             "tokens; run MoE models without --sequence-parallel")
+        if self.seq_len % self.tp:
+            raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be a multiple of --tp {self.tp}")
 
     def _check_baseline(self) -> None:
         if self.recipe != "bf16":
@@ -181,6 +193,9 @@ _HELP = {
     "fsdp": "FSDP (dp_shard) degree; -1 = world / (hsdp*tp)",
     "hsdp": "HSDP replicas (dp_replicate degree)",
     "tp": "tensor-parallel degree (hybrid_dist.tensor_parallel styles)",
+    "sequence_parallel": "with --tp: split the blocks' residual stream along the sequence; one gather of each "
+                         "normed input (quantized where the recipe allows) and a reduce-scatter after wo / w2 "
+                         "instead of an all-reduce (dense models)",
     "ep": "expert-parallel degree, carved out of --fsdp (needs --moe-experts)",
     "moe_experts": "number of routed experts (0 = dense MLP)",
     "dtype": "compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32",

@@ -39,6 +39,7 @@ from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.profile import StepProfiler
 from hybrid_dist.launch.quantized_init import check_quantized_init
 from hybrid_dist.launch.read_back import ReadBackWindow
+from hybrid_dist.launch.sequence_parallel import replicated_block_params, sync_replicated_grads
 from hybrid_dist.launch.torchao_baseline import TORCHAO_FLOAT8
 
 
@@ -187,6 +188,8 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
     t1 = time.perf_counter()
     with record_function("hd::backward"):
         (loss + cfg.moe_aux_loss_coef * aux if cfg.moe_experts else loss).backward()
+        if getattr(model, "sp_group", None) is not None:  # norms computed on a part of the tokens each
+            sync_replicated_grads(replicated_block_params(model), model.sp_group)
     t2 = time.perf_counter()
     if host is not None:
         host.update(forward=t1 - t0, backward=t2 - t1)

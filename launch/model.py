@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
 from hybrid_dist.launch.presets import ModelConfig
+from hybrid_dist.launch.sequence_parallel import gather_sequence, scatter_sequence
 
 
 def rope_tables(cfg: ModelConfig, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +46,13 @@ def apply_rope(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 class Attention(nn.Module):
+    """Grouped-query attention on ``[B, S, D]``; with ``seq_first`` (sequence parallel) its
+    projections see ``[S, B, D]`` (the gathered sequence) and ``wo`` returns that layout."""
+
     def __init__(self, cfg: ModelConfig, *, linear: type[nn.Linear] = hd.Linear):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.seq_first = False
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.wq = linear(cfg.dim, cfg.dim, bias=False)
         self.wk = linear(cfg.dim, kv_dim, bias=False)
@@ -55,6 +60,8 @@ class Attention(nn.Module):
         self.wo = linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.seq_first:
+            return self._forward_seq_first(x_BSD, cos, sin)
         b, s, _ = x_BSD.shape
         q = apply_rope(self.wq(x_BSD).view(b, s, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x_BSD).view(b, s, -1, self.head_dim), cos, sin)
@@ -62,6 +69,18 @@ class Attention(nn.Module):
         o_BHSD = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
         return self.wo(o_BHSD.transpose(1, 2).reshape(b, s, -1))
+
+    def _forward_seq_first(self, x, cos, sin) -> torch.Tensor:
+        """``x``: this rank's ``[S/tp, B, D]``; the projections' input hook gathers it to
+        ``[S, B, D]``, so the sequence length comes from their outputs."""
+        q_SBX, k_SBX, v_SBX = self.wq(x), self.wk(x), self.wv(x)
+        s, b = q_SBX.shape[:2]
+        q = apply_rope(q_SBX.transpose(0, 1).unflatten(-1, (-1, self.head_dim)), cos, sin)
+        k = apply_rope(k_SBX.transpose(0, 1).unflatten(-1, (-1, self.head_dim)), cos, sin)
+        v = v_SBX.transpose(0, 1).unflatten(-1, (-1, self.head_dim))
+        o_BHSD = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return self.wo(o_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
 class FeedForward(nn.Module):
@@ -127,6 +146,7 @@ class Transformer(nn.Module):
         self.ep_slot = (0, 1) if ep_group is None else (dist.get_rank(ep_group), dist.get_world_size(ep_group))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.sp_group = None  # the TP group when the blocks run sequence parallel (launch.sequence_parallel)
         cos, sin = rope_tables(cfg, device=self.tok_embeddings.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -163,8 +183,12 @@ class Transformer(nn.Module):
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.tok_embeddings(tokens_BS)
         aux = torch.zeros((), dtype=torch.float32, device=h.device)
+        if self.sp_group is not None:  # blocks on [S/tp, B, D] (launch.sequence_parallel)
+            h = scatter_sequence(h.transpose(0, 1), self.sp_group)
         for layer in self.layers.values():
             h, aux = layer(h, self.rope_cos, self.rope_sin, aux)
+        if self.sp_group is not None:
+            h = gather_sequence(h, self.sp_group).transpose(0, 1)
         return self.output(self.norm(h)).float(), aux
 
 

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from hybrid_dist.launch.config import TrainConfig
 from hybrid_dist.launch.mesh import Meshes, ParallelDims
+from hybrid_dist.launch.sequence_parallel import ConsumersInput
 
 # What each integration must export for the launcher to wire it in.
 TP_API = ("HybridColwiseParallel", "HybridRowwiseParallel")
@@ -37,21 +38,44 @@ def require(module_name: str, names: tuple[str, ...], flag: str) -> None:
             f"export yet; run without {flag.split()[0]}")
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Megatron layout (no sequence parallel): wq/wk/wv/w1/w3 column-parallel, wo/w2
-    row-parallel; MoE experts stay whole on every TP rank (each computes them alike)."""
+def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool = False, compiled: bool = False) -> None:
+    """Megatron layout: wq/wk/wv/w1/w3 column-parallel, wo/w2 row-parallel; MoE experts
+    stay whole on every TP rank (each computes them alike). The projections reading one
+    input have its gradient reduced once, summed (``ConsumersInput``).
+    ``sequence_parallel`` (dense models): the blocks' residual stream split along the
+    sequence, one gather of each normed input for its column-parallel consumers (quantized
+    in eager blocks, high precision in ``compiled`` ones), reduce-scatter after wo/w2
+    (``launch.sequence_parallel``)."""
     require("tensor_parallel", TP_API, f"--tp {tp_mesh.size()}")
     from torch.distributed.tensor.parallel import parallelize_module
 
     from hybrid_dist import tensor_parallel as htp
 
-    plan = {f"attention.{n}": htp.HybridColwiseParallel() for n in ("wq", "wk", "wv")}
-    plan["attention.wo"] = htp.HybridRowwiseParallel()
+    sp = sequence_parallel
+    if sp and model.cfg.moe_experts:
+        raise ValueError("sequence parallel: the MoE blocks' experts would each see a part of the tokens")
+    shared = sp and not compiled  # the consumers read one quantized gather (PrepareHybridModuleInput)
+
+    def col():
+        return htp.HybridColwiseParallel(sequence_parallel=shared, reduce_input_grad=shared)
+
+    plan = {f"attention.{n}": col() for n in ("wq", "wk", "wv")}
+    plan["attention.wo"] = htp.HybridRowwiseParallel(sequence_parallel=sp)
+    parents = {"attention": ("wq", "wk", "wv")}
     if not model.cfg.moe_experts:
-        plan.update({"feed_forward.w1": htp.HybridColwiseParallel(), "feed_forward.w3": htp.HybridColwiseParallel(),
-                     "feed_forward.w2": htp.HybridRowwiseParallel()})
+        plan.update({"feed_forward.w1": col(), "feed_forward.w3": col(),
+                     "feed_forward.w2": htp.HybridRowwiseParallel(sequence_parallel=sp)})
+        parents["feed_forward"] = ("w1", "w3")
+    if shared:
+        plan.update({p: htp.PrepareHybridModuleInput(consumers=c) for p, c in parents.items()})
+    group = tp_mesh.get_group()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
+        block.attention.seq_first = sp
+        if not shared:
+            for name in parents:
+                block.get_submodule(name).register_forward_pre_hook(ConsumersInput(group, sequence_parallel=sp))
+    model.sp_group = group if sp else None
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -100,7 +124,7 @@ def needs_fsdp(cfg: TrainConfig, dims: ParallelDims, param_dtype: torch.dtype) -
 def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: Meshes, *,
                 param_dtype: torch.dtype, device_type: str) -> nn.Module:
     if dims.tp > 1:
-        apply_tp(model, meshes.tp)
+        apply_tp(model, meshes.tp, sequence_parallel=cfg.sequence_parallel, compiled=cfg.compile)
     experts = expert_modules(model)  # before AC/compile wrap the blocks
     if cfg.activation_checkpointing:
         apply_ac(model)

@@ -45,12 +45,16 @@ from hybrid_dist.tensor_parallel.gather import (
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TPConfig:
     """How one ``hd.Linear`` is split. ``gather_path``: ``"auto"`` gathers quantized
-    where valid, ``"high_precision"`` always gathers high precision (for comparisons)."""
+    where valid, ``"high_precision"`` always gathers high precision (for comparisons).
+    ``reduce_input_grad`` (column-parallel, replicated input): False leaves the input
+    gradient partial over the TP ranks, for a parent that reduces the sum of its
+    consumers' gradients once."""
 
     kind: str  # "colwise" | "rowwise"
     group: Any  # the TP ProcessGroup
     sequence_parallel: bool = False
     gather_path: str = "auto"
+    reduce_input_grad: bool = True
 
 
 # id(rowwise data tensor of a prepared, gathered-once input) -> (weakref to it, its
@@ -204,7 +208,7 @@ class ColumnParallelFn(torch.autograd.Function):
                               config=plan.recipe.dgrad)
             lead = dy.shape[:-1]
             dx = dx.reshape(*lead, dx.shape[-1])
-            if not ctx.prepared:  # a prepared input reduces the sum of all consumers once
+            if not ctx.prepared and cfg.reduce_input_grad:  # else the sum of all consumers is reduced once
                 dx_handle = _reduce(dx, cfg, async_op=True)
         if need_wgrad:
             # wgrad: dW [N/tp, K] = dyᵀ [N/tp, M] · x [M, K]   (x columnwise stored [K, M])

@@ -249,6 +249,14 @@ def _gather_then_quantize(x2d, group, quantizer, rowwise, columnwise, state, asy
     return _comm.finish_or_handle(work, finish, async_op)
 
 
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` (high precision; a replicated input's gradient summed over
+    the column-parallel consumers that read it)."""
+    _comm.log_event("all_reduce", "partial_sum", str(x.dtype), x.numel() * x.element_size())
+    _, out = _comm.all_reduce(x.contiguous(), group)
+    return out
+
+
 def reduce_scatter_along_first_dim(x: torch.Tensor, group, *, async_op: bool = False):
     """Sum ``x [world·d, *]`` over ``group`` and keep this rank's ``[d, *]`` slice (high
     precision; sequence-parallel outputs and input gradients)."""

@@ -3,6 +3,8 @@
 * ``HybridColwiseParallel(sequence_parallel=False)``: ``W [N, K]`` → ``Shard(0)`` (bias
   ``Shard(0)``). Input: replicated ``[*, K]``, or with SP the dim-0 shard ``[S/tp, *, K]``
   (all-gathered in the input quantizer's rowwise format). Output: ``[S, *, N/tp]`` local.
+  A replicated input's gradient is all-reduced, or with ``reduce_input_grad=False`` left
+  partial for a parent that reduces the sum of several consumers' gradients once.
 * ``HybridRowwiseParallel(sequence_parallel=False)``: ``W`` → ``Shard(1)`` (bias
   replicated, added after the reduction). Input ``[S, *, K/tp]``; output all-reduced
   ``[S, *, N]``, or with SP reduce-scattered to ``[S/tp, *, N]``.
@@ -114,10 +116,15 @@ class _HybridLinearStyle(ParallelStyle):
     KIND = ""
     WEIGHT, BIAS = Shard(0), Shard(0)
 
-    def __init__(self, *, sequence_parallel: bool = False, quantized_gather: bool = True):
+    def __init__(self, *, sequence_parallel: bool = False, quantized_gather: bool = True,
+                 reduce_input_grad: bool = True):
         super().__init__()
+        if not reduce_input_grad and (self.KIND != "colwise" or sequence_parallel):
+            raise ValueError("reduce_input_grad=False applies to HybridColwiseParallel with a replicated input "
+                             "(sequence_parallel=False)")
         self.sequence_parallel = sequence_parallel
         self.quantized_gather = quantized_gather
+        self.reduce_input_grad = reduce_input_grad
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
@@ -131,7 +138,8 @@ class _HybridLinearStyle(ParallelStyle):
         _shard_param(module, "bias", device_mesh, self.BIAS, self.src_data_rank)
         module._hd_tp = TPConfig(kind=self.KIND, group=device_mesh.get_group(),
                                  sequence_parallel=self.sequence_parallel,
-                                 gather_path="auto" if self.quantized_gather else "high_precision")
+                                 gather_path="auto" if self.quantized_gather else "high_precision",
+                                 reduce_input_grad=self.reduce_input_grad)
         module.__class__ = _tp_class(type(module))
         return module
 

@@ -182,6 +182,10 @@ def test_bad_input_raises_clear_errors(mesh):
         parallelize_module(nn.Linear(8, 8), mesh["tp"], HybridColwiseParallel())
     with pytest.raises(ValueError, match="1D TP mesh"):
         parallelize_module(hd.Linear(128, 128), mesh, HybridColwiseParallel())
+    for bad in (lambda: HybridRowwiseParallel(reduce_input_grad=False),
+                lambda: HybridColwiseParallel(sequence_parallel=True, reduce_input_grad=False)):
+        with pytest.raises(ValueError, match="reduce_input_grad=False applies to HybridColwiseParallel"):
+            bad()
     lin = parallelize_module(hd.Linear(128, 128), mesh["tp"], HybridRowwiseParallel())
     with pytest.raises(ValueError, match="already tensor parallel"):
         parallelize_module(lin, mesh["tp"], HybridColwiseParallel())

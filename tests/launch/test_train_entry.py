@@ -19,6 +19,9 @@ from hybrid_dist.launch.train import main
     (["--recipe", "nope"], "--recipe 'nope' is unknown"),
     (["--preset", "huge"], "--preset 'huge' is unknown"),
     (["--save-every", "2"], "--save-every needs --checkpoint-dir"),
+    (["--sequence-parallel"], "--sequence-parallel splits the sequence over the TP ranks: it needs --tp 2"),
+    (["--sequence-parallel", "--tp", "2", "--moe-experts", "4"], "run MoE models without --sequence-parallel"),
+    (["--sequence-parallel", "--tp", "2", "--seq-len", "63"], "--seq-len 63 must be a multiple of --tp 2"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
     assert main(argv) == 2
