@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One full run on a multi-GPU host (2-4 GPUs, NCCL): the gpu-marked distributed and MoE
 # tests, the TP and expert-parallel benchmarks, then the launcher with tensor and expert
-# parallelism against bf16 in the same call (8b L16 at TP=2 x FSDP=NGPU/2; the 1b and 8b L4
+# parallelism against bf16 in the same call (8b L16 at TP=2 x FSDP=NGPU/2, without and with
+# --sequence-parallel; the 1b and 8b L4
 # MoE presets at EP=NGPU), each run capped. Logs go to $OUT (or ./gpu_logs); the launcher
 # rows end in one table ($OUT/dist_throughput.md, python -m benchmarks.throughput).
 # STAGES (default "tests tp moe_ep launch tp_compile": the TP benchmark compiled, last, in
@@ -59,6 +60,8 @@ if has launch; then
   done <<PLAN
 tp2_8b_bf16|$TP_M --recipe bf16
 tp2_8b_fp8_current|$TP_M --recipe fp8_current
+tp2_8b_bf16_sp|$TP_M --recipe bf16 --sequence-parallel
+tp2_8b_fp8_current_sp|$TP_M --recipe fp8_current --sequence-parallel
 ep_1b_moe8_bf16|$MOE1 --recipe bf16
 ep_1b_moe8_fp8_current|$MOE1 --recipe fp8_current
 ep_8b_L4_moe8_bf16|$MOE8 --recipe bf16
