@@ -49,6 +49,7 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        torch.cuda.init()  # before any module: NVFP4 SR states make their live keys on this device then
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():

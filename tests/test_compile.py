@@ -127,6 +127,28 @@ def test_compiled_linear_reduce_overhead_gpu(name):
                           "reduce-overhead")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantized_init", [False, True], ids=["hp_weight", "qinit"])
+@pytest.mark.parametrize("name", ["mxfp8_fwd_nvfp4_bwd", "nvfp4"])
+def test_first_call_compiles_whole_with_stochastic_rounding_gpu(name, quantized_init):
+    """A module whose first call is compiled (nothing eager before it, as in the launcher):
+    the NVFP4 stochastic-rounding states' live Philox keys exist before the trace reads them,
+    so forward and backward trace whole (``fullgraph=True`` raises on a break)."""
+    torch._dynamo.reset()
+    torch.cuda.init()
+    recipe = hd.recipe_from_name(name)
+    torch.manual_seed(0)
+    if quantized_init:
+        with hd.quantized_model_init(recipe):
+            lin = hd.Linear(512, 256, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+    else:
+        lin = hd.Linear(512, 256, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fn = torch.compile(lin, fullgraph=True)
+    fn(x).float().square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all(), f"{name} quantized_init={quantized_init}"
+
+
 def test_autocast_recipe_compiles_without_graph_breaks_cpu():
     """A module without its own recipe reads ``hd.autocast``'s while traced (the ContextVar
     is not traceable; see autocast's note): one full graph, bitwise the eager step, and a

@@ -119,6 +119,11 @@ class NVFP4State:
         self._loaded_generators: dict[str, torch.Tensor] = {}  # device type -> generator state
         # how a compiled graph finds this state: its id as a CPU tensor (none while tracing)
         self.uid = None if torch.compiler.is_compiling() else traced_rng.register(self)
+        if not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # the live key of the current device made now, eagerly: a compiled graph reads it
+            # and advances it in place, but cannot create it (a new tensor stored on this
+            # object from inside a trace breaks the graph)
+            self.kernel_key(torch.device("cuda", torch.cuda.current_device()))
 
     def generator(self, device: torch.device) -> torch.Generator:
         device = _indexed(device)
