@@ -133,7 +133,7 @@ def run_nccl(fn, world_size: int, *args, timeout: float = 600.0):
 
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and its descendants (``torchrun`` starts its workers in their own
-    sessions, so a process-group kill misses them). Linux (``ps --ppid``)."""
+    process groups (setsid), so a process-group kill misses them). Linux (``ps --ppid``)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
     for child in [int(p) for p in out.stdout.split()]:
         kill_tree(child)
