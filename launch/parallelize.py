@@ -56,7 +56,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool = False, comp
         raise ValueError("sequence parallel: the MoE blocks' experts would each see a part of the tokens")
     shared = sp and not compiled  # the consumers read one quantized gather (PrepareHybridModuleInput)
 
-    def col():
+    def col():  # a shared gather reduces its consumers' summed gradient itself; else ConsumersInput does
         return htp.HybridColwiseParallel(sequence_parallel=shared, reduce_input_grad=shared)
 
     plan = {f"attention.{n}": col() for n in ("wq", "wk", "wv")}

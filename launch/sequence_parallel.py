@@ -1,4 +1,4 @@
-"""Sequence parallelism for the launcher's dense blocks (``--sp`` with ``--tp N``).
+"""Sequence parallelism for the launcher's dense blocks (``--sequence-parallel`` with ``--tp N``).
 
 Between the blocks' tensor-parallel regions the residual stream is split along the
 sequence over the TP ranks: each holds ``[S/tp, B, D]`` (sequence first, so a shard is a
