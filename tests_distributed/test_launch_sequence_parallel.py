@@ -111,7 +111,7 @@ def _grads(rank, world, recipe, layouts, grad_rtol):
     (loss_ref, ref), bad = runs[(False, False)], []
     for layout in layouts:
         loss, grads = runs[layout]
-        what = f"TP=2 rank={rank} recipe={recipe} sequence_parallel compiled={layout[1]}"
+        what = f"TP=2 rank={rank} recipe={recipe} sequence_parallel={layout[0]} compiled={layout[1]}"
         if loss != loss_ref if not layout[1] else abs(loss - loss_ref) > 1e-6 * abs(loss_ref):  # inductor fuses
             bad.append(f"{what}: loss {loss!r} vs {loss_ref!r}")
         for name, g in ref.items():
@@ -124,14 +124,14 @@ def _grads(rank, world, recipe, layouts, grad_rtol):
 
 
 @pytest.mark.parametrize("recipe,layouts,grad_rtol", [
-    ("bf16", [(True, False), (True, True)], 1e-6),
+    ("bf16", [(False, True), (True, False), (True, True)], 1e-6),
     ("fp8_current", [(True, False)], 1e-6),
 ])
 def test_sequence_parallel_gradients_match_megatron_layout(recipe, layouts, grad_rtol):
     """One step's loss (bitwise eager; within 1e-6 compiled, where inductor fuses the fp32
     arithmetic differently) and every parameter's gradient (the TP shards whole; the norms'
-    after their sum over the TP ranks) under SP, eager and compiled, against the Megatron
-    layout; the same on both TP ranks."""
+    after their sum over the TP ranks) under SP, eager and compiled, and of the compiled
+    Megatron layout, against the eager Megatron layout; the same on both TP ranks."""
     (bad0, sums0), (bad1, sums1) = run_ranks(_grads, 2, recipe, layouts, grad_rtol)
     bad = bad0 + bad1 + [f"TP=2 recipe={recipe} {k}: gradient differs between the TP ranks"
                          for k in sums0 if sums0[k] != sums1[k]]
