@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hybrid_dist.tensor_parallel import all_reduce_sum, gather_along_first_dim, reduce_scatter_along_first_dim
+from hybrid_dist.tensor_parallel.gather import all_reduce_sum, gather_along_first_dim, reduce_scatter_along_first_dim
 
 
 def _local_dim0(x: torch.Tensor, group) -> torch.Tensor:

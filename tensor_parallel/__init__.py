@@ -23,7 +23,6 @@ the saved wgrad operand), ``_linear_fn.py`` (column/row-parallel autograd functi
 
 from hybrid_dist.tensor_parallel._comm import CollectiveHandle, WireEvent, WireLog, record_wire_bytes
 from hybrid_dist.tensor_parallel.gather import (
-    all_reduce_sum,
     gather_along_first_dim,
     quantize_with_group_amax,
     reduce_scatter_along_first_dim,
@@ -36,6 +35,6 @@ from hybrid_dist.tensor_parallel.styles import (
 
 __all__ = [
     "CollectiveHandle", "HybridColwiseParallel", "HybridRowwiseParallel", "PrepareHybridModuleInput", "WireEvent",
-    "WireLog", "all_reduce_sum", "gather_along_first_dim", "quantize_with_group_amax", "record_wire_bytes",
+    "WireLog", "gather_along_first_dim", "quantize_with_group_amax", "record_wire_bytes",
     "reduce_scatter_along_first_dim",
 ]

@@ -35,6 +35,7 @@ from hybrid_dist.tensor_parallel import _comm
 from hybrid_dist.tensor_parallel._inputs import WgradInput, gather_input
 from hybrid_dist.tensor_parallel.gather import (
     ShardRequest,
+    all_reduce_sum,
     gather_storages_along_first_dim,
     quantize_shards_with_group_amax,
     quantize_with_group_amax,
@@ -120,10 +121,7 @@ def _reduce(x: torch.Tensor, cfg: TPConfig, *, async_op: bool):
     all-reduce. Returns a handle when ``async_op``."""
     if cfg.sequence_parallel:
         return reduce_scatter_along_first_dim(x, cfg.group, async_op=async_op)
-    _comm.log_event("all_reduce", "partial_sum", str(x.dtype), x.numel() * x.element_size())
-    x = x.contiguous()
-    work, x = _comm.all_reduce(x, cfg.group, async_op=async_op)
-    return _comm.finish_or_handle(work, lambda: x, async_op)
+    return all_reduce_sum(x, cfg.group, async_op=async_op)
 
 
 def _all_rows(t2d: torch.Tensor, group) -> torch.Tensor:

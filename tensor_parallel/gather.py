@@ -249,12 +249,12 @@ def _gather_then_quantize(x2d, group, quantizer, rowwise, columnwise, state, asy
     return _comm.finish_or_handle(work, finish, async_op)
 
 
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``x`` over ``group`` (high precision; a replicated input's gradient summed over
-    the column-parallel consumers that read it)."""
+def all_reduce_sum(x: torch.Tensor, group, *, async_op: bool = False):
+    """Sum a partial result ``x`` over ``group`` (high precision: a row-parallel output, a
+    replicated input's gradient). ``async_op=True`` returns a :class:`CollectiveHandle`."""
     _comm.log_event("all_reduce", "partial_sum", str(x.dtype), x.numel() * x.element_size())
-    _, out = _comm.all_reduce(x.contiguous(), group)
-    return out
+    work, out = _comm.all_reduce(x.contiguous(), group, async_op=async_op)
+    return _comm.finish_or_handle(work, lambda: out, async_op)
 
 
 def reduce_scatter_along_first_dim(x: torch.Tensor, group, *, async_op: bool = False):
