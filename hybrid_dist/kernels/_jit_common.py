@@ -134,9 +134,10 @@ def _e2m1_grid(idx):
 
 @triton.jit
 def e2m1_decode(code):
-    """fp32 value of an E2M1 code (low 4 bits)."""
+    """fp32 value of an E2M1 code (low 4 bits); code 8 is -0.0. The sign is set on the bits
+    (the interpreter's negation of 0.0 gives +0.0)."""
     mag = _e2m1_grid(code & 7)
-    return tl.where((code & 8) != 0, -mag, mag)
+    return (mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -9,9 +9,14 @@
 * Identity × identity (same dtype): a plain matmul in the native dtype (fp32 output from
   the same bf16 operands when an fp32 result is asked for).
 * Everything else (MXFP8, NVFP4, mixed, E5M2×E5M2): each operand is dequantized by its
-  block scales to bf16 (exact, see ``dequant``), cuBLAS multiplies with fp32 accumulation,
-  per-tensor scales go on the fp32 accumulator. NVFP4 operands that share a Hadamard
-  seed multiply in the transformed domain; an unshared transform defers to the reference.
+  block scales to bf16 (exact, see ``dequant``) and cuBLAS multiplies with fp32
+  accumulation. Per-tensor scales: for an fp32 output they go on the fp32 accumulator (the
+  reference's numbers up to summation order); for a bf16 output both are folded into the
+  dequantize of one MXFP8/NVFP4 operand (each of its values rounded once to bf16 after the
+  scaling: ≤ 2⁻⁸ relative per product term, beside the output's own bf16 rounding), so the
+  GEMM writes bf16 and no fp32 accumulator pass runs. NVFP4 operands that share a
+  Hadamard seed multiply in the transformed domain; an unshared transform defers to the
+  reference.
 Returns ``NotImplemented`` where the reference must decide.
 """
 
@@ -64,18 +69,33 @@ def _scaled_mm_blockwise(a: Float8BlockStorage, b: Float8BlockStorage, out_dtype
         return None
 
 
-def bf16_operand(st):
+def bf16_operand(st, tensor_scale_a=None, tensor_scale_b=None):
     """bf16 ``[R, C]`` with block scales applied (exact), or None if not exact in bf16.
-    The dequantize kernels index row-major buffers: strided views (e.g. a transposed saved
-    or gathered field) are made contiguous first."""
+    ``tensor_scale_a/_b`` (fp32 scalars, MXFP8/NVFP4 only): also multiplied in, one
+    rounding. The dequantize kernels index row-major buffers: strided views (e.g. a
+    transposed saved or gathered field) are made contiguous first."""
     if isinstance(st, MXFP8Storage):
-        return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous())
+        return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous(), tensor_scale_a, tensor_scale_b)
     if isinstance(st, NVFP4Storage):
-        return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows)
+        return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows,
+                                        tensor_scale_a, tensor_scale_b)
+    if tensor_scale_a is not None or tensor_scale_b is not None:
+        return None
     if isinstance(st, Float8Storage):
         return st.data.to(torch.bfloat16)
     if isinstance(st, IdentityStorage) and st.data.dtype == torch.bfloat16:
         return st.data
+    return None
+
+
+def _scaled_bf16_operands(a, b, sa, sb):
+    """``(va, vb)`` with both per-tensor scales folded into a block-format operand, or None."""
+    if isinstance(a, (MXFP8Storage, NVFP4Storage)):
+        vb = bf16_operand(b)
+        return None if vb is None else (bf16_operand(a, sa, sb), vb)
+    if isinstance(b, (MXFP8Storage, NVFP4Storage)):
+        va = bf16_operand(a)
+        return None if va is None else (va, bf16_operand(b, sa, sb))
     return None
 
 
@@ -90,10 +110,14 @@ def _dequant_gemm(a, b, out_dtype):
     seeds = (getattr(a, "rht_seed", None), getattr(b, "rht_seed", None))
     if seeds[0] != seeds[1]:
         return NotImplemented  # one operand must be transformed back: reference
+    sa, sb = a.tensor_scale(), b.tensor_scale()
+    if out_dtype == torch.bfloat16 and (sa is not None or sb is not None):
+        folded = _scaled_bf16_operands(a, b, sa, sb)
+        if folded is not None:
+            return torch.mm(folded[0], folded[1].t())
     va, vb = bf16_operand(a), bf16_operand(b)
     if va is None or vb is None:
         return NotImplemented
-    sa, sb = a.tensor_scale(), b.tensor_scale()
     if sa is None and sb is None and out_dtype == torch.bfloat16:
         return torch.mm(va, vb.t())
     acc = _mm_fp32(va, vb.t())

@@ -2,7 +2,9 @@
 
 The CUDA paths multiply the same exactly-dequantized operands with fp32 accumulation, so
 they differ from the reference only in summation order (fp32 output: rel. error < 1e-5)
-and in the final rounding (bf16 output: < 1e-2 of the norm, i.e. one bf16 rounding).
+and in the final rounding (bf16 output: < 1e-2 of the norm, i.e. one bf16 rounding). A
+bf16 output with per-tensor scales folds them into one operand's dequantize: each product
+term within 2⁻⁸ of the reference's, asserted elementwise.
 Exception: FP8 × FP8 through cuBLAS (``_scaled_mm``, tensorwise and blockwise) — Hopper's
 FP8 tensor cores accumulate with fewer than fp32's mantissa bits between promotions,
 measured ~1.3e-4 relative at K=512, so those pairs get 5e-4.
@@ -82,6 +84,30 @@ def test_nvfp4_shared_rht_multiplies_in_transformed_domain():
     _check(sa, sb, "nvfp4 rht x nvfp4 rht")
     plain = hd.NVFP4Quantizer().quantize_storages(x, rowwise=False, columnwise=True)[1]
     _check(sa, plain, "nvfp4 rht x nvfp4 (unshared transform: reference)")
+
+
+FOLDED = [("nvfp4", "nvfp4"), ("mxfp8", "nvfp4"), ("nvfp4", "mxfp8"), ("fp8_e4m3", "nvfp4"), ("nvfp4", "bf16"),
+          ("mxfp8", "fp8_e5m2")]
+
+
+@pytest.mark.parametrize("pair", FOLDED, ids=lambda p: f"{p[0]}x{p[1]}")
+def test_bf16_output_folds_tensor_scales_within_bound(pair, monkeypatch):
+    """``|out - ref| ≤ 2⁻⁸ (Σ|a·b| + |ref|)`` elementwise (one bf16 rounding per scaled
+    operand value, one of the output; fp32 summation slack 1e-5 Σ|a·b|), and no fp32
+    accumulator pass (``scale_cast``) runs."""
+    from hybrid_dist.kernels import dequant
+
+    monkeypatch.setattr(dequant, "scale_cast", lambda *a: pytest.fail("scale_cast ran for a bf16 output"))
+    sa, sb = _operands(FORMATS[pair[0]], FORMATS[pair[1]])
+    ref = reference_gemm_nt(sa, sb, out_dtype=torch.float32)
+    out = gemm_nt(sa, sb, out_dtype=torch.bfloat16, config=GemmConfig())
+    scale = 1.0
+    for s in (sa.tensor_scale(), sb.tensor_scale()):
+        scale = scale * (1.0 if s is None else float(s))
+    abs_terms = (sa.values(undo_rht=False).abs() @ sb.values(undo_rht=False).abs().t()) * abs(scale)
+    bound = 2.0**-8 * (abs_terms + ref.abs()) + 1e-5 * abs_terms
+    excess = ((out.float() - ref).abs() - bound).max()
+    assert excess <= 0, f"{pair}: error exceeds the folded-scale bound by {float(excess):.3e}"
 
 
 def test_fp8_tensorwise_fast_accum_close():
