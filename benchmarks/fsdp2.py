@@ -6,9 +6,11 @@ embedding or head; batch 1 × seq 4096 per GPU (`--seq`); each block its own FSD
 (``reshard_after_forward=True``), bf16 parameters (quantized ones built under
 ``hd.quantized_model_init``), ``hd.MasterWeightOptimizer(AdamW)`` (fused, torchtitan's
 default; ``--adam foreach`` for the multi-tensor form the earlier tables used); median of 8 timed steps
-after 4 warm-up steps. Run on 4 GPUs::
+after 4 warm-up steps. ``host ms``: the host's time from the step's start until it has
+enqueued the whole step (before the closing synchronize): the step is host-bound where it
+approaches ``step ms``. Run on 4 GPUs::
 
-    torchrun --nproc_per_node 4 benchmarks/fsdp2.py [--recipes bf16,fp8_current,...]
+    torchrun --nproc_per_node 4 -m benchmarks.fsdp2 [--recipes bf16,fp8_current,...]
 
 All-gather bytes: the quantized parameters' bytes from ``hybrid_dist.fsdp2.track_all_gather``
 (output bytes on this rank) plus, for high-precision parameters (norm weights, and every
@@ -134,7 +136,7 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
     opt = hd.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-5, **{adam: True})
     recipe = hd.recipe_from_name(recipe_name)
     x = torch.randn(1, seq, HIDDEN, device=device, dtype=torch.bfloat16)
-    times, acct = [], None
+    times, host_times, acct = [], [], None
     torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
         torch.cuda.synchronize()
@@ -143,11 +145,13 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
             model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
+        t_host = time.perf_counter()
         torch.cuda.synchronize()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+            host_times.append((t_host - t0) * 1e3)
             acct = a
-    ms = statistics.median(times)
+    ms, host_ms = statistics.median(times), statistics.median(host_times)
     if profile:  # every rank runs the step (matching collectives); rank 0 profiles it
         # model/opt bound as defaults: ruff otherwise sees them as unbound through the later `del model, opt`
         step = lambda model=model, opt=opt: _step(model, opt, recipe, x)  # noqa: E731
@@ -158,8 +162,8 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model, opt
     torch.cuda.empty_cache()
-    return [recipe_name + (" (compiled)" if compile_blocks else ""), ms, seq / ms * 1e3, peak, fwd / 2**20,
-            total / 2**20]
+    return [recipe_name + (" (compiled)" if compile_blocks else ""), ms, host_ms, seq / ms * 1e3, peak,
+            fwd / 2**20, total / 2**20]
 
 
 def main() -> None:
@@ -183,11 +187,12 @@ def main() -> None:
         out = []
         for r in rows:
             ratio = (r[1] and base[1] / r[1]) if base else float("nan")
-            fwd_ratio = (r[4] / base[4]) if base and base[4] else float("nan")
-            out.append([*r[:4], ratio, r[4], fwd_ratio, r[5]])
+            host_ratio = r[2] / base[2] if base else float("nan")
+            fwd_ratio = (r[5] / base[5]) if base and base[5] else float("nan")
+            out.append([*r[:3], host_ratio, *r[3:5], ratio, r[5], fwd_ratio, r[6]])
         print_table(
-            ["recipe", "step ms", "tokens/s/GPU", "peak GiB", "× bf16 speed", "fwd all-gather MiB",
-             "fwd AG × bf16", "all-gather MiB/step"],
+            ["recipe", "step ms", "host ms", "host × bf16", "tokens/s/GPU", "peak GiB", "× bf16 speed",
+             "fwd all-gather MiB", "fwd AG × bf16", "all-gather MiB/step"],
             out,
             f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {args.seq}, "
             f"{args.adam} AdamW",
