@@ -335,6 +335,7 @@ def _make_meter(cfg: TrainConfig, dims: ParallelDims, model, mcfg, recipe, start
 
 def train(cfg: TrainConfig) -> dict:
     device = init_distributed(max(cfg.first_step_timeout, cfg.collective_timeout))
+    cfg.check_device(device.type)
     dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
     meshes = dims.build_meshes(device.type)
     model, mcfg, recipe = build_model(cfg, dims, meshes, device)

@@ -176,3 +176,50 @@ def test_grouped_linear_inductor_fp8_current_bitwise():
     torch._dynamo.reset()
     for what, a, b in zip(("y", "dx", "dW"), run(layer), run(torch.compile(layer, backend="inductor"))):
         assert_bitwise_equal(b, a, f"GroupedLinear fp8_current inductor {what}")
+
+
+# Compiled on CUDA, fp8_current's input gradient is wrong (2026-11-29, H200: SQNR -250 dB
+# against eager at the first step; the output matches). Eager and compiled take different
+# dgrad kernels for its E5M2 x E4M3 pair (Triton grouped kernel / the bf16 fold path with
+# torch._grouped_mm); which one the error comes from is not known yet.
+_FP8_DX = pytest.mark.xfail(strict=True, reason="compiled CUDA MoE fp8_current dgrad differs from eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,qinit,min_db", [
+    pytest.param("fp8_current", False, 25.0, id="fp8_current-hp", marks=_FP8_DX),
+    pytest.param("mxfp8_fwd_nvfp4_bwd", True, 15.0, id="mxfp8_fwd_nvfp4_bwd-qinit"),
+])
+def test_compiled_moe_blocks_one_graph_on_cuda(name, qinit, min_db):
+    """On CUDA with inductor (the grouped GEMMs of ``moe.grouped_quantized``): one graph for
+    both blocks over three routings, no break, and the last block's output and the input
+    gradient within the format's noise of eager: SQNR >= 25 dB (inductor regenerates the
+    router and combine, whose ulp differences move some quantized values), 15 dB where the
+    gradient is NVFP4 with stochastic rounding (two draws, each ~20 dB from the value;
+    21.4 dB seen on an H200)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("inductor")
+    cfg, eager = _moe_blocks(name, qinit)
+    _, compiled = _moe_blocks(name, qinit)
+    eager, compiled = eager.cuda(), compiled.cuda()
+    cos, sin = (t.cuda()[:SEQ] for t in rope_tables(cfg))
+    fns = [torch.compile(b, backend=counter, fullgraph=True) for b in compiled]
+    for step in range(3):
+        x = torch.randn(2, SEQ, cfg.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        outs = []
+        for run in (list(eager), fns):
+            xi = x.to(torch.bfloat16).requires_grad_(True)
+            h, aux = xi, torch.zeros((), device="cuda", requires_grad=True)
+            for fn in run:
+                h, aux = fn(h, cos, sin, aux)
+            (h.float().square().mean() + aux).backward()
+            outs.append((h.detach(), xi.grad))
+        for what, a, b in zip(("y", "dx"), *outs):
+            db = sqnr_db(a.float(), b.float())
+            assert db >= min_db, f"MoE {name} ({'qinit' if qinit else 'hp'}) step {step}, {what}: SQNR {db:.1f} dB"
+    breaks = sum(counters["graph_break"].values())
+    assert breaks == 0 and counter.frame_count == 1, f"{name}: {counter.frame_count} graphs, {breaks} breaks"
