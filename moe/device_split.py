@@ -43,7 +43,7 @@ import torch
 from hybrid_dist.kernels import kernels_serve
 from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.formats.numerics import cast_to_fp8
-from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, stacked_delayed_states
+from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, stacked_delayed_states, transposed_fp8
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer
@@ -160,7 +160,7 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     else:
         scale_rows = torch.cat([scale, scale.new_ones(1)])[lay.row_expert]  # rows past the experts: zeros anyway
         row = cast_to_fp8(lay.x_pad * scale_rows[:, None], q.dtype)  # fp32 product (type promotion)
-        col = row.t().contiguous() if columnwise else None
+        col = transposed_fp8(row) if columnwise else None  # not fused with the cast while compiling
     scale_inv = torch.reciprocal(scale)
     return ({"data": row, "scale_inv": scale_inv} if rowwise else None,
             {"data": col, "scale_inv": scale_inv} if columnwise else None)

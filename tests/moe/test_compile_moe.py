@@ -124,13 +124,16 @@ def _layer_steps(moe, fn, steps: int = 3):
 
 
 @slow
-@pytest.mark.parametrize("name", ["mxfp8"])
-def test_compiled_moe_layer_inductor_cpu(name):
+@pytest.mark.parametrize("name,min_db", [("mxfp8", 30.0), ("fp8_current", 25.0)])
+def test_compiled_moe_layer_inductor_cpu(name, min_db):
     """Inductor (C++ codegen) on the MoE layer alone: one graph over three routings, no
-    break, and outputs and gradients within the format's noise of eager (SQNR >= 30 dB).
-    Not bitwise: inductor regenerates the router's fp32 GEMM and softmax and the combine,
-    whose roundings differ from eager's kernels by an ulp, and the quantizers downstream
-    then round some values the other way."""
+    break, and outputs and gradients within the format's noise of eager (SQNR >= 30 dB;
+    25 dB for E5M2 gradients, 2 mantissa bits: 29.6 dB seen). Not bitwise: inductor
+    regenerates the router's fp32 GEMM and softmax and the combine, whose roundings differ
+    from eager's kernels by an ulp, and the quantizers downstream then round some values
+    the other way. ``fp8_current`` caught inductor's vectorized CPU code fusing the packed
+    gradient's FP8 cast into its transposed copy (NaN expert gradients): the copy is
+    ``formats.float8.transposed_fp8``."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -151,7 +154,7 @@ def test_compiled_moe_layer_inductor_cpu(name):
     for step, (r, c) in enumerate(zip(ref, got)):
         for i, (a, b) in enumerate(zip(r, c)):
             db = sqnr_db(a.float(), b.float())
-            assert db >= 30.0, f"MoE layer {name} inductor, step {step}, {_what(i)}: SQNR {db:.1f} dB vs eager"
+            assert db >= min_db, f"MoE layer {name} inductor, step {step}, {_what(i)}: SQNR {db:.1f} dB vs eager"
 
 
 def test_grouped_linear_inductor_fp8_current_bitwise():
