@@ -70,9 +70,9 @@ def _nvfp4_dequant_kernel(d_ptr, s_ptr, ta_ptr, tb_ptr, out_ptr, R, C, BLOCK_ROW
     sr = pid_r * (BR // BLOCK_ROWS) + tl.arange(0, BR // BLOCK_ROWS)[:, None]
     sc = pid_c * (BC // 16) + tl.arange(0, BC // 16)[None, :]
     s = tl.load(s_ptr + sr * (C // 16) + sc, mask=(sr < R // BLOCK_ROWS) & (sc < C // 16), other=0.0).to(tl.float32)
+    v = tl.reshape(v, (BR // BLOCK_ROWS, BLOCK_ROWS, BC // 16, 16)) * s[:, None, :, None]  # exact
     if HAS_A or HAS_B:
-        s = s * _tensor_scale(ta_ptr, tb_ptr, HAS_A, HAS_B)
-    v = tl.reshape(v, (BR // BLOCK_ROWS, BLOCK_ROWS, BC // 16, 16)) * s[:, None, :, None]
+        v = v * _tensor_scale(ta_ptr, tb_ptr, HAS_A, HAS_B)
     rc = pid_c * BC + tl.arange(0, BC)[None, :]
     tl.store(out_ptr + rr * C + rc, _to_bf16(tl.reshape(v, (BR, BC))), mask=(rr < R) & (rc < C))
 
