@@ -12,13 +12,13 @@ import torch
 import hybrid_dist as hd
 from tests._helpers import assert_bitwise_equal, run_check_under_triton_interpreter
 
-SCALES = {"none": (None, None), "a": (torch.tensor(0.37),), "a,b": (torch.tensor(3.1e-3), torch.tensor(1.7e2))}
+SCALES = {"none": (), "a": (torch.tensor(0.37),), "a,b": (torch.tensor(3.1e-3), torch.tensor(1.7e2))}
 
 
 def _expected(st, scales) -> torch.Tensor:
     v = st.values(undo_rht=False)
-    if scales and scales[0] is not None:
-        t = scales[0] if len(scales) == 1 or scales[1] is None else scales[0] * scales[1]
+    if scales:
+        t = scales[0] if len(scales) == 1 else scales[0] * scales[1]
         v = v * t
     return v.to(torch.bfloat16)
 
@@ -41,7 +41,7 @@ def _check_kernels() -> None:
 
     for name, st in _storages().items():
         for sname, scales in SCALES.items():
-            got = bf16_operand(st, *[s for s in scales if s is not None])
+            got = bf16_operand(st, *scales)
             assert_bitwise_equal(got, _expected(st, scales), f"{name}, tensor scales {sname}")
 
 
