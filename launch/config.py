@@ -112,16 +112,10 @@ class TrainConfig:
             self._check_sequence_parallel()
 
     def check_device(self, device_type: str) -> None:
-        """Refuses what is known to fail on ``device_type``: compiled MoE blocks with E5M2
-        gradients on CUDA (``fp8_current``'s input gradient measured wrong; ``fp8_delayed``
-        compiles to the same grouped dgrad), and with ``fp8_block`` on CPU (inductor's C++
-        code generation fails on the experts, torch 2.13)."""
+        """Refuses what is known to fail on ``device_type``: compiled MoE blocks with
+        ``fp8_block`` on CPU (inductor's C++ code generation fails on the experts, torch 2.13)."""
         if not (self.compile and self.moe_experts):
             return
-        if device_type == "cuda" and self.recipe in ("fp8_current", "fp8_delayed"):
-            raise NotImplementedError(
-                f"--compile with --moe-experts and --recipe {self.recipe} on CUDA: the compiled experts' input "
-                "gradient is wrong (a known defect); train this model without --compile")
         if device_type == "cpu" and self.recipe == "fp8_block":
             raise NotImplementedError(
                 "--compile with --moe-experts and --recipe fp8_block on CPU: inductor fails to compile the "

@@ -92,7 +92,11 @@ class _Layout:
         dev = x.device
         self.eid = torch.repeat_interleave(torch.arange(e, device=dev), tokens_per_expert, output_size=t)
         self.dest = torch.arange(t, device=dev) - self.off[self.eid] + self.poff[self.eid]
-        self.row_expert = torch.searchsorted(self.poff[1:], torch.arange(self.cap, device=dev), right=True)
+        # expert of each padded row, E past the last expert: repeat_interleave, not searchsorted
+        # (inductor's CUDA codegen of ``searchsorted(poff[1:], ...)`` dropped the slice's
+        # offset, torch 2.11: every row one expert late)
+        seg = torch.cat([self.poff.diff(), self.cap - self.poff[-1:]])
+        self.row_expert = torch.repeat_interleave(torch.arange(e + 1, device=dev), seg, output_size=self.cap)
         self._x_pad = None
 
     @property
