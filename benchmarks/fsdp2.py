@@ -6,7 +6,8 @@ embedding or head; batch 1 × seq 4096 per GPU (`--seq`); each block its own FSD
 (``reshard_after_forward=True``), bf16 parameters (quantized ones built under
 ``hd.quantized_model_init``), ``hd.MasterWeightOptimizer(AdamW)`` (fused, torchtitan's
 default; ``--adam foreach`` for the multi-tensor form the earlier tables used); median of 8 timed steps
-after 4 warm-up steps. ``host ms``: the host's time from the step's start until it has
+after 4 warm-up steps. ``peak GiB``: the run's peak allocation above what was allocated before
+its model was built (earlier recipes' models stay alive). ``host ms``: the host's time from the step's start until it has
 enqueued the whole step (before the closing synchronize): the step is host-bound where it
 approaches ``step ms``. Run on 4 GPUs::
 
@@ -126,6 +127,9 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
         compile_blocks: bool = False, seq: int = SEQ, adam: str = "fused") -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # FSDP2 keeps every module it wrapped alive (torch's global module-state map), so the
+    # models of earlier recipes stay allocated: peak memory is counted above this baseline
+    base = torch.cuda.memory_allocated()
     model = build(recipe_name, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model:
@@ -159,7 +163,7 @@ def run(recipe_name: str, device, warmup: int, steps: int, profile: bool = False
     hp = hp_forward_gather_bytes(model)
     fwd = acct.output_bytes.get("forward", 0) + acct.output_bytes.get("forward_both", 0) + hp
     total = acct.total_output_bytes() + 2 * hp
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     del model, opt
     torch.cuda.empty_cache()
     return [recipe_name + (" (compiled)" if compile_blocks else ""), ms, host_ms, seq / ms * 1e3, peak,
