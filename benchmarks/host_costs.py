@@ -35,13 +35,16 @@ class _Identity(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _no_gpu_work():
-    """The FP8 quantize kernels' launches and ``torch._scaled_mm`` replaced by no-ops (the
-    GEMM returns ``torch.empty`` of its output): what is left of an ``hd.Linear`` step is its
-    Python, its allocations and autograd."""
+def _no_gpu_work(launches: bool = True, gemms: bool = True):
+    """The FP8 quantize kernels' launches (``launches``) and ``torch._scaled_mm`` (``gemms``,
+    returning ``torch.empty`` of its output) replaced by no-ops: what is left of an
+    ``hd.Linear`` step is the rest of its host work."""
     real_launch, real_mm = fp8_tensor.launch, torch._scaled_mm
-    fp8_tensor.launch = lambda *args, **consts: None
-    torch._scaled_mm = lambda a, b, **kw: torch.empty(a.shape[0], b.shape[1], dtype=kw["out_dtype"], device=a.device)
+    if launches:
+        fp8_tensor.launch = lambda *args, **consts: None
+    if gemms:
+        torch._scaled_mm = lambda a, b, **kw: torch.empty(a.shape[0], b.shape[1], dtype=kw["out_dtype"],
+                                                          device=a.device)
     try:
         yield
     finally:
@@ -56,12 +59,14 @@ def _linear_rows(x, dy):
         else:
             lin = hd.Linear(128, 64, bias=False, recipe=hd.recipe_from_name(name), device="cuda",
                             dtype=torch.bfloat16)
-        rows.append([f"Linear {name} 64x128x64 fwd + autograd.grad",
-                     host_us(lambda lin=lin: torch.autograd.grad(lin(x), [x, lin.weight], dy), n=500)])
+        step = lambda lin=lin: torch.autograd.grad(lin(x), [x, lin.weight], dy)  # noqa: E731
+        rows.append([f"Linear {name} 64x128x64 fwd + autograd.grad", host_us(step, n=500)])
         if name == "fp8_current":
-            with _no_gpu_work():
-                rows.append(["the same fp8_current step, its launches and torch._scaled_mm no-ops",
-                             host_us(lambda lin=lin: torch.autograd.grad(lin(x), [x, lin.weight], dy), n=500)])
+            for what, launches, gemms in (("its 6 Triton launches", True, False),
+                                          ("its 3 torch._scaled_mm", False, True),
+                                          ("its launches and torch._scaled_mm", True, True)):
+                with _no_gpu_work(launches, gemms):
+                    rows.append([f"the same fp8_current step, {what} no-ops", host_us(step, n=500)])
     return rows
 
 

@@ -118,11 +118,12 @@ amax_2d = eager_or_op(amax_op, _amax_2d)
 def _fp8_cast_transpose(
     x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, dtype: torch.dtype,
     scale_from_amax: bool, eps: float, pow2: bool, rowwise: bool, columnwise: bool, record_amax: bool,
-    run=launch,
+    run=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. Scale from ``amax``
     (``scale_from_amax``) or ``scale``; ``record_amax`` max-reduces ``max|x|`` into
-    ``amax_out`` (mutated). ``run(kernel, grid, *args, **consts)`` launches the kernel."""
+    ``amax_out`` (mutated). ``run(kernel, grid, *args, **consts)`` launches the kernel
+    (default ``launch``, looked up at the call)."""
     m, k = x.shape
     row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
@@ -133,14 +134,14 @@ def _fp8_cast_transpose(
 
 
 def _cast_transpose_into(x, amax, scale, amax_out, scale_from_amax: bool, eps: float, pow2: bool,
-                         record_amax: bool, *, row, col, scale_inv, run=launch) -> None:
+                         record_amax: bool, *, row, col, scale_inv, run=None) -> None:
     """The cast-transpose launch into given buffers: ``row [M, K]`` and/or ``col [K, M]``
     (contiguous, the fp8 dtype; ``None`` skips that direction) and ``scale_inv []``."""
     m, k = x.shape
     rowwise, columnwise = row is not None, col is not None
     dtype = (row if rowwise else col).dtype
     grid = (max((m + _BM - 1) // _BM, 1), max((k + _BK - 1) // _BK, 1), 1)
-    run(
+    (run or launch)(
         _cast_transpose_kernel, grid,
         x, amax, scale, scale_inv, row if rowwise else col, col if columnwise else row, amax_out, m, k,
         max(x.stride(0), 1), 0, 0, FMAX=FP8_MAX[dtype],
