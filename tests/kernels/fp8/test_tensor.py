@@ -162,3 +162,19 @@ CHECKS = ('fp8_current_compiled', 'fp8_batched', 'fp8_batched_delayed')
 @pytest.mark.parametrize("check", CHECKS)
 def test_fp8_tensor_under_triton_interpreter(check):
     run_check_under_triton_interpreter("tests.kernels.fp8.test_tensor", check)
+
+
+def test_eager_quantize_launches_through_the_module_launch(monkeypatch):
+    """The eager current-scaling path launches both of its kernels (amax, then cast-transpose)
+    through ``kernels.fp8.tensor.launch`` as looked up at the call, so replacing it (what
+    ``benchmarks.host_costs`` does to time a step without launches) reaches every launch.
+    CPU: the recorder launches nothing, so the outputs are never read."""
+    from hybrid_dist.kernels.fp8 import tensor as fp8_tensor
+
+    seen = []
+    monkeypatch.setattr(fp8_tensor, "launch", lambda kernel, grid, *args, **consts: seen.append(kernel))
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    row, col = fp8_tensor.quantize_fp8_tensor(hd.Float8Quantizer(), x, rowwise=True, columnwise=True, state=None,
+                                              amax=None)
+    assert seen == [fp8_tensor._amax_kernel, fp8_tensor._cast_transpose_kernel], seen
+    assert (tuple(row.data.shape), tuple(col.data.shape)) == ((64, 128), (128, 64))
