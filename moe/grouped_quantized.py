@@ -21,8 +21,8 @@ Each GEMM picks, from its operand pair:
   ``fp8_delayed``: dgrad E5M2 × E4M3, wgrad E5M2 × E4M3) on CUDA: the Triton grouped
   kernels of ``kernels/fp8/grouped_gemm`` (mixed-dtype FP8 wgmma, fp32 accumulation, the two
   per-expert ``scale_inv`` multiplied on the accumulator, bf16 out; empty wgrad groups
-  written as zeros). On CPU (and while ``torch.compile`` traces) the pair takes the bf16
-  path below.
+  written as zeros; a compiled graph calls them as operators). On CPU the pair takes the
+  bf16 path below.
 * anything else (MXFP8, NVFP4 1D/2D, FP8 blocks, identity, mixed pairs):
   both operands to bf16 (``grouped_operands.bf16_values``: block scales applied, exact but
   for FP8 blocks), the two per-expert per-tensor scales folded in fp32 into ONE operand
@@ -128,8 +128,7 @@ def _triton_fp8(a, b) -> bool:
     """Per-tensor FP8 pair (any E4M3/E5M2 mix) on CUDA with Triton: ``kernels/fp8/grouped_gemm``
     (also on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``: its CPU test)."""
     on_device = a.data.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return (isinstance(a, Float8Storage) and isinstance(b, Float8Storage) and on_device
-            and not torch.compiler.is_compiling() and _HAVE_TRITON)
+    return isinstance(a, Float8Storage) and isinstance(b, Float8Storage) and on_device and _HAVE_TRITON
 
 
 # --- the three grouped GEMMs ------------------------------------------------------------
@@ -144,10 +143,10 @@ def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config, dest,
         out = _scaled_grouped_mm(sa.data, sb.data.view(e, r, kc).transpose(1, 2), row_scales(a.scale, row_expert),
                                  scale_b, offs, config.use_fast_accum)
     elif _triton_fp8(sa, sb):
-        from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows_fp8  # Triton: CUDA installs only
+        from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows  # Triton: CUDA installs only
 
-        return grouped_rows_fp8(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs,
-                                fast_accum=config.use_fast_accum, tokens=(tok_offs, dest.numel()))
+        return grouped_rows(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs,
+                            fast_accum=config.use_fast_accum, tokens=(tok_offs, dest.numel()))
     else:
         if sa.shape2d[0] < sb.shape2d[0]:  # fold both scales into the smaller operand
             va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
@@ -162,9 +161,9 @@ def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, conf
     e, sa, sb = counts.numel(), a.storage, b.storage
     ra, rb = sa.shape2d[0], sb.shape2d[0]
     if not _both_e4m3(sa, sb) and _triton_fp8(sa, sb):  # writes zeros for empty groups
-        from hybrid_dist.kernels.fp8.grouped_gemm import grouped_tokens_fp8  # Triton: CUDA installs only
+        from hybrid_dist.kernels.fp8.grouped_gemm import grouped_tokens  # Triton: CUDA installs only
 
-        return grouped_tokens_fp8(sa.data, sb.data, a.scale, b.scale, offs, fast_accum=config.use_fast_accum)
+        return grouped_tokens(sa.data, sb.data, a.scale, b.scale, offs, fast_accum=config.use_fast_accum)
     if _both_e4m3(sa, sb):
         scale_a = a.scale.float()[:, None].expand(e, ra).reshape(-1)
         scale_b = b.scale.float()[:, None].expand(e, rb).reshape(-1)

@@ -28,7 +28,7 @@ from hybrid_dist.launch.model import Block, hybrid_filter, rope_tables
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.moe import MoE, GroupedLinear
 from hybrid_dist.moe.router import expert_counts
-from tests._helpers import assert_bitwise_equal, sqnr_db
+from tests._helpers import assert_bitwise_equal, run_check_under_triton_interpreter, sqnr_db
 from tests._tiers import slow
 
 FAST = {("fp8_delayed", False), ("mxfp8_fwd_nvfp4_bwd", True)}
@@ -247,3 +247,62 @@ def test_compiled_moe_blocks_one_graph_on_cuda(name, qinit, min_db):
             assert db >= min_db, f"MoE {name} ({'qinit' if qinit else 'hp'}) step {step}, {what}: SQNR {db:.1f} dB"
     breaks = sum(counters["graph_break"].values())
     assert breaks == 0 and counter.frame_count == 1, f"{name}: {counter.frame_count} graphs, {breaks} breaks"
+
+
+def _check_compiled_grouped_fp8_kernels():
+    """(Under ``TRITON_INTERPRET=1``.) The E5M2 x E4M3 grouped GEMMs of ``fp8_current`` (dgrad
+    ``rows_gemm``, wgrad ``tokens_gemm``) compiled with ``aot_eager`` and inductor run the
+    Triton grouped kernels as operators (each kernel's host wrapper called once, as in eager),
+    with outputs bitwise eager's. Uneven counts with an empty expert."""
+    from hybrid_dist.kernels.fp8 import grouped_gemm
+    from hybrid_dist.moe import device_split, grouped_operands as go, grouped_quantized as gq
+
+    calls = {"rows": 0, "tokens": 0}
+    real_rows, real_tokens = grouped_gemm.grouped_rows_fp8, grouped_gemm.grouped_tokens_fp8
+
+    def rows(*args, **kwargs):
+        calls["rows"] += 1
+        return real_rows(*args, **kwargs)
+
+    def tokens(*args, **kwargs):
+        calls["tokens"] += 1
+        return real_tokens(*args, **kwargs)
+
+    grouped_gemm.grouped_rows_fp8, grouped_gemm.grouped_tokens_fp8 = rows, tokens
+    recipe = hd.recipe_from_name("fp8_current")
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, 32, 48, recipe=recipe).to(torch.bfloat16)
+    plan = layer.plan_for(recipe)
+    x = torch.randn(72, 32, dtype=torch.bfloat16)
+    dy = torch.randn(72, 48, dtype=torch.bfloat16) * 1e-3
+    counts = torch.tensor([20, 0, 52])
+
+    def gemms(x, dy, weight, counts):
+        mult = gq.packed_multiple(plan)
+        xs = device_split.split_quantize_packed(x, counts, plan.input, rowwise=False, columnwise=True, multiple=mult)
+        dys = device_split.split_quantize_packed(dy, counts, plan.grad_output, multiple=mult)
+        _, cols = go.expert_weight_storages(weight, plan, need_dgrad=True)
+        w_col = go.stack_experts(cols)
+        offs, tok = dys.padded_offsets[1:].to(torch.int32), dys.offsets[1:].to(torch.int32)
+        dx = gq.rows_gemm(gq._token(plan.grad_output, dys.rowwise, "rowwise"), w_col, offs, dys.row_expert,
+                          recipe.dgrad, dys.dest, tok)
+        x_col = gq._token(plan.input, xs.columnwise, "columnwise")
+        dw = gq.tokens_gemm(gq._token(plan.grad_output, dys.columnwise, "columnwise"), x_col, offs, dys.row_expert,
+                            counts, recipe.wgrad)
+        return dx, dw
+
+    args = (x, dy, layer.weight.detach(), counts)
+    ref = gemms(*args)
+    assert calls == {"rows": 1, "tokens": 1}, calls
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        calls.update(rows=0, tokens=0)
+        got = torch.compile(gemms, backend=backend, fullgraph=True)(*args)
+        assert calls == {"rows": 1, "tokens": 1}, f"{backend}: grouped FP8 kernel calls {calls}"
+        for what, a, b in zip(("dx", "dW"), ref, got):
+            assert_bitwise_equal(b, a, f"compiled ({backend}) grouped fp8_current {what}")
+
+
+def test_compiled_grouped_fp8_takes_the_triton_kernels():
+    """``_check_compiled_grouped_fp8_kernels`` in a Triton-interpreter subprocess."""
+    run_check_under_triton_interpreter("tests.moe.test_compile_moe", "compiled_grouped_fp8_kernels", timeout=600)

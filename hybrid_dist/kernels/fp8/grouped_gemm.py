@@ -17,6 +17,10 @@ written (the output is ``torch.empty``); with ``tokens`` the output is in token 
 group's contraction range; group bounds must be multiples of 16 (the packed layout guarantees
 it; unchecked), and an empty group writes zeros.
 
+``grouped_rows`` / ``grouped_tokens`` call the host wrappers in eager code and, while
+``torch.compile`` traces, the same wrappers as one ``torch.library`` operator each (an
+opaque call in the graph: the same kernels, so the same bytes as eager).
+
 Accumulation in fp32 on the tensor cores; the scale product multiplies the fp32 accumulator,
 one rounding to bf16. ``fast_accum=False`` promotes the Hopper FP8 partial sums to fp32
 every BK=128 products, ``True`` never (Triton's sm90 default). Mixed dtypes: the sm90 wgmma
@@ -32,7 +36,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["grouped_rows_fp8", "grouped_tokens_fp8"]
+from hybrid_dist.library_op import library_op
+
+__all__ = ["grouped_rows", "grouped_rows_fp8", "grouped_tokens", "grouped_tokens_fp8"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -225,3 +231,44 @@ def grouped_tokens_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False
         return (triton.cdiv(ra, meta["BM"]) * triton.cdiv(rb, meta["BN"]), e)
     _tokens_kernel[grid](a.contiguous(), b.contiguous(), sa, sb, offs, out, ra, rb, c, FAST=fast_accum)
     return out
+
+
+@library_op("hybrid_dist::grouped_rows_fp8")
+def rows_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
+            fast_accum: bool, tok_offs: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """``grouped_rows_fp8`` as an operator (``tokens`` is read only with ``tok_offs``)."""
+    return grouped_rows_fp8(a, b, scale_a, scale_b, offs, fast_accum=fast_accum,
+                            tokens=None if tok_offs is None else (tok_offs, tokens))
+
+
+@rows_op.register_fake
+def _(a, b, scale_a, scale_b, offs, fast_accum, tok_offs, tokens):
+    return a.new_empty((a.shape[0] if tok_offs is None else tokens, b.shape[1]), dtype=torch.bfloat16)
+
+
+@library_op("hybrid_dist::grouped_tokens_fp8")
+def tokens_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
+              fast_accum: bool) -> torch.Tensor:
+    """``grouped_tokens_fp8`` as an operator."""
+    return grouped_tokens_fp8(a, b, scale_a, scale_b, offs, fast_accum=fast_accum)
+
+
+@tokens_op.register_fake
+def _(a, b, scale_a, scale_b, offs, fast_accum):
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+
+
+def grouped_rows(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False,
+                 tokens: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """``grouped_rows_fp8``; while compiling, through its operator (module doc)."""
+    if torch.compiler.is_compiling():
+        tok_offs, t = (None, 0) if tokens is None else tokens
+        return rows_op(a, b, scale_a, scale_b, offs, fast_accum, tok_offs, t)
+    return grouped_rows_fp8(a, b, scale_a, scale_b, offs, fast_accum=fast_accum, tokens=tokens)
+
+
+def grouped_tokens(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False) -> torch.Tensor:
+    """``grouped_tokens_fp8``; while compiling, through its operator (module doc)."""
+    if torch.compiler.is_compiling():
+        return tokens_op(a, b, scale_a, scale_b, offs, fast_accum)
+    return grouped_tokens_fp8(a, b, scale_a, scale_b, offs, fast_accum=fast_accum)
