@@ -42,7 +42,7 @@ import torch
 
 from hybrid_dist.kernels import kernels_serve
 from hybrid_dist.moe._checks import check_token_counts
-from hybrid_dist.formats.numerics import cast_to_fp8
+from hybrid_dist.formats.numerics import FP8_MAX, cast_to_fp8
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, stacked_delayed_states, transposed_fp8
 from hybrid_dist.formats.float8_block import Float8BlockQuantizer
 from hybrid_dist.formats.identity import IdentityQuantizer
@@ -106,11 +106,14 @@ class _Layout:
         return self._x_pad
 
 
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def _fp8_kernel_fits(x) -> bool:
     """Per-tensor FP8 through the Triton ``kernels.fp8.rows`` kernel (else the torch form)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1) or torch.compiler.is_compiling():
         return False
-    return importlib.util.find_spec("triton") is not None
+    return _HAVE_TRITON
 
 
 def expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -141,22 +144,36 @@ def fp8_rows_by_expert(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.T
     return cast_to_fp8(x * scale.float()[row_expert][:, None], dtype)  # fp32 product (type promotion)
 
 
-def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, columnwise: bool):
-    """FP8 with one scale per expert: ``(rowwise fields or None, columnwise fields or None)``
-    (one cast for both; the columnwise codes are the rowwise ones transposed)."""
-    x, e = lay.x, lay.num_experts
-    on_triton = _fp8_kernel_fits(x)
-    amax = expert_amaxes(x, lay.eid, e)
-    stacked = all(isinstance(s, DelayedScalingState) for s in states) and not torch.compiler.is_compiling()
-    if q.scaling == "delayed" and stacked:
+def _expert_scales(q: Float8Quantizer, x, amax, states):
+    """fp32 ``(scale [E], scale_inv [E])`` of each expert (current scaling: from ``amax``;
+    delayed: the states', recording ``amax``). Compiled on CUDA the divisions run in one
+    operator with eager's rounding (``kernels.fp8.scales``)."""
+    compiling = torch.compiler.is_compiling()
+    traced_cuda = compiling and x.is_cuda and _HAVE_TRITON
+    scale = None
+    if q.scaling == "delayed" and not compiling and all(isinstance(s, DelayedScalingState) for s in states):
         hist, scale = stacked_delayed_states(states, x.device)  # every expert's state at once
         torch.maximum(hist[:, 0], amax, out=hist[:, 0])  # = state.record(amax[i]) for each i
         scale = scale.clone()
     elif q.scaling == "delayed":  # traced (stacking rebinds the states' tensors) or wrong states (raises)
-        scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(e)])
-    else:
+        scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(amax.numel())])
+    elif not traced_cuda:
         scale = q.compute_scale(x, None, amax)
-    if on_triton:
+    if not traced_cuda:
+        return scale, torch.reciprocal(scale)
+    from hybrid_dist.kernels.fp8.scales import fp8_expert_scales
+
+    amax32 = amax.float().contiguous()
+    return fp8_expert_scales(amax32, amax32 if scale is None else scale.float().contiguous(), FP8_MAX[q.dtype],
+                             float(q.amax_epsilon), q.power_of_2_scales, scale is None)
+
+
+def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, columnwise: bool):
+    """FP8 with one scale per expert: ``(rowwise fields or None, columnwise fields or None)``
+    (one cast for both; the columnwise codes are the rowwise ones transposed)."""
+    x = lay.x
+    scale, scale_inv = _expert_scales(q, x, expert_amaxes(x, lay.eid, lay.num_experts), states)
+    if _fp8_kernel_fits(x):
         from hybrid_dist.kernels.fp8.rows import fp8_rows
 
         row, col = fp8_rows(x, scale, lay.row_expert, lay.off, lay.poff, q.dtype, rowwise=rowwise,
@@ -165,7 +182,6 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
         scale_rows = torch.cat([scale, scale.new_ones(1)])[lay.row_expert]  # rows past the experts: zeros anyway
         row = cast_to_fp8(lay.x_pad * scale_rows[:, None], q.dtype)  # fp32 product (type promotion)
         col = transposed_fp8(row) if columnwise else None  # not fused with the cast while compiling
-    scale_inv = torch.reciprocal(scale)
     return ({"data": row, "scale_inv": scale_inv} if rowwise else None,
             {"data": col, "scale_inv": scale_inv} if columnwise else None)
 
