@@ -145,8 +145,8 @@ def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config, dest,
     elif _triton_fp8(sa, sb):
         from hybrid_dist.kernels.fp8.grouped_gemm import grouped_rows  # Triton: CUDA installs only
 
-        return grouped_rows(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs,
-                            fast_accum=config.use_fast_accum, tokens=(tok_offs, dest.numel()))
+        return grouped_rows(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs, config.use_fast_accum,
+                            tok_offs, dest.numel())
     else:
         if sa.shape2d[0] < sb.shape2d[0]:  # fold both scales into the smaller operand
             va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
@@ -163,7 +163,7 @@ def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, conf
     if not _both_e4m3(sa, sb) and _triton_fp8(sa, sb):  # writes zeros for empty groups
         from hybrid_dist.kernels.fp8.grouped_gemm import grouped_tokens  # Triton: CUDA installs only
 
-        return grouped_tokens(sa.data, sb.data, a.scale, b.scale, offs, fast_accum=config.use_fast_accum)
+        return grouped_tokens(sa.data, sb.data, a.scale, b.scale, offs, config.use_fast_accum)
     if _both_e4m3(sa, sb):
         scale_a = a.scale.float()[:, None].expand(e, ra).reshape(-1)
         scale_b = b.scale.float()[:, None].expand(e, rb).reshape(-1)

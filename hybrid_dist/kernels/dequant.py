@@ -90,19 +90,19 @@ def _scale_cast_kernel(acc_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr,
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _mxfp8_dequantize(data, scale, ta=None, tb=None, run=launch):
+def _mxfp8_dequantize(data, scale, ta=None, tb=None, run=None):
     """bf16 ``[R, C]`` of MXFP8 ``data [R, C]`` with E8M0 ``scale [R, C/32]``, times the
     fp32 scalars ``ta · tb`` where given (then one rounding)."""
     r, c = data.shape
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
     if data.numel():
-        run(_mxfp8_dequant_kernel, (cdiv(r, _BR), cdiv(c, _BC)), data, scale, scale if ta is None else ta,
+        (run or launch)(_mxfp8_dequant_kernel, (cdiv(r, _BR), cdiv(c, _BC)), data, scale, scale if ta is None else ta,
             scale if tb is None else tb, out, r, c, HAS_A=ta is not None, HAS_B=tb is not None,
             BR=_BR, BC=_BC, num_warps=4)
     return out
 
 
-def _nvfp4_dequantize(data, block_scale, block_rows, ta=None, tb=None, run=launch):
+def _nvfp4_dequantize(data, block_scale, block_rows, ta=None, tb=None, run=None):
     """bf16 ``[R, C]`` of packed NVFP4 ``data [R, C/2]`` with E4M3 ``block_scale``
     ``[R/block_rows, C/16]``, times the fp32 scalars ``ta · tb`` where given (then one
     rounding; the global scale is not applied otherwise)."""
@@ -110,19 +110,19 @@ def _nvfp4_dequantize(data, block_scale, block_rows, ta=None, tb=None, run=launc
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
     if data.numel():
         br, bc = _NV_TILE
-        run(_nvfp4_dequant_kernel, (cdiv(r, br), cdiv(c, bc)), data, block_scale,
+        (run or launch)(_nvfp4_dequant_kernel, (cdiv(r, br), cdiv(c, bc)), data, block_scale,
             block_scale if ta is None else ta, block_scale if tb is None else tb, out, r, c,
             BLOCK_ROWS=block_rows, HAS_A=ta is not None, HAS_B=tb is not None, BR=br, BC=bc, num_warps=4)
     return out
 
 
-def _scale_cast(acc, scale_a, scale_b, out_dtype, run=launch):
+def _scale_cast(acc, scale_a, scale_b, out_dtype, run=None):
     """``((acc · scale_a) · scale_b).to(out_dtype)`` for a contiguous fp32 ``acc``."""
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
     n = acc.numel()
     if n:
         block = 4096
-        run(_scale_cast_kernel, (cdiv(n, block),), acc, scale_a if scale_a is not None else acc,
+        (run or launch)(_scale_cast_kernel, (cdiv(n, block),), acc, scale_a if scale_a is not None else acc,
             scale_b if scale_b is not None else acc, out, n, HAS_A=scale_a is not None, HAS_B=scale_b is not None,
             BLOCK=block, num_warps=8)
     return out

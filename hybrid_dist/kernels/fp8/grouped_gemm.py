@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from hybrid_dist.kernels._jit_common import eager_or_op
 from hybrid_dist.library_op import library_op
 
 __all__ = ["grouped_rows", "grouped_rows_fp8", "grouped_tokens", "grouped_tokens_fp8"]
@@ -258,17 +259,6 @@ def _(a, b, scale_a, scale_b, offs, fast_accum):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
-def grouped_rows(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False,
-                 tokens: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """``grouped_rows_fp8``; while compiling, through its operator (module doc)."""
-    if torch.compiler.is_compiling():
-        tok_offs, t = (None, 0) if tokens is None else tokens
-        return rows_op(a, b, scale_a, scale_b, offs, fast_accum, tok_offs, t)
-    return grouped_rows_fp8(a, b, scale_a, scale_b, offs, fast_accum=fast_accum, tokens=tokens)
-
-
-def grouped_tokens(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False) -> torch.Tensor:
-    """``grouped_tokens_fp8``; while compiling, through its operator (module doc)."""
-    if torch.compiler.is_compiling():
-        return tokens_op(a, b, scale_a, scale_b, offs, fast_accum)
-    return grouped_tokens_fp8(a, b, scale_a, scale_b, offs, fast_accum=fast_accum)
+# eager: the host wrappers without the dispatcher; while compiling: the operators
+grouped_rows = eager_or_op(rows_op, rows_op.fn)
+grouped_tokens = eager_or_op(tokens_op, tokens_op.fn)
