@@ -68,14 +68,14 @@ class DelayedScalingState:
 
     def advance(self, quantizer: "Float8Quantizer") -> None:
         """Compute the scale for the next pass from the history, then open a new slot."""
-        impl = None if torch.compiler.is_compiling() else delayed_advance_impl_for(self.amax_history)
-        if impl is not None:
-            impl(self.amax_history, self.scale, quantizer)  # one launch, no host sync
+        impl = delayed_advance_impl_for(self.amax_history)
+        if impl is not None:  # one launch, no host sync; an operator in compiled graphs
+            impl(self.amax_history, self.scale, quantizer)
         else:
             self.advance_reference(quantizer)
 
     def advance_reference(self, quantizer: "Float8Quantizer") -> None:
-        """``advance`` in torch ops (CPU, ``torch.compile``, and the kernel's ground truth)."""
+        """``advance`` in torch ops (CPU, and the kernel's ground truth)."""
         hist = self.amax_history
         amax = hist.amax() if quantizer.amax_compute == "max" else hist[0]
         floored = torch.clamp(amax, min=quantizer.amax_epsilon)
@@ -122,14 +122,15 @@ def stacked_delayed_states(states: "list[DelayedScalingState]", device) -> tuple
 
 
 def advance_stacked(states: "list[DelayedScalingState]", quantizer: "Float8Quantizer") -> None:
-    """``advance`` every state: one launch on CUDA (``kernels.fp8.delayed``), else each in torch."""
+    """``advance`` every state: one launch on CUDA (``kernels.fp8.delayed``); while compiling,
+    one operator call per state; on the CPU each in torch."""
     hist = states[0].amax_history
     impl = None if torch.compiler.is_compiling() else delayed_advance_impl_for(hist)
     if impl is not None:
         impl(*stacked_delayed_states(states, hist.device), quantizer)
-    else:
+    else:  # traced: stacking would rebind the states' tensors; each state's own advance
         for s in states:
-            s.advance_reference(quantizer)
+            s.advance(quantizer)
 
 
 def _scale_from_amax(amax: torch.Tensor, q: "Float8Quantizer", margin: int = 0) -> torch.Tensor:

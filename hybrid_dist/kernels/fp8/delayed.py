@@ -12,6 +12,10 @@ states at once, stacked as ``history [E, L]`` and ``scale [E]`` (one program per
             times 2**-margin, optionally floored to a power of two
     scale = s if amax is finite and > 0, else unchanged
     history = [0, history[0], ..., history[L-2]]
+
+While ``torch.compile`` traces, ``advance_`` calls the same kernel as the ``kernel_op``
+``hybrid_dist::fp8_delayed_advance``; the torch form traced instead would divide with
+Triton's approximate division in inductor's code (an ulp off eager's scale).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import triton.language as tl
 from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import FP32_MAX, div_rn, pow2_floor
 from hybrid_dist.kernels._launch import launch
+from hybrid_dist.kernels._traced import kernel_op, traced_launch
 
 
 @triton.jit
@@ -53,6 +58,23 @@ def _advance_kernel(hist_ptr, scale_ptr, L, FMAX: tl.constexpr, EPS: tl.constexp
     tl.store(hist_ptr + idx, shifted, mask=idx < L)
 
 
+def _advance(history, scale, fmax, eps, margin_mul, use_max, pow2, run):
+    n = history.shape[-1]
+    run(_advance_kernel, (1 if history.dim() == 1 else history.shape[0],), history, scale, n, FMAX=fmax, EPS=eps,
+        MARGIN_MUL=margin_mul, USE_MAX=use_max, POW2=pow2, BLOCK=triton.next_power_of_2(max(n, 2)))
+
+
+def _advance_fake(history, scale, fmax, eps, margin_mul, use_max, pow2):
+    return None
+
+
+@kernel_op("hybrid_dist::fp8_delayed_advance", mutates_args=("history", "scale"), fake=_advance_fake)
+def advance_op(history: torch.Tensor, scale: torch.Tensor, fmax: float, eps: float, margin_mul: float,
+               use_max: bool, pow2: bool) -> None:
+    """``advance_`` for compiled graphs: the same kernel and arguments, so the same bits."""
+    _advance(history, scale, fmax, eps, margin_mul, use_max, pow2, traced_launch)
+
+
 def advance_(history: torch.Tensor, scale: torch.Tensor, quantizer) -> None:
     """In-place ``DelayedScalingState.advance`` on CUDA of one state (``[L]``, 0-dim) or of a
     stack (``[E, L]`` contiguous, ``[E]``; see the module doc)."""
@@ -60,9 +82,9 @@ def advance_(history: torch.Tensor, scale: torch.Tensor, quantizer) -> None:
     if history.dim() == 2 and not (history.is_contiguous() and scale.shape == (states,) and scale.is_contiguous()):
         raise ValueError(f"advance_: a stack needs a contiguous history [E, L] and scale [E]; got "
                          f"{tuple(history.shape)} strides {history.stride()}, scale {tuple(scale.shape)}")
-    n = history.shape[-1]
-    launch(
-        _advance_kernel, (states,), history, scale, n, FMAX=FP8_MAX[quantizer.dtype],
-        EPS=float(quantizer.amax_epsilon), MARGIN_MUL=2.0 ** -quantizer.margin, USE_MAX=quantizer.amax_compute == "max",
-        POW2=quantizer.power_of_2_scales, BLOCK=triton.next_power_of_2(max(n, 2)),
-    )
+    args = (history, scale, FP8_MAX[quantizer.dtype], float(quantizer.amax_epsilon), 2.0 ** -quantizer.margin,
+            quantizer.amax_compute == "max", quantizer.power_of_2_scales)
+    if torch.compiler.is_compiling():
+        advance_op(*args)
+    else:
+        _advance(*args, launch)
