@@ -13,8 +13,8 @@ stacked along stored rows into one storage ``[E·R, C]`` (per-tensor fields stac
 their own states (a loop over the host int E: no device-to-host sync); a quantized
 ``[E, N, K]`` weight (``quantized_model_init``) is narrowed per expert (one shared scale).
 
-Current-scaled FP8 weights in bf16 on CUDA (``fp8_current``) skip the loop: one amax and
-one cast-transpose launch over ``[E, N, K]`` write the stacked storages directly
+FP8 weights in bf16 on CUDA skip the loop: one amax and one cast-transpose launch over
+``[E, N, K]`` (delayed scaling: one launch, eager only) write the stacked storages directly
 (``batched_fp8_weights``; bitwise the loop, each expert its own amax and scale).
 
 ``bf16_values``: stored ``[R, C]`` as bf16 with block scales applied and the per-tensor
@@ -129,14 +129,17 @@ def expert_weight_storages(weight, plan, *, need_dgrad: bool):
 
 
 def _batched_fp8_quantizer(weight, q) -> Float8Quantizer | None:
-    """The ``Float8Quantizer`` (current or delayed scaling) making both directions of ``weight``
-    when the batched kernel serves it (bf16 on CUDA, unit stride along K, eager, Triton), else None."""
+    """The ``Float8Quantizer`` making both directions of ``weight`` when the batched kernel
+    serves it (bf16 on CUDA, unit stride along K, Triton; delayed scaling eagerly, current
+    scaling also compiled), else None."""
     if isinstance(weight, QuantizedTensor) or not weight.is_cuda or weight.dtype != torch.bfloat16:
         return None
-    if weight.stride(-1) != 1 or torch.compiler.is_compiling() or importlib.util.find_spec("triton") is None:
+    if weight.stride(-1) != 1 or importlib.util.find_spec("triton") is None:
         return None
     rq, cq = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
     if not (isinstance(rq, Float8Quantizer) and rq == cq):
+        return None
+    if rq.scaling == "delayed" and torch.compiler.is_compiling():
         return None
     return rq
 

@@ -229,9 +229,10 @@ def quantize_fp8_batched(q: Float8Quantizer, x: torch.Tensor, *, columnwise: boo
     ``quantize_fp8_tensor`` of every ``x[b]`` (the per-expert weights of ``moe.GroupedLinear``),
     in place of ``2·B`` launches and the stacking of ``B`` results.
 
-    Current scaling: two launches (amax, then cast-transpose). Delayed scaling (``states``:
-    one ``DelayedScalingState`` per matrix): one launch, scale ``b`` read from and the amax
-    recorded (running max) into the states' stacked buffers
+    Current scaling: two launches (amax, then cast-transpose); while ``torch.compile`` traces,
+    the same launches as the operator ``hybrid_dist::fp8_batched_current``. Delayed scaling
+    (``states``: one ``DelayedScalingState`` per matrix; eager only): one launch, scale ``b``
+    read from and the amax recorded (running max) into the states' stacked buffers
     (``formats.float8.stacked_delayed_states``)."""
     delayed = q.scaling == "delayed"
     if (x.dim() != 3 or x.dtype != torch.bfloat16 or x.stride(-1) != 1
@@ -239,30 +240,68 @@ def quantize_fp8_batched(q: Float8Quantizer, x: torch.Tensor, *, columnwise: boo
         raise ValueError(f"quantize_fp8_batched: bf16 [B, M, K] with unit stride along K (and one delayed-scaling "
                          f"state per matrix); got scaling={q.scaling!r}, {x.dtype} {tuple(x.shape)} strides "
                          f"{x.stride()}, {0 if states is None else len(states)} states")
-    b, m, k = x.shape
-    row = torch.empty((b, m, k), dtype=q.dtype, device=x.device)
-    col = torch.empty((b, k, m) if columnwise else (0, 0, 0), dtype=q.dtype, device=x.device)
-    scale_inv = torch.empty(b, dtype=torch.float32, device=x.device)
-    grid = ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK, b)
-    if delayed:
-        hist, scale = stacked_delayed_states(states, x.device)
-        amax_in, amax_out, stride_out = scale, hist, hist.stride(0)
-    else:
-        amax_in = scale = zeroed_f32(x.device, b)
-        amax_out, stride_out = _unused(x.device, False), 0
-        if x.numel():
-            launch(_amax_kernel, grid, x, amax_in, m, k, x.stride(1), x.stride(0), BM=_BM, BK=_BK, num_warps=4)
+    if not delayed:
+        fn = batched_current_op if torch.compiler.is_compiling() else _batched_current
+        row, col, scale_inv = fn(x, q.dtype, float(q.amax_epsilon), q.power_of_2_scales, columnwise)
+        return row, (col if columnwise else None), scale_inv
+    if torch.compiler.is_compiling():
+        raise ValueError("quantize_fp8_batched: delayed scaling records into stacked states; not traceable")
+    b = x.shape[0]
+    row, col, scale_inv = _batched_buffers(x, q.dtype, columnwise)
+    hist, scale = stacked_delayed_states(states, x.device)
     if x.numel():
-        launch(
-            _cast_transpose_kernel, grid, x, amax_in, scale, scale_inv, row, col, amax_out, m, k, x.stride(1),
-            x.stride(0), stride_out,
-            FMAX=FP8_MAX[q.dtype], EPS=float(q.amax_epsilon), POW2=q.power_of_2_scales, SCALE_FROM_AMAX=not delayed,
-            ROW=True, COL=columnwise, AMAX_OUT=delayed, BM=_BM, BK=_BK, num_warps=8)
-    elif delayed:
-        torch.reciprocal(scale, out=scale_inv)
+        _batched_cast(x, scale, scale, scale_inv, row, col, hist, hist.stride(0), q.dtype, float(q.amax_epsilon),
+                      q.power_of_2_scales, False, columnwise, True, launch)
     else:
-        scale_inv.fill_(1.0)
+        torch.reciprocal(scale, out=scale_inv)
     return row, (col if columnwise else None), scale_inv
+
+
+def _batched_buffers(x, dtype, columnwise):
+    b, m, k = x.shape
+    return (torch.empty((b, m, k), dtype=dtype, device=x.device),
+            torch.empty((b, k, m) if columnwise else (0, 0, 0), dtype=dtype, device=x.device),
+            torch.empty(b, dtype=torch.float32, device=x.device))
+
+
+def _batched_grid(x):
+    b, m, k = x.shape
+    return ((m + _BM - 1) // _BM, (k + _BK - 1) // _BK, b)
+
+
+def _batched_cast(x, amax_in, scale, scale_inv, row, col, amax_out, stride_out, dtype, eps, pow2, from_amax,
+                  columnwise, record, run):
+    b, m, k = x.shape
+    run(_cast_transpose_kernel, _batched_grid(x), x, amax_in, scale, scale_inv, row, col, amax_out, m, k,
+        x.stride(1), x.stride(0), stride_out, FMAX=FP8_MAX[dtype], EPS=eps, POW2=pow2, SCALE_FROM_AMAX=from_amax,
+        ROW=True, COL=columnwise, AMAX_OUT=record, BM=_BM, BK=_BK, num_warps=8)
+
+
+def _batched_current(x, dtype, eps, pow2, columnwise, amax=None, run=None):
+    """Current scaling of ``quantize_fp8_batched``: ``(row, col or empty, scale_inv)``; the
+    amax max-reduced into ``amax`` (zeros ``[B]``; default a zeroed slot) by the first launch."""
+    run = run or launch
+    b, m, k = x.shape
+    row, col, scale_inv = _batched_buffers(x, dtype, columnwise)
+    if not x.numel():
+        return row, col, scale_inv.fill_(1.0)
+    amax = zeroed_f32(x.device, b) if amax is None else amax
+    run(_amax_kernel, _batched_grid(x), x, amax, m, k, x.stride(1), x.stride(0), BM=_BM, BK=_BK, num_warps=4)
+    _batched_cast(x, amax, amax, scale_inv, row, col, amax, 0, dtype, eps, pow2, True, columnwise, False, run)
+    return row, col, scale_inv
+
+
+def _batched_current_fake(x, dtype, eps, pow2, columnwise):
+    return _batched_buffers(x, dtype, columnwise)
+
+
+@kernel_op("hybrid_dist::fp8_batched_current", fake=_batched_current_fake)
+def batched_current_op(x: torch.Tensor, dtype: torch.dtype, eps: float, pow2: bool,
+                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_batched_current`` for compiled graphs: the same kernels and arguments as eager (the
+    amax reduced into a traced zeroed buffer), so the same bytes."""
+    amax = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    return _batched_current(x, dtype, eps, pow2, columnwise, amax, traced_launch)
 
 
 _UNUSED: dict[torch.device, torch.Tensor] = {}

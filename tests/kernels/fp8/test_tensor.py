@@ -155,7 +155,58 @@ def _check_fp8_current_compiled():
                 bits_equal(a, b, f"compiled ({backend}) fp8 current {dtype} {name}")
 
 
+def _check_fp8_batched_compiled():
+    """Current scaling through the batched kernel compiled with ``aot_eager`` and inductor:
+    the operator ``hybrid_dist::fp8_batched_current`` runs the eager kernels once per call
+    (rows, columns, ``scale_inv``, an all-zero matrix's scale 1 included) and gives eager's
+    bytes; an empty batch's ``scale_inv`` is 1. Delayed scaling refuses to trace."""
+    from hybrid_dist.formats.float8 import Float8Quantizer
+    from hybrid_dist.kernels.fp8 import tensor as fp8_tensor
+
+    calls = [0]
+    real = fp8_tensor._batched_current
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    fp8_tensor._batched_current = counted
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 40, 72, generator=gen) * torch.tensor([0.5, 4.0, 1e-3])[:, None, None]).bfloat16()
+    x[1] = 0.0
+    for dtype, columnwise in ((torch.float8_e4m3fn, True), (torch.float8_e5m2, False)):
+        q = Float8Quantizer(dtype=dtype)
+        eager = fp8_tensor.quantize_fp8_batched(q, x, columnwise=columnwise)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            before = calls[0]
+            got = torch.compile(lambda x: fp8_tensor.quantize_fp8_batched(q, x, columnwise=columnwise),
+                                backend=backend, fullgraph=True)(x)
+            assert calls[0] - before == 1, f"{backend}: the batched kernels ran {calls[0] - before} times"
+            for name, a, b in zip(("row", "col", "scale_inv"), got, eager):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    bits_equal(a, b, f"compiled ({backend}) batched {dtype} {name}")
+    q = Float8Quantizer()
+    empty = torch.zeros(2, 0, 72, dtype=torch.bfloat16)
+    _, _, scale_inv = torch.compile(lambda x: fp8_tensor.quantize_fp8_batched(q, x), backend="aot_eager",
+                                    fullgraph=True)(empty)
+    assert scale_inv.tolist() == [1.0, 1.0], scale_inv
+    qd = Float8Quantizer(scaling="delayed")
+    try:
+        torch.compile(lambda x: fp8_tensor.quantize_fp8_batched(qd, x, states=[qd.make_state() for _ in range(3)]),
+                      backend="aot_eager", fullgraph=True)(x)
+    except Exception as e:  # Dynamo wraps the ValueError
+        assert "not traceable" in str(e), e
+    else:
+        raise AssertionError("delayed scaling traced through the batched kernel")
+
+
 CHECKS = ('fp8_current_compiled', 'fp8_batched', 'fp8_batched_delayed')
+
+
+def test_fp8_batched_compiled_under_triton_interpreter():
+    run_check_under_triton_interpreter("tests.kernels.fp8.test_tensor", "fp8_batched_compiled", timeout=600)
 
 
 @slow  # minutes of interpreted kernels on two cores: the slow tier
