@@ -110,8 +110,9 @@ _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _fp8_kernel_fits(x) -> bool:
-    """Per-tensor FP8 through the Triton ``kernels.fp8.rows`` kernel (else the torch form)."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1) or torch.compiler.is_compiling():
+    """Per-tensor FP8 through the Triton ``kernels.fp8.rows`` kernels (eager, or as operators in
+    compiled graphs), else the torch form."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1):
         return False
     return _HAVE_TRITON
 

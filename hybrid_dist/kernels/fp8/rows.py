@@ -23,6 +23,10 @@ multiply and the cast saturates and rounds to nearest even, as
 whose casts are exact (``tests/kernels/fp8/test_rows.py``). bf16 inputs only (the
 in-register transpose is tested for bf16 tiles only; other dtypes use the torch form).
 
+While ``torch.compile`` traces, ``expert_amax`` and ``fp8_rows`` launch the same kernels as
+the ``kernel_op``s ``hybrid_dist::fp8_expert_amax`` / ``hybrid_dist::fp8_packed_rows``, so a
+compiled packed split is eager's bytes from one read (no traced cast, no 1-byte transpose copy).
+
 ``place_codes`` moves rows that are already codes (the expert-parallel receiver's FP8
 rows, as bytes) into the same layout: ``row[p] = codes[t]`` (zero bytes for padding) and
 ``col = rowᵀ``, from one read, in place of a zero fill, an ``index_copy`` and a transpose.
@@ -37,6 +41,7 @@ import triton.language as tl
 from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8
 from hybrid_dist.kernels._launch import launch
+from hybrid_dist.kernels._traced import kernel_op, traced_launch
 
 __all__ = ["expert_amax", "fp8_rows", "place_codes"]
 
@@ -106,13 +111,29 @@ def expert_amax(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) 
     none); ``x [T, K]`` unit stride along K, ``expert_of_row [T]`` int, sorted (tokens
     grouped by expert). One read of ``x`` in tiles; each tile max-reduces its rows per
     expert and adds one relaxed atomic max per expert it holds. Exact (a max)."""
+    if torch.compiler.is_compiling():
+        return expert_amax_op(x, expert_of_row, num_experts)
+    return _expert_amax(x, expert_of_row, num_experts, launch)
+
+
+def _expert_amax(x, expert_of_row, num_experts, run):
     t, k = x.shape
     amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
     if t and k:
         grid = (triton.cdiv(t, _BM), triton.cdiv(k, _BK))
-        launch(_expert_amax_kernel, grid, x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_BM,
-               BK=_BK, num_warps=4)
+        run(_expert_amax_kernel, grid, x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_BM,
+            BK=_BK, num_warps=4)
     return amax
+
+
+def _expert_amax_fake(x, expert_of_row, num_experts):
+    return x.new_empty(num_experts, dtype=torch.float32)
+
+
+@kernel_op("hybrid_dist::fp8_expert_amax", fake=_expert_amax_fake)
+def expert_amax_op(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``expert_amax`` for compiled graphs: the same kernel and arguments."""
+    return _expert_amax(x, expert_of_row, num_experts, traced_launch)
 
 
 def fp8_rows(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor,
@@ -121,17 +142,41 @@ def fp8_rows(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, off
     """``(row [C, K] or None, col [K, C] or None)`` fp8 (module doc); ``x [T, K]`` bf16 with
     unit stride along K, ``scale [E]`` fp32, ``row_expert [C]``, ``offsets`` /
     ``padded_offsets [E+1]`` int64, all on one device."""
-    c, k, e = row_expert.numel(), x.shape[1], scale.numel()
-    row = torch.empty((c, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
-    col = torch.empty((k, c) if columnwise else (0, 0), dtype=dtype, device=x.device)
     if not (rowwise or columnwise):
         return None, None
+    args = (x, scale, row_expert, offsets, padded_offsets, dtype, rowwise, columnwise)
+    row, col = fp8_rows_op(*args) if torch.compiler.is_compiling() else _fp8_rows(*args, launch)
+    return (row if rowwise else None), (col if columnwise else None)
+
+
+def _fp8_rows_buffers(x, row_expert, dtype, rowwise, columnwise):
+    c, k = row_expert.numel(), x.shape[1]
+    return (x.new_empty((c, k) if rowwise else (0, 0), dtype=dtype),
+            x.new_empty((k, c) if columnwise else (0, 0), dtype=dtype))
+
+
+def _fp8_rows(x, scale, row_expert, offsets, padded_offsets, dtype, rowwise, columnwise, run):
+    c, k, e = row_expert.numel(), x.shape[1], scale.numel()
+    row, col = _fp8_rows_buffers(x, row_expert, dtype, rowwise, columnwise)
     if c and k:
         grid = (triton.cdiv(c, _BM), triton.cdiv(k, _BK))
-        launch(_fp8_packed_kernel, grid, x, scale.float().contiguous(), row_expert.contiguous(),
-               offsets.contiguous(), padded_offsets.contiguous(), row, col, c, k, e, max(x.stride(0), 1),
-               FMAX=FP8_MAX[dtype], ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=4)
-    return (row if rowwise else None), (col if columnwise else None)
+        run(_fp8_packed_kernel, grid, x, scale.float().contiguous(), row_expert.contiguous(),
+            offsets.contiguous(), padded_offsets.contiguous(), row, col, c, k, e, max(x.stride(0), 1),
+            FMAX=FP8_MAX[dtype], ROW=rowwise, COL=columnwise, BM=_BM, BK=_BK, num_warps=4)
+    return row, col
+
+
+def _fp8_rows_fake(x, scale, row_expert, offsets, padded_offsets, dtype, rowwise, columnwise):
+    return _fp8_rows_buffers(x, row_expert, dtype, rowwise, columnwise)
+
+
+@kernel_op("hybrid_dist::fp8_packed_rows", fake=_fp8_rows_fake)
+def fp8_rows_op(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor,
+                padded_offsets: torch.Tensor, dtype: torch.dtype, rowwise: bool,
+                columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_rows`` for compiled graphs (an absent direction is an empty ``[0, 0]``): the same
+    kernel and arguments."""
+    return _fp8_rows(x, scale, row_expert, offsets, padded_offsets, dtype, rowwise, columnwise, traced_launch)
 
 
 def place_codes(codes: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor, padded_offsets: torch.Tensor,

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from tests._helpers import run_under_triton_interpreter
+from tests._helpers import run_check_under_triton_interpreter, run_under_triton_interpreter
 from tests._tiers import slow
-
-pytestmark = slow  # minutes of interpreted kernels on two cores: the slow tier
 
 SPLITS = [37, 0, 90, 22, 1]
 
@@ -79,6 +77,53 @@ def _check():
     print("fp8_rows interpreter checks passed")
 
 
+def _check_compiled():
+    """(Under ``TRITON_INTERPRET=1``.) ``expert_amax`` and ``fp8_rows`` compiled with
+    ``aot_eager`` and inductor run their kernels once per call (the operators
+    ``hybrid_dist::fp8_expert_amax`` / ``fp8_packed_rows``) and give eager's bytes, for each
+    direction set."""
+    from hybrid_dist.kernels.fp8 import rows
+    from hybrid_dist.moe.device_split import _Layout
+    from tests._helpers import assert_bitwise_equal
+
+    calls = {"amax": 0, "rows": 0}
+    real_amax, real_rows = rows._expert_amax, rows._fp8_rows
+
+    def amax(*args):
+        calls["amax"] += 1
+        return real_amax(*args)
+
+    def fp8(*args):
+        calls["rows"] += 1
+        return real_rows(*args)
+
+    rows._expert_amax, rows._fp8_rows = amax, fp8
+    x, scale_e = _inputs(torch.Generator().manual_seed(1))
+    lay = _Layout(x, torch.tensor(SPLITS), 16)
+    args = (lay.row_expert, lay.off, lay.poff, torch.float8_e4m3fn)
+    for rowwise, columnwise in ((True, True), (False, True), (True, False)):
+        def split(x, scale):
+            a = rows.expert_amax(x, lay.eid, len(SPLITS))
+            return (a, *rows.fp8_rows(x, scale, *args, rowwise=rowwise, columnwise=columnwise))
+
+        eager = split(x, scale_e)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            before = dict(calls)
+            got = torch.compile(split, backend=backend, fullgraph=True)(x, scale_e)
+            assert calls == {k: v + 1 for k, v in before.items()}, (backend, before, calls)
+            for name, a, b in zip(("amax", "row", "col"), got, eager):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert_bitwise_equal(a, b, f"compiled ({backend}) {name}, rowwise={rowwise} "
+                                               f"columnwise={columnwise}")
+
+
+def test_compiled_rows_under_triton_interpreter():
+    run_check_under_triton_interpreter("tests.kernels.fp8.test_rows", "compiled", timeout=600)
+
+
+@slow  # minutes of interpreted kernels on two cores: the slow tier
 def test_fp8_rows_under_triton_interpreter():
     run_under_triton_interpreter("from tests.kernels.fp8.test_rows import _check; _check()",
                                  done="fp8_rows interpreter checks passed")
