@@ -54,6 +54,8 @@ VARIANTS = {
 PAIRS = {
     "moe4_bf16_ep2_vs_ep1": (("moe4_ep1_bf16", dict(recipe="bf16", moe_experts=4), False),
                              ("moe4_ep2_bf16", dict(recipe="bf16", moe_experts=4, ep=2), False)),
+    "fsdp_copy_in_hd_vs_torch": (("copy_in_torch", dict(recipe="fp8_current"), False),
+                                 ("copy_in_hd", dict(recipe="fp8_current", fsdp_copy_in="hd"), False)),
     "fp8_current_quantized_init_vs_hp_init": (
         ("fp8_current", dict(recipe="fp8_current"), False),
         ("quantized_init_fp8_current", dict(recipe="fp8_current", quantized_init=True), True)),
@@ -173,6 +175,33 @@ def test_moe_bf16_trains_the_same_with_ep2_as_with_ep1(tmp_path):
         failures.append(f"MoE bf16 fsdp=2: EP=2 losses {ep2} differ from EP=1 {ep1} (max |diff| {early:.2e} over "
                         f"3 steps, {late:.2e} over {STEPS}; same init and data, only reduction orders differ)")
     assert not failures, "\n".join(failures)
+
+
+def _copy_in_runs(rank, world_size, tmp):
+    from hybrid_dist.fsdp2 import grad_copy_in
+
+    calls, real = [], grad_copy_in.copy_in
+    grad_copy_in.copy_in = lambda *a: calls.append(1) or real(*a)
+    try:
+        out = {}
+        for name, kw, _ in PAIRS["fsdp_copy_in_hd_vs_torch"]:
+            before = len(calls)
+            out[name] = (_train(tmp, name, kw, resume=False)[0], len(calls) - before)
+        return out
+    finally:
+        grad_copy_in.copy_in = real
+        grad_copy_in.uninstall()
+
+
+def test_fsdp_copy_in_hd_trains_bitwise_like_torch(tmp_path):
+    """``--fsdp-copy-in hd`` packs every reduce-scatter's gradients with ``fsdp2.grad_copy_in``
+    (two FSDP units, one call each per step) into the bytes of FSDP2's own copy-in: the same
+    losses, step for step; ``torch`` leaves FSDP2's own in place."""
+    r0, _ = run_ranks(_copy_in_runs, 2, str(tmp_path))
+    (theirs, torch_calls), (ours, hd_calls) = r0["copy_in_torch"], r0["copy_in_hd"]
+    where = "fp8_current tiny layers=1 fsdp=2 gloo"
+    assert torch_calls == 0 and hd_calls == 2 * STEPS, f"{where}: copy_in calls torch {torch_calls}, hd {hd_calls}"
+    assert ours == theirs and len(ours) == STEPS, f"{where}: --fsdp-copy-in hd losses {ours} != torch's {theirs}"
 
 
 @slow
