@@ -8,10 +8,11 @@ output and copies it to the device: host time grows with the gradient's size (24
 block of an 8b MoE layer, 1.4B expert parameters, on an H200 host; about 1 ms per 1b
 block), during which the GPU waits when the backward is host-bound.
 
-``copy_in`` writes the same buffer with one strided ``copy_`` per gradient (plus a zero
-fill of the padding where ``d_i`` is not a multiple of ``W``): the bytes of
-``torch._chunk_cat`` (the casts are exact bf16 → fp32, or none), with host work per
-parameter. ``install()`` puts it in FSDP2's place for eager steps (a traced step keeps
+``copy_in`` writes the same buffer with one launch per gradient on CUDA
+(``kernels.chunk_copy``: every rank's chunk and its zero padding), elsewhere one strided
+``copy_`` per gradient plus a zero fill of the padding where ``d_i`` is not a multiple of
+``W``: the bytes of ``torch._chunk_cat`` (the casts are exact bf16 → fp32, or none), with
+host work per parameter. ``install()`` puts it in FSDP2's place for eager steps (a traced step keeps
 FSDP2's op); ``uninstall()`` restores FSDP2's.
 """
 
@@ -35,9 +36,14 @@ def copy_in(grads: list[torch.Tensor], out: torch.Tensor, world_size: int) -> No
     total = sum(r * t for _, r, t in layout)
     if total != dst_all.shape[1]:
         raise ValueError(f"fsdp2 copy_in: the gradients fill {total} of {dst_all.shape[1]} elements per rank")
+    kernel = _chunk_kernel(out)
     off = 0
     for g, per_chunk_rows, trail in layout:
         c = per_chunk_rows * trail
+        if kernel is not None and kernel.exact_cast(g.dtype, out.dtype):
+            kernel.copy_chunks(g.contiguous(), dst_all, off, c)
+            off += c
+            continue
         dst = dst_all[:, off:off + c]
         off += c
         full = g.shape[0] // per_chunk_rows  # ranks whose chunk is all real rows
@@ -49,6 +55,17 @@ def copy_in(grads: list[torch.Tensor], out: torch.Tensor, world_size: int) -> No
                 dst[full, :rem * trail].copy_(g[full * per_chunk_rows:].reshape(-1))
             dst[full, rem * trail:].zero_()
             dst[full + 1:].zero_()
+
+
+def _chunk_kernel(out: torch.Tensor):
+    """``kernels.chunk_copy`` where it serves ``out`` (CUDA, Triton, eager), else None."""
+    from hybrid_dist.kernels import kernels_serve
+
+    if not kernels_serve(out):
+        return None
+    from hybrid_dist.kernels import chunk_copy
+
+    return chunk_copy
 
 
 def _fsdp_collectives():

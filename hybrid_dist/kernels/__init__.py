@@ -2,7 +2,8 @@
 dispatch and the delayed-scaling update, each registered per quantizer class or operand pair.
 The kernels of each format live in ``fp8/``, ``mxfp8/`` and ``nvfp4/``; the helpers they
 share (``_jit_common``, ``_launch``, ``_zeros``, ``_words``, ``tile_config``, ``transpose``,
-``scale_staging``) and the GEMM path (``gemm``, ``dequant``) beside them.
+``scale_staging``) and the GEMM path (``gemm``, ``dequant``) beside them; ``chunk_copy`` is
+FSDP2's gradient copy-in (``fsdp2.grad_copy_in``).
 
 The reference backend (pure torch, ``hybrid_dist.formats``) is the ground truth and runs
 everywhere. Importing this package on a machine with CUDA and Triton fills the registry
