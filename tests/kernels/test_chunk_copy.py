@@ -43,3 +43,21 @@ def _check():
 
 def test_copy_in_through_the_kernel_bitwise_chunk_cat():
     run_under_triton_interpreter("from tests.kernels.test_chunk_copy import _check; _check(); print('chunk_copy passed')", done="chunk_copy passed", timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_copy_in_on_cuda_bitwise_chunk_cat(w):
+    """On the GPU: ``copy_in`` (``kernels.chunk_copy``, bf16 gradients into fp32) writes the
+    bytes of ``torch._chunk_cat``, with large gradients (several blocks per chunk)."""
+    from hybrid_dist.fsdp2 import grad_copy_in
+
+    gen = torch.Generator(device="cuda").manual_seed(w)
+    shapes = SHAPES + [(4096, 1024), (14336, 4096), (4097,)]
+    grads = [torch.randn(s, generator=gen, device="cuda").bfloat16() for s in shapes]
+    numel = sum(-(-g.shape[0] // w) * w * (g[0].numel() if g.shape[0] else 0) for g in grads)
+    want = torch.full((numel,), float("nan"), device="cuda")
+    got = torch.full((numel,), float("nan"), device="cuda")
+    torch._chunk_cat([g for g in grads if g.shape[0]], 0, w, out=want.view(w, -1))
+    grad_copy_in.copy_in(grads, got, w)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), w
