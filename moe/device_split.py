@@ -1,7 +1,8 @@
 """``split_quantize_packed``: the sync-free form of ``split_quantize`` (packed layout).
 
 Everything is sized from shapes known on the host — ``T``, ``E`` and the padding multiple
-``b`` — never from ``tokens_per_expert``'s values, so no device-to-host sync:
+``b`` — never from ``tokens_per_expert``'s values, so no device-to-host sync (one exception:
+NVFP4 in eager steps on CUDA, below):
 
     capacity  C = ceil((T + E·(b-1)) / b) · b          static bound on Σ p_e
     eid  [T]    = repeat_interleave(arange(E), m, output_size=T)      expert of each row
@@ -16,7 +17,12 @@ own ``compute_scale`` on the ``[E]`` vector, applied per row through ``eid``.
 
 NVFP4 likewise: a global scale per expert (from the per-expert amax, of the Hadamard-
 transformed columnwise values when ``rht``), broadcast per row (rowwise) or per 16-token
-block (columnwise) into the block-scale encoding.
+block (columnwise) into the block-scale encoding. Eager on CUDA, each expert's padded
+segment instead goes through the dense NVFP4 kernels (``_per_expert_nvfp4_slices``: the
+quantizer's own amax and quantize passes, written into the packed buffers), which reads the
+padded offsets on the host once per split; bitwise ``split_quantize`` there (stochastic
+rounding too: each segment draws from its expert's state). Compiled graphs and the CPU keep
+the torch form.
 
 Supported: identity, MXFP8, FP8 block (1x128, 128x128), per-tensor FP8 (current or
 delayed) and NVFP4 with 1D blocks, alone or paired in a ``HybridQuantizer``. NVFP4 2D
@@ -187,11 +193,50 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
             {"data": col, "scale_inv": scale_inv} if columnwise else None)
 
 
+def _nvfp4_slices_fit(x: torch.Tensor, per_expert_draws: bool) -> bool:
+    """Eager on CUDA with the Triton kernels: NVFP4 through the dense quantize kernel per
+    expert segment (``_per_expert_nvfp4_slices``)."""
+    return kernels_serve(x) and not per_expert_draws
+
+
+def _per_expert_nvfp4_slices(q: NVFP4Quantizer, lay: _Layout, states, *, direction):
+    """``_per_expert_nvfp4`` as one quantize call per non-empty expert on its padded segment
+    of ``x_pad`` (the dense NVFP4 kernels on CUDA: an amax pass and one quantize pass,
+    instead of ~20 torch passes over fp32 ``[C, K]``), written into the packed buffers. Reads
+    the padded offsets on the host once. Stochastic rounding draws each expert's segment
+    from its own state's kernel stream. Rows past the last expert stay zero, as the torch
+    form quantizes them (zero codes, zero block scales)."""
+    x_pad, e, rowwise = lay.x_pad, lay.num_experts, direction == "rowwise"
+    c, k = x_pad.shape
+    data = x_pad.new_zeros((c, k // 2) if rowwise else (k, c // 2), dtype=torch.uint8)
+    bs = x_pad.new_zeros((c, k // NV_BLOCK) if rowwise else (k, c // NV_BLOCK), dtype=torch.float8_e4m3fn)
+    ones = torch.ones((), dtype=torch.float32, device=x_pad.device)  # an empty expert: amax 0, scale 1
+    ends = [int(v) for v in lay.poff.tolist()]  # the one host read
+    gs = []
+    for i in range(e):
+        lo, hi = ends[i], ends[i + 1]
+        if hi == lo:
+            gs.append(ones)
+            continue
+        row, col = q.quantize_storages(x_pad[lo:hi], rowwise=rowwise, columnwise=not rowwise, state=states[i])
+        st = row if rowwise else col
+        if rowwise:
+            data[lo:hi] = st.data
+            bs[lo:hi] = st.block_scale
+        else:
+            data[:, lo // 2:hi // 2] = st.data
+            bs[:, lo // NV_BLOCK:hi // NV_BLOCK] = st.block_scale
+        gs.append(st.global_scale.reshape(()).float())
+    return {"data": data, "block_scale": bs, "global_scale": torch.stack(gs) if gs else ones.new_zeros(0)}
+
+
 def _per_expert_nvfp4(q: NVFP4Quantizer, lay: _Layout, states, *, direction, per_expert_draws: bool):
     """NVFP4 (1D blocks) with one global scale per expert; RHT on the columnwise direction
     as the quantizer does (16-blocks along tokens never straddle experts). Stochastic
     rounding: one draw over the packed buffer from expert 0's state, or each expert's
-    segment from its own state (module doc)."""
+    segment from its own state (module doc). Eager on CUDA: ``_per_expert_nvfp4_slices``."""
+    if _nvfp4_slices_fit(lay.x, per_expert_draws):
+        return _per_expert_nvfp4_slices(q, lay, states, direction=direction)
     x_pad, row_expert, e = lay.x_pad, lay.row_expert, lay.num_experts
     v = x_pad.float() if direction == "rowwise" else x_pad.t().float()
     if direction == "columnwise" and q.rht:

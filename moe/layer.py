@@ -17,7 +17,8 @@ enclosing ``hd.autocast``) quantizes fc1/fc2 (GroupedLinear) and the shared expe
 holds experts ``[rank·E/W, (rank+1)·E/W)`` and the load-balancing loss uses this rank's
 tokens.
 
-Without ``ep_group`` the layer makes no device-to-host sync on the CUDA paths and, on CPU,
+Without ``ep_group`` the layer makes no device-to-host sync on the CUDA paths (eager NVFP4
+splits read their offsets once, ``device_split``) and, on CPU,
 ``torch.compile(fullgraph=True)`` traces it whole with one graph for every routing
 (``grouped_linear``). Expert parallelism keeps a host sync: the all-to-all split sizes
 are read on the host (``expert_parallel.make_route``), so a compiled EP layer breaks there.

@@ -87,8 +87,35 @@ def test_packed_stochastic_rounding_per_expert_scales():
     assert sr_db > rn_db + 6, f"mean of 16 SR draws {sr_db:.1f} dB vs round-to-nearest {rn_db:.1f} dB"
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_rht", "hybrid_mxfp8_nvfp4", "nvfp4_rht_sr"])
+def test_packed_nvfp4_per_expert_slices_equal_reference(name, monkeypatch):
+    """The eager CUDA form of the NVFP4 packed split (one quantize call per non-empty expert
+    segment, ``_per_expert_nvfp4_slices``), forced on CPU where each call is the reference
+    quantizer: bitwise ``split_quantize``, stochastic rounding included (each expert's
+    segment from its own state, as ``split_quantize`` draws); one call per non-empty expert."""
+    from hybrid_dist.moe import device_split
+
+    q = hd.NVFP4Quantizer(rht=True, rht_seed=3, stochastic_rounding=True) if name == "nvfp4_rht_sr" \
+        else QUANTIZERS[name]
+    monkeypatch.setattr(device_split, "_nvfp4_slices_fit", lambda x, per_expert_draws: not per_expert_draws)
+    calls = []
+    real = device_split._per_expert_nvfp4_slices
+    monkeypatch.setattr(device_split, "_per_expert_nvfp4_slices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _compare(name, q)
+    nvfp4_directions = 1 if isinstance(q, hd.HybridQuantizer) else 2
+    assert len(calls) == nvfp4_directions, f"{name}: {len(calls)} slice splits"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "fp8_block_1x128", "hybrid_fp8_mxfp8", "nvfp4_rht"])
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_rht", "hybrid_mxfp8_nvfp4"])
+def test_packed_nvfp4_cuda_eager_equals_reference(name):
+    """Eager on CUDA the NVFP4 packed split runs the dense kernels per expert segment (one
+    host read of the offsets): bitwise ``split_quantize``, which runs them per expert too."""
+    _compare(name, QUANTIZERS[name], device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "fp8_block_1x128", "hybrid_fp8_mxfp8"])
 def test_packed_cuda_no_host_sync(name):
     q = QUANTIZERS[name]
     x = torch.randn(sum(SPLITS), 128, dtype=torch.bfloat16, device="cuda")
