@@ -11,9 +11,9 @@ block), during which the GPU waits when the backward is host-bound.
 ``copy_in`` writes the same buffer with one launch per gradient on CUDA
 (``kernels.chunk_copy``: every rank's chunk and its zero padding), elsewhere one strided
 ``copy_`` per gradient plus a zero fill of the padding where ``d_i`` is not a multiple of
-``W``: the bytes of ``torch._chunk_cat`` (the casts are exact bf16 → fp32, or none), with
-host work per parameter. ``install()`` puts it in FSDP2's place for eager steps (a traced step keeps
-FSDP2's op); ``uninstall()`` restores FSDP2's.
+``W``: the bytes of ``torch._chunk_cat``, with host work per parameter. ``install()`` puts
+it in FSDP2's place for eager steps (a traced step keeps FSDP2's op); ``uninstall()``
+restores FSDP2's.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import inspect
 import torch
 
 __all__ = ["copy_in", "install", "installed", "uninstall"]
+
 
 def copy_in(grads: list[torch.Tensor], out: torch.Tensor, world_size: int) -> None:
     """``torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out.view(world_size, -1))``

@@ -11,8 +11,9 @@ so ``torch.compile`` traces it whole); CUDA + bf16 recipe: ``torch._grouped_mm``
 device offsets (``_grouped_mm.py``); CUDA + a quantized recipe: ``split_quantize_packed``
 then ``torch._scaled_grouped_mm`` / ``torch._grouped_mm`` (``grouped_quantized.py``). The
 two CUDA paths make no device-to-host sync (except NVFP4 operands in eager steps, whose
-split reads the padded offsets on the host once, ``device_split``); the quantized one is not bitwise the reference
-(it rounds per-expert scales into one bf16 operand, its module doc). Expert-parallel calls
+split reads the padded offsets on the host once, ``device_split``); the quantized one is
+not bitwise the reference (it rounds per-expert scales into one bf16 operand, its module
+doc). Expert-parallel calls
 (``io``) take the loop, except those whose rows arrive packed for the quantized path
 (per-tensor FP8 and MXFP8-like block formats: ``packed_exchange``); recipes the quantized
 path refuses (``grouped_quantized.unsupported_reason``) take the loop on CUDA. The reference computes:

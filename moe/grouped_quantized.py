@@ -32,8 +32,9 @@ Each GEMM picks, from its operand pair:
   Hadamard seed multiply in the transformed domain (wgrad of the NVFP4 recipes).
 
 Nothing here reads a device value on the host; forward + backward make no device-to-host
-sync except an eager NVFP4 split's one read of its offsets (``device_split``). Empty experts: their wgrad block is set to zero on the device (the kernel need not
-write a group with no tokens). CPU: the same code with a loop over groups in place of the
+sync except an eager NVFP4 split's one read of its offsets (``device_split``). Empty
+experts: their wgrad block is set to zero on the device (the kernel need not write a group
+with no tokens). CPU: the same code with a loop over groups in place of the
 two torch kernels (``_emulated``), which also runs each call's arguments through the
 kernels' meta checks (shapes, strides, dtypes) — what the CPU tests use.
 """

@@ -42,7 +42,8 @@ def _check():
 
 
 def test_copy_in_through_the_kernel_bitwise_chunk_cat():
-    run_under_triton_interpreter("from tests.kernels.test_chunk_copy import _check; _check(); print('chunk_copy passed')", done="chunk_copy passed", timeout=600)
+    run_under_triton_interpreter("from tests.kernels.test_chunk_copy import _check; _check(); print('chunk_copy ok')",
+                                 done="chunk_copy ok", timeout=600)
 
 
 @pytest.mark.gpu
