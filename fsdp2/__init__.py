@@ -11,9 +11,9 @@ Public helpers: the buffer protocol over storages (``fsdp_buffer_fields``,
 (``sync_amax_and_requantize``, from ``hybrid_dist.sharded_params``;
 ``hd.MasterWeightOptimizer`` calls it for sharded parameters), and quantize-on-all-gather for high-precision parameters
 (``quantize_on_all_gather`` / ``HighPrecisionParam``), which is also the fallback for
-shards that do not align with a format's blocks. ``grad_copy_in.install()`` replaces FSDP2's
-packing of gradients before each reduce-scatter by one copy per parameter (the same bytes;
-``torch._chunk_cat`` builds host metadata per 2 KiB of gradient).
+shards that do not align with a format's blocks. ``grad_copy_in.copy_in`` packs gradients
+for the reduce-scatter as FSDP2 does, with host work per parameter where
+``torch._chunk_cat`` has it per 2 KiB of gradient (the launcher's ``--fsdp-copy-in hd``).
 
 Compositions: activation recompute under ``reshard_after_forward=True`` (recomputed
 modules gather both directions, ``_pass`` [Note: activation recompute]); a 2D ``(dp, tp)``

@@ -11,18 +11,16 @@ block), during which the GPU waits when the backward is host-bound.
 ``copy_in`` writes the same buffer with one launch per gradient on CUDA
 (``kernels.chunk_copy``: every rank's chunk and its zero padding), elsewhere one strided
 ``copy_`` per gradient plus a zero fill of the padding where ``d_i`` is not a multiple of
-``W``: the bytes of ``torch._chunk_cat``, with host work per parameter. ``install()`` puts
-it in FSDP2's place for eager steps (a traced step keeps FSDP2's op); ``uninstall()``
-restores FSDP2's.
+``W``: the bytes of ``torch._chunk_cat``, with host work per parameter. FSDP2 offers no
+extension point for its copy-in; the launcher's ``--fsdp-copy-in hd`` puts ``copy_in`` in
+its place (``launch/fsdp_copy_in.py``).
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-__all__ = ["copy_in", "install", "installed", "uninstall"]
+__all__ = ["copy_in"]
 
 
 def copy_in(grads: list[torch.Tensor], out: torch.Tensor, world_size: int) -> None:
@@ -67,51 +65,3 @@ def _chunk_kernel(out: torch.Tensor):
     from hybrid_dist.kernels import chunk_copy
 
     return chunk_copy
-
-
-def _fsdp_collectives():
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    return _fsdp_collectives
-
-
-def _wrapped(original):
-    def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
-        if torch.compiler.is_compiling():
-            return original(unsharded_grads, reduce_scatter_input, world_size)
-        copy_in(unsharded_grads, reduce_scatter_input, world_size)
-
-    foreach_reduce_scatter_copy_in.hd_original = original
-    return foreach_reduce_scatter_copy_in
-
-
-def install() -> bool:
-    """Replace FSDP2's gradient copy-in by ``copy_in`` (idempotent). False, with nothing
-    changed, where this torch's FSDP2 does not call ``foreach_reduce_scatter_copy_in(grads,
-    out, world_size)`` from ``foreach_reduce`` (the only form this replaces)."""
-    mod = _fsdp_collectives()
-    current = getattr(mod, "foreach_reduce_scatter_copy_in", None)
-    if current is None:
-        return False
-    if getattr(current, "hd_original", None) is not None:
-        return True
-    params = list(inspect.signature(current).parameters)
-    src = inspect.getsource(mod.foreach_reduce)
-    if params != ["unsharded_grads", "reduce_scatter_input", "world_size"] or \
-            "foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size)" not in src:
-        return False
-    mod.foreach_reduce_scatter_copy_in = _wrapped(current)
-    return True
-
-
-def installed() -> bool:
-    return getattr(getattr(_fsdp_collectives(), "foreach_reduce_scatter_copy_in", None), "hd_original",
-                   None) is not None
-
-
-def uninstall() -> None:
-    """Restore FSDP2's own copy-in."""
-    mod = _fsdp_collectives()
-    original = getattr(mod.foreach_reduce_scatter_copy_in, "hd_original", None)
-    if original is not None:
-        mod.foreach_reduce_scatter_copy_in = original

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from hybrid_dist.fsdp2 import grad_copy_in
-
+from hybrid_dist.launch import fsdp_copy_in
 from hybrid_dist.launch.config import TrainConfig
 from hybrid_dist.launch.mesh import Meshes, ParallelDims
 from hybrid_dist.launch.sequence_parallel import ConsumersInput
@@ -137,8 +136,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
         raise ValueError("--cpu-offload moves sharded parameters to CPU between uses; it needs a CUDA device")
     if needs_fsdp(cfg, dims, param_dtype):
         if cfg.fsdp_copy_in == "torch":
-            grad_copy_in.uninstall()  # process-wide: the flag of this run decides
-        elif not grad_copy_in.install():
+            fsdp_copy_in.uninstall()  # process-wide: the flag of this run decides
+        elif not fsdp_copy_in.install():
             raise ValueError("--fsdp-copy-in hd: this torch's FSDP2 does not pack gradients through "
                              "foreach_reduce_scatter_copy_in(grads, out, world_size); use --fsdp-copy-in torch")
         apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=cfg.cpu_offload, experts=experts,

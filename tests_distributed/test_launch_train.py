@@ -178,10 +178,10 @@ def test_moe_bf16_trains_the_same_with_ep2_as_with_ep1(tmp_path):
 
 
 def _copy_in_runs(rank, world_size, tmp):
-    from hybrid_dist.fsdp2 import grad_copy_in
+    from hybrid_dist.launch import fsdp_copy_in
 
-    calls, real = [], grad_copy_in.copy_in
-    grad_copy_in.copy_in = lambda *a: calls.append(1) or real(*a)
+    calls, real = [], fsdp_copy_in.copy_in
+    fsdp_copy_in.copy_in = lambda *a: calls.append(1) or real(*a)
     try:
         out = {}
         for name, kw, _ in PAIRS["fsdp_copy_in_hd_vs_torch"]:
@@ -189,8 +189,8 @@ def _copy_in_runs(rank, world_size, tmp):
             out[name] = (_train(tmp, name, kw, resume=False)[0], len(calls) - before)
         return out
     finally:
-        grad_copy_in.copy_in = real
-        grad_copy_in.uninstall()
+        fsdp_copy_in.copy_in = real
+        fsdp_copy_in.uninstall()
 
 
 def test_fsdp_copy_in_hd_trains_bitwise_like_torch(tmp_path):
