@@ -179,7 +179,14 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (before fully_shard)")
     ap.add_argument("--seq", type=int, default=SEQ, help="tokens per GPU (batch 1)")
     ap.add_argument("--adam", choices=("fused", "foreach"), default="fused", help="AdamW implementation")
+    ap.add_argument("--copy-in", choices=("torch", "hd"), default="torch",
+                    help="FSDP2's gradient copy-in: its own, or the launcher's --fsdp-copy-in hd")
     args = ap.parse_args()
+    if args.copy_in == "hd":
+        from hybrid_dist.launch import fsdp_copy_in
+
+        if not fsdp_copy_in.install():
+            raise SystemExit("--copy-in hd: this torch's FSDP2 does not call the copy-in it replaces")
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -199,7 +206,7 @@ def main() -> None:
              "fwd all-gather MiB", "fwd AG × bf16", "all-gather MiB/step"],
             out,
             f"FSDP2 Llama-3-8B-shaped {LAYERS}-layer stack, {dist.get_world_size()} GPUs, seq {args.seq}, "
-            f"{args.adam} AdamW",
+            f"{args.adam} AdamW, copy-in {args.copy_in}",
         )
     dist.destroy_process_group()
 
