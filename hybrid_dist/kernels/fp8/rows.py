@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from hybrid_dist.formats.numerics import FP8_MAX
-from hybrid_dist.kernels._jit_common import cast_fp8
+from hybrid_dist.kernels._jit_common import cast_fp8, eager_or_op
 from hybrid_dist.kernels._launch import launch
 from hybrid_dist.kernels._traced import kernel_op, traced_launch
 
@@ -106,23 +106,17 @@ def _expert_amax_kernel(x_ptr, eid_ptr, amax_ptr, T, K, stride_t, BM: tl.constex
         tl.atomic_max(amax_ptr + e, tl.max(tl.where(eid == e, row_max, 0.0), 0), sem="relaxed")
 
 
-def expert_amax(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) -> torch.Tensor:
+def _expert_amax(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int, run=None) -> torch.Tensor:
     """fp32 ``[E]``: ``max |x[t]|`` over the rows ``t`` of each expert (0 for an expert with
     none); ``x [T, K]`` unit stride along K, ``expert_of_row [T]`` int, sorted (tokens
     grouped by expert). One read of ``x`` in tiles; each tile max-reduces its rows per
     expert and adds one relaxed atomic max per expert it holds. Exact (a max)."""
-    if torch.compiler.is_compiling():
-        return expert_amax_op(x, expert_of_row, num_experts)
-    return _expert_amax(x, expert_of_row, num_experts, launch)
-
-
-def _expert_amax(x, expert_of_row, num_experts, run):
     t, k = x.shape
     amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
     if t and k:
         grid = (triton.cdiv(t, _BM), triton.cdiv(k, _BK))
-        run(_expert_amax_kernel, grid, x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1), BM=_BM,
-            BK=_BK, num_warps=4)
+        (run or launch)(_expert_amax_kernel, grid, x, expert_of_row.contiguous(), amax, t, k, max(x.stride(0), 1),
+                        BM=_BM, BK=_BK, num_warps=4)
     return amax
 
 
@@ -134,6 +128,9 @@ def _expert_amax_fake(x, expert_of_row, num_experts):
 def expert_amax_op(x: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``expert_amax`` for compiled graphs: the same kernel and arguments."""
     return _expert_amax(x, expert_of_row, num_experts, traced_launch)
+
+
+expert_amax = eager_or_op(expert_amax_op, _expert_amax)
 
 
 def fp8_rows(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor,
