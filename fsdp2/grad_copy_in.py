@@ -2,11 +2,9 @@
 
 Before each reduce-scatter FSDP2 packs a module's unsharded gradients into one buffer
 ``[W, Σ c_i]`` (``W`` ranks; gradient ``i`` of ``d_i`` rows padded to ``⌈d_i / W⌉·W`` and cut
-into ``W`` chunks of ``c_i`` elements, cast to the reduce dtype) with ``torch._chunk_cat``.
-On CUDA that op builds its kernel's metadata on the host with one entry per 2048 bytes of
-output and copies it to the device: host time grows with the gradient's size (24–47 ms per
-block of an 8b MoE layer, 1.4B expert parameters, on an H200 host; about 1 ms per 1b
-block), during which the GPU waits when the backward is host-bound.
+into ``W`` chunks of ``c_i`` elements, cast to the reduce dtype) with ``torch._chunk_cat``,
+whose CUDA path builds one host metadata entry per 2048 bytes of output (why that matters:
+``docs/design.md`` §7).
 
 ``copy_in`` writes the same buffer with one launch per gradient on CUDA
 (``kernels.chunk_copy``: every rank's chunk and its zero padding), elsewhere one strided
