@@ -20,9 +20,10 @@ transformed columnwise values when ``rht``), broadcast per row (rowwise) or per 
 block (columnwise) into the block-scale encoding. Eager on CUDA, each expert's padded
 segment instead goes through the dense NVFP4 kernels (``_per_expert_nvfp4_slices``: the
 quantizer's own amax and quantize passes, written into the packed buffers), which reads the
-padded offsets on the host once per split; bitwise ``split_quantize`` there (stochastic
-rounding too: each segment draws from its expert's state). Compiled graphs and the CPU keep
-the torch form.
+padded offsets on the host once per split; both directions of one NVFP4 quantizer come from
+one call per expert, the call ``split_quantize`` makes, so the result is bitwise
+``split_quantize``'s (stochastic rounding too: each segment draws from its expert's state).
+Compiled graphs and the CPU keep the torch form.
 
 Supported: identity, MXFP8, FP8 block (1x128, 128x128), per-tensor FP8 (current or
 delayed) and NVFP4 with 1D blocks, alone or paired in a ``HybridQuantizer``. NVFP4 2D
@@ -199,35 +200,43 @@ def _nvfp4_slices_fit(x: torch.Tensor, per_expert_draws: bool) -> bool:
     return kernels_serve(x) and not per_expert_draws
 
 
-def _per_expert_nvfp4_slices(q: NVFP4Quantizer, lay: _Layout, states, *, direction):
-    """``_per_expert_nvfp4`` as one quantize call per non-empty expert on its padded segment
-    of ``x_pad`` (the dense NVFP4 kernels on CUDA: an amax pass and one quantize pass,
-    instead of ~20 torch passes over fp32 ``[C, K]``), written into the packed buffers. Reads
-    the padded offsets on the host once. Stochastic rounding draws each expert's segment
-    from its own state's kernel stream. Rows past the last expert stay zero, as the torch
-    form quantizes them (zero codes, zero block scales)."""
-    x_pad, e, rowwise = lay.x_pad, lay.num_experts, direction == "rowwise"
+def _per_expert_nvfp4_slices(q: NVFP4Quantizer, lay: _Layout, states, *, rowwise: bool, columnwise: bool):
+    """``(rowwise fields or None, columnwise fields or None)`` of ``_per_expert_nvfp4``, as one
+    quantize call per non-empty expert on its padded segment of ``x_pad`` for every requested
+    direction at once (the dense NVFP4 kernels on CUDA: an amax pass and one quantize pass,
+    instead of ~20 torch passes over fp32 ``[C, K]`` per direction), written into the packed
+    buffers. Reads the padded offsets on the host once. Each segment is the call
+    ``split_quantize`` makes for that expert (stochastic rounding from its own state). Rows
+    past the last expert stay zero, as the torch form quantizes them (zero codes, zero block
+    scales)."""
+    x_pad, e = lay.x_pad, lay.num_experts
     c, k = x_pad.shape
-    data = x_pad.new_zeros((c, k // 2) if rowwise else (k, c // 2), dtype=torch.uint8)
-    bs = x_pad.new_zeros((c, k // NV_BLOCK) if rowwise else (k, c // NV_BLOCK), dtype=torch.float8_e4m3fn)
+    shapes = {"rowwise": ((c, k // 2), (c, k // NV_BLOCK)), "columnwise": ((k, c // 2), (k, c // NV_BLOCK))}
+    dirs = [d for d, want in (("rowwise", rowwise), ("columnwise", columnwise)) if want]
+    out = {d: {"data": x_pad.new_zeros(shapes[d][0], dtype=torch.uint8),
+               "block_scale": x_pad.new_zeros(shapes[d][1], dtype=torch.float8_e4m3fn), "global_scale": []}
+           for d in dirs}
     ones = torch.ones((), dtype=torch.float32, device=x_pad.device)  # an empty expert: amax 0, scale 1
     ends = [int(v) for v in lay.poff.tolist()]  # the one host read
-    gs = []
     for i in range(e):
         lo, hi = ends[i], ends[i + 1]
         if hi == lo:
-            gs.append(ones)
+            for d in dirs:
+                out[d]["global_scale"].append(ones)
             continue
-        row, col = q.quantize_storages(x_pad[lo:hi], rowwise=rowwise, columnwise=not rowwise, state=states[i])
-        st = row if rowwise else col
-        if rowwise:
-            data[lo:hi] = st.data
-            bs[lo:hi] = st.block_scale
-        else:
-            data[:, lo // 2:hi // 2] = st.data
-            bs[:, lo // NV_BLOCK:hi // NV_BLOCK] = st.block_scale
-        gs.append(st.global_scale.reshape(()).float())
-    return {"data": data, "block_scale": bs, "global_scale": torch.stack(gs) if gs else ones.new_zeros(0)}
+        row, col = q.quantize_storages(x_pad[lo:hi], rowwise=rowwise, columnwise=columnwise, state=states[i])
+        for d, st in (("rowwise", row), ("columnwise", col)):
+            if st is None:
+                continue
+            rows = slice(lo, hi) if d == "rowwise" else slice(None)
+            out[d]["data"][rows, slice(None) if d == "rowwise" else slice(lo // 2, hi // 2)] = st.data
+            out[d]["block_scale"][rows, slice(None) if d == "rowwise" else slice(lo // NV_BLOCK, hi // NV_BLOCK)] \
+                = st.block_scale
+            out[d]["global_scale"].append(st.global_scale.reshape(()).float())
+    for d in dirs:
+        gs = out[d]["global_scale"]
+        out[d]["global_scale"] = torch.stack(gs) if gs else ones.new_zeros(0)
+    return out.get("rowwise"), out.get("columnwise")
 
 
 def _per_expert_nvfp4(q: NVFP4Quantizer, lay: _Layout, states, *, direction, per_expert_draws: bool):
@@ -236,7 +245,9 @@ def _per_expert_nvfp4(q: NVFP4Quantizer, lay: _Layout, states, *, direction, per
     rounding: one draw over the packed buffer from expert 0's state, or each expert's
     segment from its own state (module doc). Eager on CUDA: ``_per_expert_nvfp4_slices``."""
     if _nvfp4_slices_fit(lay.x, per_expert_draws):
-        return _per_expert_nvfp4_slices(q, lay, states, direction=direction)
+        row, col = _per_expert_nvfp4_slices(q, lay, states, rowwise=direction == "rowwise",
+                                            columnwise=direction == "columnwise")
+        return row or col
     x_pad, row_expert, e = lay.x_pad, lay.row_expert, lay.num_experts
     v = x_pad.float() if direction == "rowwise" else x_pad.t().float()
     if direction == "columnwise" and q.rht:
@@ -329,6 +340,9 @@ def split_quantize_packed(
         st = [quantizer.direction_state(s, "rowwise") for s in states]
         row, col = _per_expert_fp8(quantizer.direction_quantizer("rowwise"), lay, st, rowwise=rowwise,
                                    columnwise=columnwise)
+    elif (rowwise and columnwise and isinstance(quantizer, NVFP4Quantizer) and not quantizer.block_2d
+          and _nvfp4_slices_fit(x, per_expert_draws)):  # both directions from one read per expert
+        row, col = _per_expert_nvfp4_slices(quantizer, lay, states, rowwise=True, columnwise=True)
     else:
         row = _direction_fields(quantizer, lay, states, "rowwise", per_expert_draws) if rowwise else None
         col = _direction_fields(quantizer, lay, states, "columnwise", per_expert_draws) if columnwise else None
