@@ -128,13 +128,16 @@ def expert_weight_storages(weight, plan, *, need_dgrad: bool):
     return rows, cols
 
 
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def _batched_fp8_quantizer(weight, q) -> Float8Quantizer | None:
     """The ``Float8Quantizer`` making both directions of ``weight`` when the batched kernel
     serves it (bf16 on CUDA, unit stride along K, Triton; delayed scaling eagerly, current
     scaling also compiled), else None."""
     if isinstance(weight, QuantizedTensor) or not weight.is_cuda or weight.dtype != torch.bfloat16:
         return None
-    if weight.stride(-1) != 1 or importlib.util.find_spec("triton") is None:
+    if weight.stride(-1) != 1 or not _HAVE_TRITON:
         return None
     rq, cq = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
     if not (isinstance(rq, Float8Quantizer) and rq == cq):
