@@ -13,7 +13,7 @@ Public helpers: the buffer protocol over storages (``fsdp_buffer_fields``,
 (``quantize_on_all_gather`` / ``HighPrecisionParam``), which is also the fallback for
 shards that do not align with a format's blocks. ``grad_copy_in.copy_in`` packs gradients
 for the reduce-scatter as FSDP2 does, with host work per parameter where
-``torch._chunk_cat`` has it per 2 KiB of gradient (the launcher's ``--fsdp-copy-in hd``).
+``torch._chunk_cat`` has it per 2 KiB of gradient (the launcher's default, ``--fsdp-copy-in``).
 
 Compositions: activation recompute under ``reshard_after_forward=True`` (recomputed
 modules gather both directions, ``_pass`` [Note: activation recompute]); a 2D ``(dp, tp)``

@@ -10,8 +10,8 @@ whose CUDA path builds one host metadata entry per 2048 bytes of output (why tha
 (``kernels.chunk_copy``: every rank's chunk and its zero padding), elsewhere one strided
 ``copy_`` per gradient plus a zero fill of the padding where ``d_i`` is not a multiple of
 ``W``: the bytes of ``torch._chunk_cat``, with host work per parameter. FSDP2 offers no
-extension point for its copy-in; the launcher's ``--fsdp-copy-in hd`` puts ``copy_in`` in
-its place (``launch/fsdp_copy_in.py``).
+extension point for its copy-in; the launcher puts ``copy_in`` in its place unless run
+with ``--fsdp-copy-in torch`` (``launch/fsdp_copy_in.py``).
 """
 
 from __future__ import annotations

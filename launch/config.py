@@ -48,7 +48,7 @@ class TrainConfig:
     quantized_init: bool = False
     activation_checkpointing: bool = False
     cpu_offload: bool = False
-    fsdp_copy_in: str = "torch"     # FSDP2's gradient copy-in before reduce-scatter: torch (its own) or hd
+    fsdp_copy_in: str = "auto"      # FSDP2's gradient copy-in before reduce-scatter: auto, hd or torch (its own)
     compile: bool = False
     share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
     data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
@@ -78,8 +78,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.layers < 0:
             raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
-        if self.fsdp_copy_in not in ("torch", "hd"):
-            raise ValueError(f"--fsdp-copy-in must be torch or hd, got {self.fsdp_copy_in!r}")
+        if self.fsdp_copy_in not in ("auto", "hd", "torch"):
+            raise ValueError(f"--fsdp-copy-in must be auto, hd or torch, got {self.fsdp_copy_in!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"--on-nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         for name in ("collective_timeout", "first_step_timeout"):
@@ -216,9 +216,9 @@ _HELP = {
     "quantized_init": "create block weights as QuantizedTensors (hd.quantized_model_init)",
     "activation_checkpointing": "recompute each block in backward",
     "cpu_offload": "FSDP2 CPU offload of sharded parameters (GPU only)",
-    "fsdp_copy_in": "FSDP2's packing of gradients before each reduce-scatter: torch (torch._chunk_cat, host "
-                    "work per 2 KiB of gradient) or hd (hybrid_dist.fsdp2.grad_copy_in: the same bytes, one copy "
-                    "per parameter)",
+    "fsdp_copy_in": "FSDP2's packing of gradients before each reduce-scatter: hd (hybrid_dist.fsdp2."
+                    "grad_copy_in: the same bytes, one copy per parameter), torch (torch._chunk_cat, host work "
+                    "per 2 KiB of gradient) or auto (hd where this torch's FSDP2 allows it, else torch)",
     "compile": "torch.compile each block",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "
                               "(hd.link_quantized_input; not with --compile or --tp)",

@@ -1,11 +1,12 @@
-"""``--fsdp-copy-in hd``: the launcher puts ``fsdp2.grad_copy_in.copy_in`` in FSDP2's place.
+"""``--fsdp-copy-in``: the launcher puts ``fsdp2.grad_copy_in.copy_in`` in FSDP2's place.
 
 FSDP2 packs a module's gradients for the reduce-scatter in the private function
 ``_fsdp_collectives.foreach_reduce_scatter_copy_in(grads, out, world_size)``, which
 ``foreach_reduce`` looks up at each call; it has no extension point for this step (a custom
 ``ReduceScatter`` chooses the buffer and the collective, not the packing). The training job,
-an application that owns its process, replaces that function when asked to, after checking
-that this torch's ``foreach_reduce`` calls it in the form replaced; the library never does.
+an application that owns its process, replaces that function (``auto``, the default, and
+``hd``) after checking that this torch's ``foreach_reduce`` calls it in the form replaced;
+the library never does.
 A traced step keeps FSDP2's own (``torch.ops.fsdp.chunk_cat``).
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from hybrid_dist.fsdp2.grad_copy_in import copy_in
 
-__all__ = ["install", "installed", "uninstall"]
+__all__ = ["choose", "install", "installed", "uninstall"]
 
 _CALL = "foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size)"
 
@@ -67,3 +68,18 @@ def uninstall() -> None:
     original = getattr(mod.foreach_reduce_scatter_copy_in, "hd_original", None)
     if original is not None:
         mod.foreach_reduce_scatter_copy_in = original
+
+
+def choose(choice: str) -> bool:
+    """Apply the launcher's ``--fsdp-copy-in`` choice process-wide and say whether ``copy_in``
+    is in place: ``torch`` restores FSDP2's own; ``hd`` installs ours or raises where this torch
+    does not allow it; ``auto`` installs ours where it can and keeps FSDP2's own otherwise."""
+    if choice == "torch":
+        uninstall()
+        return False
+    if install():
+        return True
+    if choice == "hd":
+        raise ValueError("--fsdp-copy-in hd: this torch's FSDP2 does not pack gradients through "
+                         f"{_CALL}; use --fsdp-copy-in torch or auto")
+    return False

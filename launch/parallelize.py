@@ -135,11 +135,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
     if cfg.cpu_offload and device_type != "cuda":
         raise ValueError("--cpu-offload moves sharded parameters to CPU between uses; it needs a CUDA device")
     if needs_fsdp(cfg, dims, param_dtype):
-        if cfg.fsdp_copy_in == "torch":
-            fsdp_copy_in.uninstall()  # process-wide: the flag of this run decides
-        elif not fsdp_copy_in.install():
-            raise ValueError("--fsdp-copy-in hd: this torch's FSDP2 does not pack gradients through "
-                             "foreach_reduce_scatter_copy_in(grads, out, world_size); use --fsdp-copy-in torch")
+        fsdp_copy_in.choose(cfg.fsdp_copy_in)  # process-wide: the flag of this run decides
         apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=cfg.cpu_offload, experts=experts,
                    expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp)
     return model

@@ -25,6 +25,27 @@ def test_install_replaces_and_uninstall_restores():
     assert fc.foreach_reduce_scatter_copy_in is original and not fsdp_copy_in.installed()
 
 
+
+def test_choose_applies_the_flag_and_falls_back_only_under_auto(monkeypatch):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+
+    original = fc.foreach_reduce_scatter_copy_in
+    try:
+        assert fsdp_copy_in.choose("auto") and fsdp_copy_in.installed()
+        assert not fsdp_copy_in.choose("torch") and fc.foreach_reduce_scatter_copy_in is original
+        assert fsdp_copy_in.choose("hd") and fsdp_copy_in.installed()
+        fsdp_copy_in.uninstall()
+        # a torch whose foreach_reduce packs gradients some other way: auto keeps it, hd refuses
+        monkeypatch.setattr(fc, "foreach_reduce_scatter_copy_in", lambda grads, out: None)
+        assert not fsdp_copy_in.choose("auto") and not fsdp_copy_in.installed()
+        with pytest.raises(ValueError, match="--fsdp-copy-in hd"):
+            fsdp_copy_in.choose("hd")
+    finally:
+        monkeypatch.undo()
+        fsdp_copy_in.uninstall()
+    assert fc.foreach_reduce_scatter_copy_in is original
+
+
 class _Odd(nn.Module):
     """Parameters whose rows do not divide by 2 or 3 ranks, a 1-D one and an embedding."""
 

@@ -54,8 +54,8 @@ VARIANTS = {
 PAIRS = {
     "moe4_bf16_ep2_vs_ep1": (("moe4_ep1_bf16", dict(recipe="bf16", moe_experts=4), False),
                              ("moe4_ep2_bf16", dict(recipe="bf16", moe_experts=4, ep=2), False)),
-    "fsdp_copy_in_hd_vs_torch": (("copy_in_torch", dict(recipe="fp8_current"), False),
-                                 ("copy_in_hd", dict(recipe="fp8_current", fsdp_copy_in="hd"), False)),
+    "fsdp_copy_in_default_vs_torch": (("copy_in_torch", dict(recipe="fp8_current", fsdp_copy_in="torch"), False),
+                                      ("copy_in_default", dict(recipe="fp8_current"), False)),
     "fp8_current_quantized_init_vs_hp_init": (
         ("fp8_current", dict(recipe="fp8_current"), False),
         ("quantized_init_fp8_current", dict(recipe="fp8_current", quantized_init=True), True)),
@@ -184,7 +184,7 @@ def _copy_in_runs(rank, world_size, tmp):
     fsdp_copy_in.copy_in = lambda *a: calls.append(1) or real(*a)
     try:
         out = {}
-        for name, kw, _ in PAIRS["fsdp_copy_in_hd_vs_torch"]:
+        for name, kw, _ in PAIRS["fsdp_copy_in_default_vs_torch"]:
             before = len(calls)
             out[name] = (_train(tmp, name, kw, resume=False)[0], len(calls) - before)
         return out
@@ -193,15 +193,16 @@ def _copy_in_runs(rank, world_size, tmp):
         fsdp_copy_in.uninstall()
 
 
-def test_fsdp_copy_in_hd_trains_bitwise_like_torch(tmp_path):
-    """``--fsdp-copy-in hd`` packs every reduce-scatter's gradients with ``fsdp2.grad_copy_in``
-    (two FSDP units, one call each per step) into the bytes of FSDP2's own copy-in: the same
-    losses, step for step; ``torch`` leaves FSDP2's own in place."""
+def test_fsdp_copy_in_default_trains_bitwise_like_torch(tmp_path):
+    """By default (``--fsdp-copy-in auto`` on a torch whose FSDP2 allows it) every
+    reduce-scatter's gradients are packed by ``fsdp2.grad_copy_in`` (two FSDP units, one call
+    each per step) into the bytes of FSDP2's own copy-in: the same losses, step for step;
+    ``torch`` leaves FSDP2's own in place."""
     r0, _ = run_ranks(_copy_in_runs, 2, str(tmp_path))
-    (theirs, torch_calls), (ours, hd_calls) = r0["copy_in_torch"], r0["copy_in_hd"]
+    (theirs, torch_calls), (ours, hd_calls) = r0["copy_in_torch"], r0["copy_in_default"]
     where = "fp8_current tiny layers=1 fsdp=2 gloo"
     assert torch_calls == 0 and hd_calls == 2 * STEPS, f"{where}: copy_in calls torch {torch_calls}, hd {hd_calls}"
-    assert ours == theirs and len(ours) == STEPS, f"{where}: --fsdp-copy-in hd losses {ours} != torch's {theirs}"
+    assert ours == theirs and len(ours) == STEPS, f"{where}: default copy-in losses {ours} != torch's {theirs}"
 
 
 @slow
