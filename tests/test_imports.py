@@ -214,3 +214,24 @@ def test_each_module_imports_alone_in_a_fresh_interpreter():
     outs = [p.communicate(timeout=300)[0] for p in procs]
     failed = [out for p, out in zip(procs, outs) if p.returncode]
     assert not failed, "modules that fail to import alone:\n" + "\n".join(failed)
+
+
+def test_module_finders_run_at_import_only():
+    """Dynamo refuses to trace ``importlib.util.find_spec`` / ``importlib.import_module``, so
+    such a call inside a function that a compiled graph reaches is a graph break (one in
+    ``moe.grouped_operands`` broke every compiled MoE block on CUDA): availability checks are
+    module-level constants. The launcher's flag parsing and layout checks run before any
+    model exists and are exempt."""
+    finders = {"find_spec", "import_module"}
+    setup_only = {"hybrid_dist.launch.config._recipe_module", "hybrid_dist.launch.parallelize.missing_api"}
+    calls = []
+    for name, path in _module_files().items():
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                        node.func.attr in finders and f"{name}.{fn.name}" not in setup_only:
+                    calls.append(f"{name}.{fn.name} (line {node.lineno}): {node.func.attr}")
+    assert not calls, "module finders called inside functions:\n" + "\n".join(calls)
