@@ -4,8 +4,8 @@
 A sampling profiler costs per sample, not per op, unlike ``torch.profiler``, whose per-op
 records inflate op-heavy host code most (its cost grows with the sampling rate: keep it low). From the collapsed stacks (``frame;frame;... count`` per
 line; with ``--subprocesses`` the first frame names the process) this keeps the samples
-inside the launcher's ``train_step`` and outside compilation (Dynamo, AOTAutograd,
-inductor and Triton compiling), splits them by region (forward / backward / optimizer; the backward's
+inside the launcher's ``train_step`` and outside compilation and first calls (Dynamo,
+AOTAutograd, inductor and Triton compiling, imports inside a step), splits them by region (forward / backward / optimizer; the backward's
 Python runs on autograd's thread, outside ``train_step``: its samples are the other
 threads' stacks with a ``backward`` frame), and prints per region the functions with the
 most samples, inclusive and as the innermost frame, as shares of all kept samples. Compare summaries of
@@ -23,7 +23,10 @@ from collections import Counter
 
 COMPILING = re.compile(r"convert_frame|compile_fx|_compile_inner|aot_module|create_aot_dispatcher|codecache"
                        r"|JITFunction\._do_compile"  # Triton compiling a kernel at its first launch
-                       r"|fx_codegen|lowering|scheduler\.py|autotune|async_compile")
+                       r"|fx_codegen|lowering|scheduler\.py|autotune|async_compile"
+                       # first calls: a module imported inside a step, AOTAutograd's check of
+                       # custom-op aliasing on a compiled graph's first run
+                       r"|_find_and_load|_AnalyzeCustomOpInputOutputMode")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^():]*)(?::\d+)?\)$")
 _OPTIMIZER = re.compile(r"(^|\.)step \(|_write_back")
 _BACKWARD = re.compile(r"(^|\.)backward \(")

@@ -1,5 +1,5 @@
 """``benchmarks.spy_summary`` on made collapsed stacks: samples of the training processes
-only, compilation left out, regions and inclusive per-function shares."""
+only, compilation and first calls left out, regions and inclusive per-function shares."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ LINES = [
     f"{TRAIN};forward (model.py:60);__call__ (eval_frame.py:400) 30",
     f"{TRAIN};forward (model.py:60);_compile_inner (convert_frame.py:700) 500",  # compiling: left out
     f"{TRAIN};cast (fp8_tensor.py:9);launch (_launch.py:124);JITFunction._do_compile (jit.py:3) 40",  # Triton JIT
+    f"{P};_worker (threading.py:1);backward (x.py:1);launch (_launch.py:124);run (jit.py:710);"
+    "_find_and_load (<frozen importlib._bootstrap>:1360) 12",  # an import at a first launch: left out
+    f"{TRAIN};forward (model.py:60);_AnalyzeCustomOpInputOutputMode.__torch_dispatch__ "
+    "(runtime_wrappers.py:409) 6",  # a compiled graph's first run: left out
     f"{TRAIN};MasterWeightOptimizer.step (optim.py:120);requantize_many_ (requantize_many.py:30) 10",
     f"{TRAIN};backward (_tensor.py:600);_engine_run_backward (graph.py:800) 5",
     f"{P};_worker (threading.py:1);CompiledFunction.backward (runtime_wrappers.py:2000);call (x.py:3) 50",
