@@ -18,7 +18,8 @@ same count, numels and dtypes. Three modes keep that true:
 * ``"packed"`` — a hybrid of two formats with different signatures: this pass's buffers
   are packed into one uint8 buffer of ``max(rowwise bytes, columnwise bytes)`` per rank,
   so the larger direction travels unpadded and the smaller one pays the padding. A
-  one-rank mesh always packs (FSDP2 then copies only the first all-gather input).
+  one-rank mesh packs every pass that sends more than one buffer (FSDP2 then copies only
+  the first all-gather input); one buffer (per-tensor FP8: the codes) goes in slots.
 
 The unsharded tensor always holds both directions as storage objects: backward saved the
 columnwise storage in forward, FSDP frees it at the forward reshard and re-allocates it
@@ -167,12 +168,14 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
         )
     metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast, live_scalars=True) for d in present}
     capacity = 0
-    if world == 1:  # FSDP2 copies only the first all-gather input when it has one rank
+    signatures = {metas[d].signature() for d in present}
+    one_buffer = not both and len(signatures) == 1 and len(next(iter(signatures))) == 1
+    if world == 1 and not one_buffer:  # FSDP2 copies only the first all-gather input on one rank
         capacity = sum(metas[d].nbytes() for d in wanted) if both else max(m.nbytes() for m in metas.values())
         mode = "packed"
     elif both:
         mode = "both"
-    elif len({metas[d].signature() for d in present}) == 1:
+    elif len(signatures) == 1:
         mode = "slots"
     else:
         capacity = max(m.nbytes() for m in metas.values())

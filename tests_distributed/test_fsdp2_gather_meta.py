@@ -95,6 +95,28 @@ def test_backward_transport_reads_the_rowwise_data(name, expected):
         assert inputs[0].data_ptr() == shard.rowwise.data.data_ptr(), f"{name}: the rowwise data was copied"
 
 
+@pytest.mark.parametrize("name, one_rank_mode", [("fp8_current", "slots"), ("fp8_delayed", "slots"),
+                                                  ("mxfp8", "packed"), ("nvfp4", "packed"),
+                                                  ("mxfp8_fwd_nvfp4_bwd", "packed")])
+def test_one_rank_packs_only_passes_of_several_buffers(name, one_rank_mode):
+    """On a one-rank mesh FSDP2 copies only the first all-gather input: a pass whose
+    transport is one buffer (per-tensor FP8's codes; its scale travels in the metadata) goes
+    in slots, sending views of the shard's own bytes, built once; the others pack."""
+    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
+    shard = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    for pass_ in (FORWARD, BACKWARD):
+        inputs, meta = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None)
+        again, _ = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None)
+        assert meta.mode == one_rank_mode, f"{name} {pass_}: one-rank mode {meta.mode}, expected {one_rank_mode}"
+        assert len(inputs) == 1, f"{name} {pass_}: {len(inputs)} all-gather inputs on one rank"
+        if one_rank_mode == "slots":
+            assert again is inputs and inputs[0].data_ptr() == shard.rowwise.data.data_ptr(), (
+                f"{name} {pass_}: the one-rank input is not the shard's rowwise codes")
+    fresh = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    both, meta = gather_inputs(fresh, BOTH, 1, torch.Size([128, 256]), None)  # no reshard after forward
+    assert meta.mode == "packed" and len(both) == 1, f"{name}: both directions on one rank: {meta.mode}"
+
+
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4"])
 def test_refresh_reuses_inputs_and_copies_only_unaliased_fields(name):
     """Steady-state gathers do no repeated work: the transport inputs that are views of the

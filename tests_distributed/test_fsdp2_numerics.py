@@ -252,6 +252,14 @@ def test_fsdp2_trains_bitwise_like_unsharded_2_ranks_every_recipe(names):
 
 
 @pytest.mark.parametrize("names", recipe_groups())
+def test_fsdp2_trains_bitwise_like_unsharded_1_rank_every_recipe(names):
+    """One rank: FSDP2 copies only the first all-gather input, so a pass sending one buffer
+    (per-tensor FP8) goes in slots and every other one is packed (``_hooks`` note)."""
+    (results,) = run_ranks(train_and_compare, 1, names, True)
+    _check(results, 1, exact=True, reshard=True)
+
+
+@pytest.mark.parametrize("names", recipe_groups())
 def test_fsdp2_trains_bitwise_like_unsharded_2_ranks_kept_init_every_recipe(names):
     """``quantized_model_init``'s default (``keep_high_precision_init=True``): the sharded
     masters start from the rows of the fp32 init that ``fully_shard`` carried to each shard,
