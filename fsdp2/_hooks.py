@@ -231,22 +231,23 @@ class _Refresh:
 
 def _refresh_program(target, outputs, meta: GatherMeta) -> _Refresh:
     """The cached :class:`_Refresh` of ``target`` for these outputs (see its note); built
-    when missing or stale. "packed" outputs are fresh copies (``_unpack``) and are never
-    cached."""
+    when missing or stale. Multi-rank "packed" outputs are unpacked into fresh copies
+    (``_unpack``), so their programs are never cached; a one-rank packed output is read in
+    place, like the other modes."""
     bases = tuple(o if o._base is None else o._base for o in outputs)
     storages = tuple(target.storage_of(d) for d in meta.gathered)
     programs = target.__dict__.setdefault("_hd_refresh", {})
     program = programs.get(meta.pass_)
     if program is not None and program.matches(bases, meta, storages):
         return program
-    views = _gathered_views(outputs, meta)
+    views = _gathered_views(outputs, meta, owned=False)
     fields, scalars = [], []
     for d, st in zip(meta.gathered, storages):
         f, s = refresh_copies(views[d], meta.dirs[d], st)
         fields += f
         scalars += s
     program = _Refresh(bases, meta, storages, fields, scalars)
-    if meta.mode != "packed":
+    if meta.mode != "packed" or meta.world_size == 1:
         programs[meta.pass_] = program
     return program
 
@@ -279,8 +280,10 @@ def _expose_rowwise(t, valid: bool) -> None:
         t._hd_hidden_rowwise = None
 
 
-def _gathered_views(outputs, meta: GatherMeta) -> dict[str, list[torch.Tensor]]:
-    """Per direction, its fields in transport layout at full size (views when possible)."""
+def _gathered_views(outputs, meta: GatherMeta, *, owned: bool = True) -> dict[str, list[torch.Tensor]]:
+    """Per direction, its fields in transport layout at full size (views when possible).
+    ``owned=False``: the caller only copies from them before returning, so a one-rank
+    "packed" output is read in place instead of unpacked into new buffers."""
     w = meta.world_size
 
     def as_fields(ts, d):
@@ -288,7 +291,8 @@ def _gathered_views(outputs, meta: GatherMeta) -> dict[str, list[torch.Tensor]]:
         return [o.reshape(-1).view(dm.full_transport_shape(f, w)) for o, f in zip(ts, dm.fields)]
 
     if meta.mode == "packed":
-        return _unpack(outputs[0], [(d, meta.dirs[d]) for d in meta.gathered], w, meta.capacity)
+        return _unpack(outputs[0], [(d, meta.dirs[d]) for d in meta.gathered], w, meta.capacity,
+                       copy=owned or w > 1)
     if meta.mode == "both":
         n_row = len(meta.dirs[ROW].fields) if ROW in meta.dirs else 0
         split = {ROW: outputs[:n_row], COL: outputs[n_row:]}
@@ -307,8 +311,9 @@ def _pack(bufs: list[torch.Tensor], capacity: int) -> torch.Tensor:
     return torch.cat(flat)
 
 
-def _unpack(output: torch.Tensor, dirs, world: int, capacity: int) -> dict[str, list[torch.Tensor]]:
-    """Split the packed ``[world · capacity]`` bytes into each direction's full fields."""
+def _unpack(output: torch.Tensor, dirs, world: int, capacity: int, *, copy: bool = True) -> dict[str, list[torch.Tensor]]:
+    """Split the packed ``[world · capacity]`` bytes into each direction's full fields: new
+    buffers, or (``copy=False``, one rank only: each field is then contiguous) views."""
     rows = output.reshape(-1).view(torch.uint8).view(world, capacity)
     out, off = {}, 0
     for d, dm in dirs:
@@ -316,7 +321,8 @@ def _unpack(output: torch.Tensor, dirs, world: int, capacity: int) -> dict[str, 
         for f in dm.fields:
             shape = dm.shard_shapes[f]
             nbytes = _numel(shape) * dm.dtypes[f].itemsize
-            field = rows[:, off:off + nbytes].clone(memory_format=torch.contiguous_format)
+            field = rows[:, off:off + nbytes]
+            field = field.clone(memory_format=torch.contiguous_format) if copy else field
             out[d].append(field.view(dm.dtypes[f]).view(world * shape[0], *shape[1:]))
             off += nbytes
     return out

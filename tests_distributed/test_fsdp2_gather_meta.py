@@ -163,3 +163,39 @@ def test_refresh_reuses_inputs_and_copies_only_unaliased_fields(name):
                     got, ref = getattr(unsharded.storage_of(d), f), getattr(fresh.storage_of(d), f)
                     assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), (
                         f"{name} {pass_}: {d}.{f} differs")
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
+def test_one_rank_packed_refresh_reads_fsdp_output_in_place(name):
+    """One rank, several buffers per pass ("packed"): FSDP2 copies the packed input into its
+    one reused output; refreshing the unsharded tensor copies each field straight out of it
+    (a cached program, no unpacking clone) and is bitwise a fresh rebuild from the same bytes."""
+    from hybrid_dist._tensor_ops import requantize_
+    from hybrid_dist.fsdp2._hooks import post_all_gather
+
+    torch.manual_seed(0)
+    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
+    shard = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    full = torch.Size([128, 256])
+    bases, programs, unsharded = {}, {}, None
+    for step in range(3):
+        requantize_(shard, torch.randn(128, 256))
+        for pass_ in (FORWARD, BACKWARD):
+            (packed,), meta = gather_inputs(shard, pass_, 1, full, None)
+            assert meta.mode == "packed", f"{name} {pass_}: {meta.mode}"
+            base = bases.setdefault(pass_, torch.empty_like(packed))  # FSDP's output, reused
+            base.copy_(packed)
+            if unsharded is None:
+                unsharded, _ = post_all_gather(shard, (base.view(-1),), meta, None)
+                continue
+            with _CountClones([base]) as mode:
+                assert post_all_gather(shard, (base.view(-1),), meta, None, out=unsharded) is None
+            assert mode.clones == 0, f"{name} {pass_}: the one-rank refresh unpacked {mode.clones} clones"
+            program = unsharded._hd_refresh[meta.pass_]
+            assert programs.setdefault(pass_, program) is program, f"{name} {pass_}: the refresh program was rebuilt"
+            fresh, _ = post_all_gather(shard, (base.clone().view(-1),), meta, None)
+            for d in meta.gathered:
+                for f in fresh.storage_of(d).TENSOR_FIELDS:
+                    got, ref = getattr(unsharded.storage_of(d), f), getattr(fresh.storage_of(d), f)
+                    assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), (
+                        f"{name} step {step} {pass_}: {d}.{f} differs")
