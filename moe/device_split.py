@@ -42,12 +42,11 @@ host (``numerics.e2m1_encode``).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from typing import Any, Sequence
 
 import torch
 
-from hybrid_dist.kernels import kernels_serve
+from hybrid_dist.kernels import TRITON_INSTALLED, kernels_serve
 from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.formats.numerics import FP8_MAX, cast_to_fp8
 from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, stacked_delayed_states, transposed_fp8
@@ -113,15 +112,12 @@ class _Layout:
         return self._x_pad
 
 
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
-
-
 def _fp8_kernel_fits(x) -> bool:
     """Per-tensor FP8 through the Triton ``kernels.fp8.rows`` kernels (eager, or as operators in
     compiled graphs), else the torch form."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1):
         return False
-    return _HAVE_TRITON
+    return TRITON_INSTALLED
 
 
 def expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -157,7 +153,7 @@ def _expert_scales(q: Float8Quantizer, x, amax, states):
     delayed: the states', recording ``amax``). Compiled on CUDA the divisions run in one
     operator with eager's rounding (``kernels.fp8.scales``)."""
     compiling = torch.compiler.is_compiling()
-    traced_cuda = compiling and x.is_cuda and _HAVE_TRITON
+    traced_cuda = compiling and x.is_cuda and TRITON_INSTALLED
     scale = None
     if q.scaling == "delayed" and not compiling and all(isinstance(s, DelayedScalingState) for s in states):
         hist, scale = stacked_delayed_states(states, x.device)  # every expert's state at once

@@ -27,7 +27,6 @@ rounding per element; the other operand stays exact).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import torch
 
@@ -38,6 +37,7 @@ from hybrid_dist.formats.float8_block import Float8BlockQuantizer, Float8BlockSt
 from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer, MXFP8Storage
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage
+from hybrid_dist.kernels import TRITON_INSTALLED
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 __all__ = ["TokenOperand", "WeightOperand", "batched_fp8_weights", "bf16_values", "expert_weight_storages",
@@ -128,16 +128,13 @@ def expert_weight_storages(weight, plan, *, need_dgrad: bool):
     return rows, cols
 
 
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
-
-
 def _batched_fp8_quantizer(weight, q) -> Float8Quantizer | None:
     """The ``Float8Quantizer`` making both directions of ``weight`` when the batched kernel
     serves it (bf16 on CUDA, unit stride along K, Triton; delayed scaling eagerly, current
     scaling also compiled), else None."""
     if isinstance(weight, QuantizedTensor) or not weight.is_cuda or weight.dtype != torch.bfloat16:
         return None
-    if weight.stride(-1) != 1 or not _HAVE_TRITON:
+    if weight.stride(-1) != 1 or not TRITON_INSTALLED:
         return None
     rq, cq = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
     if not (isinstance(rq, Float8Quantizer) and rq == cq):

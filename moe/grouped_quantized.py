@@ -41,7 +41,6 @@ kernels' meta checks (shapes, strides, dtypes) — what the CPU tests use.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -52,6 +51,7 @@ from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 from hybrid_dist.inspection import active_stats
+from hybrid_dist.kernels import TRITON_INSTALLED
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.grouped_operands import (
     BF16, TokenOperand, WeightOperand, batched_fp8_weights, bf16_values, expert_weight_storages, fold_columns,
@@ -122,14 +122,11 @@ def _both_e4m3(a, b) -> bool:
             and a.data.dtype == E4M3 and b.data.dtype == E4M3)
 
 
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
-
-
 def _triton_fp8(a, b) -> bool:
     """Per-tensor FP8 pair (any E4M3/E5M2 mix) on CUDA with Triton: ``kernels/fp8/grouped_gemm``
     (also on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``: its CPU test)."""
     on_device = a.data.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return isinstance(a, Float8Storage) and isinstance(b, Float8Storage) and on_device and _HAVE_TRITON
+    return isinstance(a, Float8Storage) and isinstance(b, Float8Storage) and on_device and TRITON_INSTALLED
 
 
 # --- the three grouped GEMMs ------------------------------------------------------------

@@ -14,6 +14,8 @@ re-exported here.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from hybrid_dist._kernel_registry import (
@@ -48,6 +50,7 @@ def _cuda_kernels_available() -> bool:
 
 
 _AVAILABLE = _cuda_kernels_available()
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # importable; without CUDA its interpreter runs
 if _AVAILABLE:  # CPU-only installs (CI) never import Triton
     from hybrid_dist.kernels import _register
 
@@ -71,8 +74,8 @@ def transposed_2d(t: torch.Tensor) -> torch.Tensor:
         return transposed(t)
     return t.t().contiguous()
 
-__all__ = ["amax_into_impl_for", "amaxes_into_impl_for", "delayed_advance_impl_for", "fused_quantize_impl_for",
-           "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for", "register_amax_into",
+__all__ = ["TRITON_INSTALLED", "amax_into_impl_for", "amaxes_into_impl_for", "delayed_advance_impl_for",
+           "fused_quantize_impl_for", "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for", "register_amax_into",
            "register_amaxes_into", "register_delayed_advance", "register_fused_quantize", "register_gemm",
            "register_quantize", "register_quantize_into", "register_requantize_many", "registered_quantizers",
            "kernels_serve", "requantize_many_impl_for", "transposed_2d"]
