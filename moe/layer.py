@@ -21,7 +21,11 @@ Without ``ep_group`` the layer makes no device-to-host sync on the CUDA paths (e
 splits read their offsets once, ``device_split``) and, on CPU,
 ``torch.compile(fullgraph=True)`` traces it whole with one graph for every routing
 (``grouped_linear``). Expert parallelism keeps a host sync: the all-to-all split sizes
-are read on the host (``expert_parallel.make_route``), so a compiled EP layer breaks there.
+are read on the host (``expert_parallel.make_route``), and the received operands reach the
+expert layers through an opaque ``ExchangeIO``; so under ``torch.compile`` the exchange
+and the experts between it run eagerly (one graph break per forward), with the router,
+the permutation and the combine's weighting compiled around them, and a new routing
+recompiles nothing.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ class MoE(nn.Module):
         gate, up = self.fc1(x, tokens_per_expert, io=io1).chunk(2, dim=-1)
         return self.fc2(F.silu(gate) * up, tokens_per_expert, io=io2)
 
+    @torch.compiler.disable  # host split sizes and ExchangeIO: eager (module note)
     def _experts_parallel(self, x_perm, tokens_per_expert):
         route = ep.make_route(tokens_per_expert, self.ep_group, self.wire)
         training = torch.is_grad_enabled()
