@@ -18,11 +18,11 @@ _META_NAMES: dict[type, tuple[str, ...]] = {}  # storage class -> its non-tensor
 
 def _meta_names(st: DirectionStorage) -> tuple[str, ...]:
     cls = type(st)
+    if torch.compiler.is_compiling():  # the cache is eager's: reading it would guard a graph on its contents
+        return tuple(f.name for f in dataclasses.fields(st) if f.name not in cls.TENSOR_FIELDS)
     names = _META_NAMES.get(cls)
     if names is None:
-        names = tuple(f.name for f in dataclasses.fields(st) if f.name not in cls.TENSOR_FIELDS)
-        if not torch.compiler.is_compiling():
-            _META_NAMES[cls] = names
+        names = _META_NAMES[cls] = tuple(f.name for f in dataclasses.fields(st) if f.name not in cls.TENSOR_FIELDS)
     return names
 
 

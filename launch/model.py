@@ -182,7 +182,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.tok_embeddings(tokens_BS)
-        aux = torch.zeros((), dtype=torch.float32, device=h.device)
+        # MoE blocks add to aux: it requires grad from the first block on, so every block
+        # sees one input signature (one compiled graph, not one for the first block)
+        aux = torch.zeros((), dtype=torch.float32, device=h.device, requires_grad=self.cfg.moe_experts > 0)
         if self.sp_group is not None:  # blocks on [S/tp, B, D] (launch.sequence_parallel)
             h = scatter_sequence(h.transpose(0, 1), self.sp_group)
         for layer in self.layers.values():
