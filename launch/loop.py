@@ -214,13 +214,15 @@ def train_step(model, optimizer, tokens: torch.Tensor, cfg: TrainConfig, ep_grou
     return loss, norm
 
 
-def compile_stats() -> dict:
-    """What Dynamo did in this process: graphs compiled (one per distinct block structure
-    when nothing recompiles) and graph breaks."""
+def compile_stats(since: dict | None = None) -> dict:
+    """What Dynamo did in this process (after ``since``, an earlier ``compile_stats()``):
+    graphs compiled (one per distinct block structure when nothing recompiles) and graph
+    breaks."""
     from torch._dynamo.utils import counters
 
-    return {"graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    now = {"graphs": int(counters["stats"]["unique_graphs"]),
+           "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
 
 
 def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, start: int, data) -> dict:
@@ -334,6 +336,7 @@ def _make_meter(cfg: TrainConfig, dims: ParallelDims, model, mcfg, recipe, start
 
 
 def train(cfg: TrainConfig) -> dict:
+    compiled_before = compile_stats()  # the summary counts this run's compilation only
     device = init_distributed(max(cfg.first_step_timeout, cfg.collective_timeout))
     cfg.check_device(device.type)
     dims = ParallelDims(world_size=dist.get_world_size(), hsdp=cfg.hsdp, fsdp=cfg.fsdp, tp=cfg.tp, ep=cfg.ep)
@@ -386,6 +389,6 @@ def train(cfg: TrainConfig) -> dict:
                 shorten_timeouts(cfg.collective_timeout)
     extra = {"entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
     if cfg.compile:
-        extra["compile_stats"] = compile_stats()
+        extra["compile_stats"] = compile_stats(since=compiled_before)
     summary = meter.finish(extra)
     return {**summary, "losses": losses}

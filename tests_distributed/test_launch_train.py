@@ -250,6 +250,15 @@ def test_losses_read_back_every_3_steps_equal_every_step(tmp_path):
     assert mean is not None and sorted(mean) == sorted(regions), f"{where}: summary host_ms {mean}"
 
 
+def _compiled_run(cfg) -> dict:
+    import torch
+
+    from hybrid_dist.launch.loop import train
+
+    torch._dynamo.reset()  # compile from scratch: the run's compile_stats are its own
+    return train(cfg)
+
+
 def _moe_compiled_runs(rank, world_size):
     from hybrid_dist.launch.loop import train
 
@@ -257,8 +266,8 @@ def _moe_compiled_runs(rank, world_size):
     for ep in (1, 2):
         kw = dict(recipe="fp8_current", moe_experts=4, ep=ep, layers=2)
         eager = train(_cfg(**kw))["losses"]
-        first = train(_cfg(**kw, compile=True, steps=2))  # Dynamo's counters are per run
-        longer = train(_cfg(**kw, compile=True))
+        first = _compiled_run(_cfg(**kw, compile=True, steps=2))
+        longer = _compiled_run(_cfg(**kw, compile=True))
         out[ep] = (eager, longer["losses"], first["compile_stats"], longer["compile_stats"])
     return out
 
