@@ -40,6 +40,20 @@ def _scalar_fields(t) -> list[torch.Tensor]:
             for f in st.TENSOR_FIELDS if f not in fsdp_buffer_fields(st)]
 
 
+def _weight_shard(name: str):
+    """A 128 x 256 weight shard of recipe ``name`` with both directions (stateless)."""
+    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
+    return hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+
+
+def _assert_same_bytes(unsharded, fresh, meta, where: str) -> None:
+    for d in meta.gathered:
+        for f in fresh.storage_of(d).TENSOR_FIELDS:
+            got, ref = getattr(unsharded.storage_of(d), f), getattr(fresh.storage_of(d), f)
+            assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), (
+                f"{where}: {d}.{f} differs")
+
+
 @pytest.mark.parametrize("name", ["fp8_current", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "mxfp8"])
 @pytest.mark.parametrize("pass_", [FORWARD, BACKWARD, BOTH])
 def test_gather_plan_built_once_and_scalars_never_cloned(name, pass_):
@@ -83,8 +97,7 @@ def test_backward_transport_reads_the_rowwise_data(name, expected):
     from hybrid_dist.fsdp2._buffers import fsdp_transport_buffers
 
     torch.manual_seed(0)
-    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
-    shard = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    shard = _weight_shard(name)
     inputs, meta = gather_inputs(shard, BACKWARD, 2, torch.Size([256, 256]), None)
     assert meta.col_from_row is expected, f"{name}: col_from_row {meta.col_from_row}"
     by_transpose = fsdp_transport_buffers(shard.columnwise, meta.dirs["columnwise"])
@@ -102,8 +115,7 @@ def test_one_rank_packs_only_passes_of_several_buffers(name, one_rank_mode):
     """On a one-rank mesh FSDP2 copies only the first all-gather input: a pass whose
     transport is one buffer (per-tensor FP8's codes; its scale travels in the metadata) goes
     in slots, sending views of the shard's own bytes, built once; the others pack."""
-    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
-    shard = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    shard = _weight_shard(name)
     for pass_ in (FORWARD, BACKWARD):
         inputs, meta = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None)
         again, _ = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None)
@@ -112,7 +124,7 @@ def test_one_rank_packs_only_passes_of_several_buffers(name, one_rank_mode):
         if one_rank_mode == "slots":
             assert again is inputs and inputs[0].data_ptr() == shard.rowwise.data.data_ptr(), (
                 f"{name} {pass_}: the one-rank input is not the shard's rowwise codes")
-    fresh = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    fresh = _weight_shard(name)
     both, meta = gather_inputs(fresh, BOTH, 1, torch.Size([128, 256]), None)  # no reshard after forward
     assert meta.mode == "packed" and len(both) == 1, f"{name}: both directions on one rank: {meta.mode}"
 
@@ -129,8 +141,7 @@ def test_refresh_reuses_inputs_and_copies_only_unaliased_fields(name):
     from hybrid_dist.fsdp2._hooks import post_all_gather
 
     torch.manual_seed(0)
-    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
-    shard = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    shard = _weight_shard(name)
     full = torch.Size([256, 256])
     bases, programs, unsharded = {}, {}, None
     for step in range(3):
@@ -158,11 +169,7 @@ def test_refresh_reuses_inputs_and_copies_only_unaliased_fields(name):
             assert len(program.fields) == expected, f"{name} {pass_}: {len(program.fields)} copies, expected {expected}"
             assert programs.setdefault(pass_, program) is program, f"{name} {pass_}: the refresh program was rebuilt"
             fresh, _ = post_all_gather(shard, tuple(o.view(-1, *b.shape[1:]) for o, b in zip(base, inputs)), meta, None)
-            for d in meta.gathered:
-                for f in fresh.storage_of(d).TENSOR_FIELDS:
-                    got, ref = getattr(unsharded.storage_of(d), f), getattr(fresh.storage_of(d), f)
-                    assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), (
-                        f"{name} {pass_}: {d}.{f} differs")
+            _assert_same_bytes(unsharded, fresh, meta, f"{name} {pass_}")
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
@@ -174,8 +181,7 @@ def test_one_rank_packed_refresh_reads_fsdp_output_in_place(name):
     from hybrid_dist.fsdp2._hooks import post_all_gather
 
     torch.manual_seed(0)
-    q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
-    shard = hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+    shard = _weight_shard(name)
     full = torch.Size([128, 256])
     bases, programs, unsharded = {}, {}, None
     for step in range(3):
@@ -194,8 +200,4 @@ def test_one_rank_packed_refresh_reads_fsdp_output_in_place(name):
             program = unsharded._hd_refresh[meta.pass_]
             assert programs.setdefault(pass_, program) is program, f"{name} {pass_}: the refresh program was rebuilt"
             fresh, _ = post_all_gather(shard, (base.clone().view(-1),), meta, None)
-            for d in meta.gathered:
-                for f in fresh.storage_of(d).TENSOR_FIELDS:
-                    got, ref = getattr(unsharded.storage_of(d), f), getattr(fresh.storage_of(d), f)
-                    assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), (
-                        f"{name} step {step} {pass_}: {d}.{f} differs")
+            _assert_same_bytes(unsharded, fresh, meta, f"{name} step {step} {pass_}")
