@@ -2,13 +2,14 @@
 (``benchmarks/host_profile_gpu.sh`` records them: ``py-spy record --format raw``, gzipped).
 
 A sampling profiler costs per sample, not per op, unlike ``torch.profiler``, whose per-op
-records inflate op-heavy host code most (its cost grows with the sampling rate: keep it low). From the collapsed stacks (``frame;frame;... count`` per
-line; with ``--subprocesses`` the first frame names the process) this keeps the samples
-inside the launcher's ``train_step`` and outside compilation and first calls (Dynamo,
-AOTAutograd, inductor and Triton compiling, imports inside a step), splits them by region (forward / backward / optimizer; the backward's
-Python runs on autograd's thread, outside ``train_step``: its samples are the other
-threads' stacks with a ``backward`` frame), and prints per region the functions with the
-most samples, inclusive and as the innermost frame, as shares of all kept samples. Compare summaries of
+records inflate op-heavy host code most (its cost grows with the sampling rate: keep it low).
+From the collapsed stacks (``frame;frame;... count`` per line; with ``--subprocesses`` the
+first frame names the process) this keeps the samples inside the launcher's ``train_step`` and
+outside compilation and first calls (Dynamo, AOTAutograd, inductor and Triton compiling,
+imports inside a step), splits them by region (forward / backward / optimizer; the backward's
+Python runs on autograd's thread, outside ``train_step``: its samples are the other threads'
+stacks with a ``backward`` frame), and prints per region the functions with the most samples,
+inclusive and as the innermost frame, as shares of all kept samples. Compare summaries of
 different configurations recorded the same way.
 
 Run: ``python -m benchmarks.spy_summary hd.txt.gz tao.txt.gz [--top 25]``.

@@ -311,7 +311,8 @@ def _pack(bufs: list[torch.Tensor], capacity: int) -> torch.Tensor:
     return torch.cat(flat)
 
 
-def _unpack(output: torch.Tensor, dirs, world: int, capacity: int, *, copy: bool = True) -> dict[str, list[torch.Tensor]]:
+def _unpack(output: torch.Tensor, dirs, world: int, capacity: int, *,
+            copy: bool = True) -> dict[str, list[torch.Tensor]]:
     """Split the packed ``[world · capacity]`` bytes into each direction's full fields: new
     buffers, or (``copy=False``, one rank only: each field is then contiguous) views."""
     rows = output.reshape(-1).view(torch.uint8).view(world, capacity)

@@ -75,7 +75,8 @@ def transposed_2d(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous()
 
 __all__ = ["TRITON_INSTALLED", "amax_into_impl_for", "amaxes_into_impl_for", "delayed_advance_impl_for",
-           "fused_quantize_impl_for", "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for", "register_amax_into",
-           "register_amaxes_into", "register_delayed_advance", "register_fused_quantize", "register_gemm",
-           "register_quantize", "register_quantize_into", "register_requantize_many", "registered_quantizers",
-           "kernels_serve", "requantize_many_impl_for", "transposed_2d"]
+           "fused_quantize_impl_for", "gemm_impls_for", "quantize_impl_for", "quantize_into_impl_for",
+           "register_amax_into", "register_amaxes_into", "register_delayed_advance",
+           "register_fused_quantize", "register_gemm", "register_quantize", "register_quantize_into",
+           "register_requantize_many", "registered_quantizers", "kernels_serve", "requantize_many_impl_for",
+           "transposed_2d"]
