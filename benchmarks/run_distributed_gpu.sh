@@ -66,6 +66,10 @@ ep_1b_moe8_bf16|$MOE1 --recipe bf16
 ep_1b_moe8_fp8_current|$MOE1 --recipe fp8_current
 ep_8b_L4_moe8_bf16|$MOE8 --recipe bf16
 ep_8b_L4_moe8_fp8_current|$MOE8 --recipe fp8_current
+ep_1b_moe8_bf16_compile|$MOE1 --recipe bf16 --compile
+ep_1b_moe8_fp8_current_compile|$MOE1 --recipe fp8_current --compile
+ep_8b_L4_moe8_bf16_compile|$MOE8 --recipe bf16 --compile
+ep_8b_L4_moe8_fp8_current_compile|$MOE8 --recipe fp8_current --compile
 PLAN
   ls "$OUT"/dist_thr_*.jsonl > /dev/null 2>&1 && python3 -m benchmarks.throughput "$OUT"/dist_thr_*.jsonl \
     | tee "$OUT/dist_throughput.md"
