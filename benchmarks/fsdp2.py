@@ -182,11 +182,9 @@ def main() -> None:
     ap.add_argument("--copy-in", choices=("torch", "hd"), default="torch",
                     help="FSDP2's gradient copy-in: its own, or the launcher's --fsdp-copy-in hd")
     args = ap.parse_args()
-    if args.copy_in == "hd":
-        from hybrid_dist.launch import fsdp_copy_in
+    from hybrid_dist.launch import fsdp_copy_in
 
-        if not fsdp_copy_in.install():
-            raise SystemExit("--copy-in hd: this torch's FSDP2 does not call the copy-in it replaces")
+    fsdp_copy_in.choose(args.copy_in)  # the launcher's --fsdp-copy-in (hd raises where torch does not allow it)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
