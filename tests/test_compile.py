@@ -113,6 +113,26 @@ def test_compiled_linear_inductor_gpu(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", BITWISE_RECIPES)
+def test_compiled_linear_launches_no_fill_kernel_gpu(name):
+    """Inductor's code for a compiled step (forward and backward) has no kernel of an
+    ``empty``: it emits a one-element fill kernel for each 0-d ``empty``, so the FP8 cast
+    writes its ``scale_inv`` into ``kernels._traced.traced_empty_f32``."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, lin = _pair(name, 512, 256, bias=False, device="cuda", dtype=torch.bfloat16)
+    fn = torch.compile(lin, fullgraph=True)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _, code = run_and_get_code(lambda: fn(x).float().sum().backward())
+    assert len(code) == 2, f"{name}: expected forward and backward code, got {len(code)} modules"
+    fills = sorted(set(re.findall(r"def (triton_\w*_empty\w*)\(", "\n".join(code))))
+    assert not fills, f"{name}: inductor launches fill kernels of empties: {fills}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", COMPILE_RECIPES)
 def test_compiled_linear_reduce_overhead_gpu(name):
     """``mode="reduce-overhead"``: inductor plus CUDA-graph trees, which track every

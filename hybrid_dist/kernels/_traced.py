@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import torch
 from torch.library import triton_op, wrap_triton
 
 from hybrid_dist.kernels._jit_common import INTERPRET
@@ -26,6 +27,14 @@ from hybrid_dist.library_op import library_op
 def traced_launch(kernel, grid: tuple[int, ...], *args, **consts) -> None:
     """``kernel[grid](*args, **consts)`` as a launch a ``kernel_op`` body may trace."""
     wrap_triton(kernel)[grid](*args, **consts)
+
+
+def traced_empty_f32(device: torch.device) -> torch.Tensor:
+    """An uninitialized fp32 scalar ``[]`` for a ``kernel_op`` body's kernel to write: a view
+    of a ``[1]`` buffer. Inductor lowers ``empty`` to a buffer with no kernel by giving each
+    dimension an empty range; a 0-d tensor has no dimension, so a 0-d ``empty`` becomes a
+    one-element fill kernel, launched once per call of the op (torch 2.11 to 2.13)."""
+    return torch.empty(1, dtype=torch.float32, device=device).view(())
 
 
 def kernel_op(qualname: str, *, mutates_args: Iterable[str] = (), fake: Callable) -> Callable:
@@ -44,4 +53,4 @@ def kernel_op(qualname: str, *, mutates_args: Iterable[str] = (), fake: Callable
     return register
 
 
-__all__ = ["kernel_op", "traced_launch"]
+__all__ = ["kernel_op", "traced_empty_f32", "traced_launch"]

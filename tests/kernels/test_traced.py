@@ -75,6 +75,26 @@ def test_current_cast_is_one_launch_writing_only_its_outputs(triton_target):
     assert launch.kwargs["grid"] == [(2, 3, 1)]
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
+def test_cast_allocates_no_zero_dim_empty(triton_target, delayed):
+    """The scale_inv the cast writes is a view of a ``[1]`` buffer: inductor emits a
+    one-element fill kernel for every 0-d ``empty`` (``kernels._traced.traced_empty_f32``)."""
+    from hybrid_dist.kernels.fp8.tensor import cast_current_op, cast_op
+
+    def f(x, history):
+        amax = x.abs().amax().float()
+        if delayed:
+            return cast_op(x, amax, amax, history, torch.float8_e4m3fn, False, 0.0, False, True, True, True)
+        return cast_current_op(x, amax, torch.float8_e4m3fn, 0.0, False, True, True)
+
+    x = torch.randn(96, 320, device=triton_target).bfloat16()
+    gm = _forward_graph(f, x, torch.zeros(4, device=triton_target))
+    empties = [n for n in gm.graph.nodes if n.op == "call_function" and "empty" in str(n.target)]
+    assert empties, "no allocation traced"
+    shapes = [tuple(n.meta["val"].shape) for n in empties]
+    assert () not in shapes, f"a 0-d empty is allocated: {shapes}"
+
+
 def test_delayed_cast_writes_the_history(triton_target):
     from hybrid_dist.kernels.fp8.tensor import cast_op
 

@@ -39,7 +39,7 @@ from hybrid_dist.formats.float8 import DelayedScalingState, Float8Quantizer, Flo
 from hybrid_dist.formats.numerics import FP8_MAX
 from hybrid_dist.kernels._jit_common import cast_fp8, div_rn, eager_or_op, per_block_scale
 from hybrid_dist.kernels._launch import launch
-from hybrid_dist.kernels._traced import kernel_op, traced_launch
+from hybrid_dist.kernels._traced import kernel_op, traced_empty_f32, traced_launch
 from hybrid_dist.kernels._zeros import fresh_f32, zeroed_f32
 from hybrid_dist.kernels.transpose import transpose_into, transposed
 from hybrid_dist.library_op import library_op
@@ -118,16 +118,18 @@ amax_2d = eager_or_op(amax_op, _amax_2d)
 def _fp8_cast_transpose(
     x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, dtype: torch.dtype,
     scale_from_amax: bool, eps: float, pow2: bool, rowwise: bool, columnwise: bool, record_amax: bool,
-    run=None,
+    run=None, scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row [M, K] or empty, col [K, M] or empty, scale_inv [])``. Scale from ``amax``
     (``scale_from_amax``) or ``scale``; ``record_amax`` max-reduces ``max|x|`` into
     ``amax_out`` (mutated). ``run(kernel, grid, *args, **consts)`` launches the kernel
-    (default ``launch``, looked up at the call)."""
+    (default ``launch``, looked up at the call); ``scale_inv`` is the fp32 ``[]`` it writes
+    (default a new one)."""
     m, k = x.shape
     row = torch.empty((m, k) if rowwise else (0, 0), dtype=dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0, 0), dtype=dtype, device=x.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    if scale_inv is None:
+        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     _cast_transpose_into(x, amax, scale, amax_out, scale_from_amax, eps, pow2, record_amax,
                          row=row if rowwise else None, col=col if columnwise else None, scale_inv=scale_inv, run=run)
     return row, col, scale_inv
@@ -192,7 +194,7 @@ def cast_op(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, amax_out: 
     """``_fp8_cast_transpose`` for compiled graphs (delayed scaling: the amax recorded into
     ``amax_out``): the same kernel and arguments as eager, so the same bytes."""
     return _fp8_cast_transpose(x, amax, scale, amax_out, dtype, scale_from_amax, eps, pow2, rowwise, columnwise,
-                               record_amax, run=traced_launch)
+                               record_amax, run=traced_launch, scale_inv=traced_empty_f32(x.device))
 
 
 fp8_cast_transpose = eager_or_op(cast_op, _fp8_cast_transpose)
@@ -210,7 +212,7 @@ def cast_current_op(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, eps
     arguments as eager, so the same bytes. ``amax`` stands in for the unread scale and the
     never-written ``amax_out`` (the constexprs prune both)."""
     return _fp8_cast_transpose(x, amax, amax, amax, dtype, True, eps, pow2, rowwise, columnwise, False,
-                               run=traced_launch)
+                               run=traced_launch, scale_inv=traced_empty_f32(x.device))
 
 
 def traced_amax(x2d: torch.Tensor) -> torch.Tensor:
