@@ -4,9 +4,11 @@
 Per trace (and, for several steps, the last step alone): the GPU window, each stream's busy
 time (union of its kernels and copies), the compute stream's idle time per launcher region
 (``hd::forward`` / ``backward`` / ``optimizer``), its longest idle gaps, and kernel time by
-category.
+category. ``--host-blocks N``: the host's time per compiled block in the trace's last
+forward (each ``Torch-Compiled Region`` on the forward's thread, with its N costliest calls
+by name and nesting depth, per block) and FSDP2's pre-forward per call.
 Compare traces of different configurations taken on the same machine.
-Run: ``python -m benchmarks.trace_summary a.json.gz b.json.gz [--gaps 8]``.
+Run: ``python -m benchmarks.trace_summary a.json.gz b.json.gz [--gaps 8] [--host-blocks 20]``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ CATEGORIES = (  # first match wins
     ("copy", r"copy|cat|split|Memcpy|Memset|fill"),
 )
 REGIONS = ("hd::forward", "hd::backward", "hd::optimizer")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
 
 
 def category(name: str) -> str:
@@ -113,13 +116,61 @@ def _summarize_window(path: str, gpu: list[dict], regions: list[dict], n_gaps: i
         print(f"    {(a - lo) / 1e3:8.1f}: {(b - a) / 1e3:6.2f} ms  {nxt[:90]}")
 
 
+def _nested(events: list[dict]) -> list[tuple[int, dict]]:
+    """``(depth, event)`` of time-ordered host events of one thread (0: outermost)."""
+    out, stack = [], []
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+            stack.pop()
+        out.append((len(stack), e))
+        stack.append(e)
+    return out
+
+
+def host_blocks(path: str, top: int, max_depth: int = 3) -> None:
+    """The host's time per compiled block in the last ``hd::forward`` (see the module doc)."""
+    host = [e for e in load(path) if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES]
+    forwards = [e for e in host if e["name"] == REGIONS[0] and e["cat"] == "user_annotation"]
+    if not forwards:
+        print(f"## {path}: no {REGIONS[0]} region on the host")
+        return
+    fwd = max(forwards, key=lambda e: e["ts"])
+    lo, hi, tid = fwd["ts"], fwd["ts"] + fwd["dur"], fwd["tid"]
+    thread = [e for e in host if e["tid"] == tid and lo <= e["ts"] and e["ts"] + e["dur"] <= hi and e is not fwd]
+    blocks = [e for e in thread if e["name"].startswith("Torch-Compiled Region")]
+    pre = [e["dur"] for e in thread if e["name"].startswith("FSDP::pre_forward")]
+    if pre:
+        print(f"## {path}: FSDP::pre_forward in the last forward: {len(pre)} calls, "
+              f"{sum(pre) / len(pre):.0f} us each")
+    if not blocks:
+        print(f"## {path}: no compiled region in the last forward")
+        return
+    per: dict[tuple[int, str], list[float]] = {}
+    for b in blocks:
+        inside = [e for e in thread if b["ts"] <= e["ts"] and e["ts"] + e["dur"] <= b["ts"] + b["dur"] and e is not b]
+        for depth, e in _nested(inside):
+            if depth < max_depth:
+                c = per.setdefault((depth, e["name"]), [0, 0.0])
+                c[0] += 1
+                c[1] += e["dur"]
+    n = len(blocks)
+    print(f"## {path}: host per compiled block in the last forward ({n} blocks): "
+          f"{sum(b['dur'] for b in blocks) / n:.0f} us")
+    for (depth, name), (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"    {depth} {name[:70]:<70s} n/block {count / n:5.1f}  us/block {us / n:8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--gaps", type=int, default=8)
+    ap.add_argument("--host-blocks", type=int, default=0, metavar="N",
+                    help="also the host time per compiled block of the last forward, its N costliest calls")
     args = ap.parse_args()
     for path in args.traces:
         summarize(path, args.gaps)
+        if args.host_blocks:
+            host_blocks(path, args.host_blocks)
 
 
 if __name__ == "__main__":

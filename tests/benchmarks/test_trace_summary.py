@@ -38,3 +38,35 @@ def test_summary_of_a_trace(tmp_path, capsys):
     assert "compute stream 7: busy 2.0 ms, idle 2.0 ms" in out
     assert "hd::forward         4.0 ms on the GPU timeline, compute idle     2.0 ms" in out
     assert "gemm               x2          2.0 ms" in out
+
+
+def _host(name, ts, dur, cat="cpu_op", tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {}}
+
+
+def test_host_per_compiled_block(tmp_path, capsys):
+    """Two compiled blocks in the last forward: the mean per block of each nested call,
+    by depth; FSDP's pre-forward per call; events of other threads and of the earlier
+    forward left out."""
+    events = [_host("hd::forward", 0, 100, "user_annotation"),  # an earlier step's forward
+              _host("Torch-Compiled Region: 0/0", 10, 50),
+              _host("hd::forward", 1000, 1000, "user_annotation"),
+              _host("FSDP::pre_forward (layers.0)", 1000, 40, "user_annotation"),
+              _host("FSDP::pre_forward (layers.1)", 1300, 60, "user_annotation")]
+    for start in (1100, 1400):  # two blocks: 100 us each, a GEMM of 30 and a launch of 10 inside it
+        events += [_host("Torch-Compiled Region: 0/0", start, 100),
+                   _host("aten::_scaled_mm", start + 10, 30),
+                   _host("cuLaunchKernel", start + 12, 10, "cuda_driver"),
+                   _host("cuLaunchKernel", start + 60, 10, "cuda_driver")]
+    events.append(_host("aten::_scaled_mm", 1110, 500, tid=2))  # another thread
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace_summary.host_blocks(str(path), top=5)
+    out = capsys.readouterr().out
+    assert "FSDP::pre_forward in the last forward: 2 calls, 50 us each" in out
+    assert "host per compiled block in the last forward (2 blocks): 100 us" in out
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "0 aten::_scaled_mm n/block 1.0 us/block 30.0" in lines
+    assert "1 cuLaunchKernel n/block 1.0 us/block 10.0" in lines  # inside the GEMM
+    assert "0 cuLaunchKernel n/block 1.0 us/block 10.0" in lines  # directly in the region
