@@ -11,6 +11,13 @@ def _kernel(name, ts, dur, stream):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
 
+def _trace(tmp_path, events) -> str:
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
 def test_union_and_gaps():
     assert trace_summary.union_ms([(0, 1000), (500, 2000), (3000, 4000)]) == 3.0
     assert trace_summary.gaps([(10, 20), (15, 30), (50, 60)], 0, 100) == [(0, 10), (30, 50), (60, 100)]
@@ -29,10 +36,7 @@ def test_summary_of_a_trace(tmp_path, capsys):
               _kernel("ncclDevKernel_AllGather", 0, 4000, 20),
               {"ph": "X", "cat": "gpu_user_annotation", "name": "hd::forward", "ts": 0, "dur": 4000,
                "args": {}}]
-    path = tmp_path / "t.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    trace_summary.summarize(str(path), n_gaps=2)
+    trace_summary.summarize(_trace(tmp_path, events), n_gaps=2)
     out = capsys.readouterr().out
     assert "GPU window 4.0 ms" in out
     assert "compute stream 7: busy 2.0 ms, idle 2.0 ms" in out
@@ -59,10 +63,7 @@ def test_host_per_compiled_block(tmp_path, capsys):
                    _host("cuLaunchKernel", start + 12, 10, "cuda_driver"),
                    _host("cuLaunchKernel", start + 60, 10, "cuda_driver")]
     events.append(_host("aten::_scaled_mm", 1110, 500, tid=2))  # another thread
-    path = tmp_path / "t.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    trace_summary.host_blocks(str(path), top=5)
+    trace_summary.host_blocks(_trace(tmp_path, events), top=5)
     out = capsys.readouterr().out
     assert "FSDP::pre_forward in the last forward: 2 calls, 50 us each" in out
     assert "host per compiled block in the last forward (2 blocks): 100 us" in out
