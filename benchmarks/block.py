@@ -1,6 +1,7 @@
 """One Llama block fwd+bwd per recipe, with and without shared input quantization
-(``hd.RMSNorm`` / ``hd.SwiGLU`` quantizing their output once for the linked ``hd.Linear``
-layers) against the same block in plain PyTorch bf16 (``nn.Linear``, ``nn.RMSNorm``,
+(eager: ``hd.RMSNorm`` / ``hd.SwiGLU`` quantizing their output once for the linked
+``hd.Linear`` layers; compiled: ``hd.compile_options()``, identical casts launched once)
+against the same block in plain PyTorch bf16 (``nn.Linear``, ``nn.RMSNorm``,
 ``F.silu(a) * b``). Prints one table.
 Run: ``python -m benchmarks.block`` (``--preset 1b``, ``--tokens 8192``, ``--recipes ...``).
 
@@ -58,9 +59,9 @@ def _build(cfg, recipe_name: str, shared: bool, *, qinit: bool = False, compile:
 
         torchao_baseline.convert(model)
     elif not plain:
-        apply_recipe(model, hd.recipe_from_name(recipe_name), share_quantized_inputs=shared)
+        apply_recipe(model, hd.recipe_from_name(recipe_name), share_quantized_inputs=shared and not compile)
     if compile:
-        model.layers["0"] = torch.compile(model.layers["0"])
+        model.layers["0"] = torch.compile(model.layers["0"], options=hd.compile_options() if shared else {})
     return model
 
 
@@ -87,15 +88,15 @@ def main() -> None:
     ap.add_argument("--preset", default="8b")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--recipes", default="fp8_current,mxfp8,fp8_block")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the block (no shared inputs); "
-                    "adds torchao float8 tensorwise when torchao imports")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the block (shared: with "
+                    "hd.compile_options()); adds torchao float8 tensorwise when torchao imports")
     ap.add_argument("--qinit", action="store_true", help="recipes' weights from hd.quantized_model_init")
     ap.add_argument("--profile", action="store_true", help="print each configuration's top kernels")
     args = ap.parse_args()
     cfg = dataclasses.replace(preset(args.preset), n_layers=1, max_seq_len=max(args.tokens, 128))
     base_ms = None
     rows = []
-    shares = (False,) if args.compile else (False, True)
+    shares = (False, True)
     configs = [("torch", False), ("bf16", False)] + [(r, s) for r in args.recipes.split(",") for s in shares]
     if args.compile and importlib.util.find_spec("torchao") is not None:
         configs.insert(1, ("torchao", False))

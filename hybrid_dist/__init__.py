@@ -23,6 +23,7 @@ from hybrid_dist.formats import _storage as _storage_mod
 from hybrid_dist.formats import float8 as _f8, float8_block as _f8b, identity as _id, mxfp8 as _mx, nvfp4 as _nv
 from hybrid_dist.gemm import GemmConfig
 from hybrid_dist.hybrid import HybridQuantizer
+from hybrid_dist.kernels.dedupe_launches import compile_options
 from hybrid_dist.linear import Linear
 from hybrid_dist.norm import RMSNorm
 from hybrid_dist.optim import MasterWeightOptimizer
@@ -52,5 +53,6 @@ __all__ = [
     "CustomRecipe", "DelayedScalingState", "Float8BlockQuantizer", "Float8Quantizer", "GemmConfig",
     "HybridQuantizer", "IdentityQuantizer", "Linear", "MXFP8Quantizer", "MasterWeightOptimizer",
     "NVFP4Quantizer", "QuantizedTensor", "Quantizer", "RECIPE_NAMES", "RMSNorm", "Recipe", "Role", "SwiGLU",
-    "autocast", "convert_to_hybrid", "link_quantized_input", "quantized_model_init", "recipe_from_name", "set_recipe",
+    "autocast", "compile_options", "convert_to_hybrid", "link_quantized_input", "quantized_model_init",
+    "recipe_from_name", "set_recipe",
 ]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+import hybrid_dist as hd
 from hybrid_dist.launch import fsdp_copy_in
 from hybrid_dist.launch.config import TrainConfig
 from hybrid_dist.launch.mesh import Meshes, ParallelDims
@@ -131,7 +132,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
         apply_ac(model)
     if cfg.compile:
         for name, block in list(model.layers.items()):
-            model.layers[name] = torch.compile(block)
+            model.layers[name] = torch.compile(block, options=hd.compile_options())
     if cfg.cpu_offload and device_type != "cuda":
         raise ValueError("--cpu-offload moves sharded parameters to CPU between uses; it needs a CUDA device")
     if needs_fsdp(cfg, dims, param_dtype):

@@ -126,10 +126,74 @@ def test_compiled_linear_launches_no_fill_kernel_gpu(name):
     _, lin = _pair(name, 512, 256, bias=False, device="cuda", dtype=torch.bfloat16)
     fn = torch.compile(lin, fullgraph=True)
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    _, code = run_and_get_code(lambda: fn(x).float().sum().backward())
+    with _no_compile_caches():
+        _, code = run_and_get_code(lambda: fn(x).float().sum().backward())
     assert len(code) == 2, f"{name}: expected forward and backward code, got {len(code)} modules"
     fills = sorted(set(re.findall(r"def (triton_\w*_empty\w*)\(", "\n".join(code))))
     assert not fills, f"{name}: inductor launches fill kernels of empties: {fills}"
+
+
+class _SharedInput(torch.nn.Module):
+    """wq, wk and wv reading one norm output, as in an attention block."""
+
+    def __init__(self, name: str, k: int, n: int):
+        super().__init__()
+        recipe = hd.recipe_from_name(name)
+        self.proj = torch.nn.ModuleList(
+            [hd.Linear(k, n, bias=False, recipe=recipe, device="cuda", dtype=torch.bfloat16) for _ in range(3)])
+
+    def forward(self, x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        return sum(p(h) for p in self.proj)
+
+
+@pytest.mark.gpu
+def test_compile_options_cast_a_shared_input_once_gpu():
+    """``hd.compile_options()`` (``kernels.dedupe_launches``): three layers reading one
+    tensor launch one FP8 cast of it in the compiled forward instead of three, and the
+    step is bitwise the one compiled without the options."""
+    import re
+
+    m, k, n = 256, 512, 256
+    xs, dys = _inputs(m, k, n, 2, "cuda", torch.bfloat16)
+    runs, casts = {}, {}
+    for variant, options in (("compiled", {}), ("compile_options", hd.compile_options())):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        module = _SharedInput("fp8_current", k, n)
+        fn = torch.compile(module, fullgraph=True, options=options)
+        code = []
+        with _no_compile_caches():
+            runs[variant] = _steps(module, lambda x: _code_of(fn, x, code), xs, dys)
+        casts[variant] = len(re.findall(r"_cast_transpose_kernel\w*\.run\(", code[0]))
+    assert casts == {"compiled": 3, "compile_options": 1}, f"FP8 cast launches in the forward: {casts}"
+    for step, (r, c) in enumerate(zip(runs["compiled"], runs["compile_options"])):
+        for what, a, b in zip(["y", "dx", "dWq", "dWk", "dWv"], r, c):
+            assert_bitwise_equal(b, a, f"step {step} {what} (compile_options vs compiled)")
+
+
+def _no_compile_caches():
+    """Inductor's and AOTAutograd's caches off: a cached graph reports no generated code."""
+    import contextlib
+
+    import torch._functorch.config
+    import torch._inductor.config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def _code_of(fn, x, code: list):
+    """``fn(x)``; the first call appends the forward's generated code to ``code``."""
+    from torch._inductor.utils import run_and_get_code
+
+    if code:
+        return fn(x)
+    y, sources = run_and_get_code(fn, x)
+    code.extend(sources)
+    return y
 
 
 @pytest.mark.gpu

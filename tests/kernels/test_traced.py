@@ -1,9 +1,6 @@
 """``kernels._traced.kernel_op``: the FP8 cast ops decompose, under AOTAutograd, into one
 traced Triton launch each, with only the buffers the kernel writes cloned (so inductor can
-launch the kernel in place, with nothing copied).
-
-The decomposition reads the kernel's TTIR to find the tensors it stores to; on a CPU-only
-machine Triton has no active driver, so the test hands it an sm_90 target for that."""
+launch the kernel in place, with nothing copied). Traced without a GPU (``_traced_graphs``)."""
 
 from __future__ import annotations
 
@@ -11,47 +8,9 @@ import pytest
 import torch
 
 from hybrid_dist.kernels._jit_common import INTERPRET
+from tests.kernels._traced_graphs import forward_graph, triton_target  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(INTERPRET.value, reason="under the interpreter the ops are library_ops")
-
-
-@pytest.fixture
-def triton_target(monkeypatch):
-    if torch.cuda.is_available():
-        return "cuda"
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    monkeypatch.setattr(driver, "_active", _Sm90())
-    return "cpu"
-
-
-class _Captured(Exception):
-    pass
-
-
-def _forward_graph(fn, *args) -> torch.fx.GraphModule:
-    """The functionalized forward graph AOTAutograd hands a backend for ``fn(*args)``."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        def capture(g, _):
-            graphs.append(g)
-            raise _Captured
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=capture)
-
-    torch._dynamo.reset()
-    with pytest.raises(Exception) as info:  # the backend stops after tracing (nothing runs)
-        torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    assert graphs, f"no graph traced: {info.value!r}"
-    return graphs[0]
 
 
 def _launches(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -70,7 +29,7 @@ def test_current_cast_is_one_launch_writing_only_its_outputs(triton_target):
         return cast_current_op(x, amax, torch.float8_e4m3fn, 0.0, False, True, True)
 
     x = torch.randn(96, 320, device=triton_target).bfloat16()
-    (launch,) = _launches(_forward_graph(f, x))
+    (launch,) = _launches(forward_graph(f, x))
     assert sorted(launch.kwargs["tensors_to_clone"]) == ["col_ptr", "row_ptr", "scale_inv_ptr"]
     assert launch.kwargs["grid"] == [(2, 3, 1)]
 
@@ -88,7 +47,7 @@ def test_cast_allocates_no_zero_dim_empty(triton_target, delayed):
         return cast_current_op(x, amax, torch.float8_e4m3fn, 0.0, False, True, True)
 
     x = torch.randn(96, 320, device=triton_target).bfloat16()
-    gm = _forward_graph(f, x, torch.zeros(4, device=triton_target))
+    gm = forward_graph(f, x, torch.zeros(4, device=triton_target))
     empties = [n for n in gm.graph.nodes if n.op == "call_function" and "empty" in str(n.target)]
     assert empties, "no allocation traced"
     shapes = [tuple(n.meta["val"].shape) for n in empties]
@@ -103,7 +62,7 @@ def test_delayed_cast_writes_the_history(triton_target):
 
     x = torch.randn(64, 128, device=triton_target).bfloat16()
     scale, history = torch.ones((), device=triton_target), torch.zeros(4, device=triton_target)
-    gm = _forward_graph(f, x, scale, history)
+    gm = forward_graph(f, x, scale, history)
     (launch,) = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)]
     # rowwise only: the unused columnwise pointer is the rowwise buffer
     assert sorted(launch.kwargs["tensors_to_clone"]) == ["amax_out_ptr", "row_ptr", "scale_inv_ptr"]
@@ -115,6 +74,6 @@ def test_transpose_is_one_launch_writing_only_its_output(triton_target):
     from hybrid_dist.kernels.transpose import transposed_op
 
     x = torch.randint(0, 255, (200, 130), device=triton_target, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    (launch,) = _launches(_forward_graph(lambda t: transposed_op(t[5:197]), x))
+    (launch,) = _launches(forward_graph(lambda t: transposed_op(t[5:197]), x))
     assert sorted(launch.kwargs["tensors_to_clone"]) == ["dst_ptr"]
     assert launch.kwargs["grid"] == [(3, 3, 1)]  # ceil(192 / 64) x ceil(130 / 64)

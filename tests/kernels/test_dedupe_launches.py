@@ -1,0 +1,107 @@
+"""``kernels.dedupe_launches``: identical traced FP8 casts of one tensor (wq, wk, wv reading
+one norm output) are launched once, in the forward graph inductor compiles; casts that
+differ in input or flags, and casts that write an existing tensor, are left alone.
+Traced without a GPU (``_traced_graphs``); the compiled step's numbers: tests/test_compile.py."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from hybrid_dist.kernels._jit_common import INTERPRET
+from hybrid_dist.kernels.dedupe_launches import compile_options, dedupe_kernel_launches
+from tests.kernels._traced_graphs import forward_graph, triton_target  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.skipif(INTERPRET.value, reason="under the interpreter the ops are library_ops")
+E4M3 = torch.float8_e4m3fn
+
+
+def _cast_fn(columnwise: bool = True):
+    """An autograd function that casts its input as ``hd.Linear`` does (amax, then one
+    launch) and saves the columnwise copy for its backward."""
+    from hybrid_dist.kernels.fp8.tensor import cast_current_op, traced_amax
+
+    class Cast(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            x2d = x.reshape(-1, x.shape[-1])
+            row, col, scale_inv = cast_current_op(x2d, traced_amax(x2d), E4M3, 0.0, False, True, columnwise)
+            ctx.save_for_backward(col, scale_inv)
+            return row.float() * scale_inv
+
+        @staticmethod
+        def backward(ctx, g):  # a stand-in that reads the saved columnwise copy
+            col, scale_inv = ctx.saved_tensors
+            if not columnwise:
+                return g.to(torch.bfloat16)
+            return (col.float().t() * scale_inv * g).to(torch.bfloat16)
+
+    return Cast
+
+
+def _launches(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target)]
+
+
+def _inputs(device):
+    return (torch.randn(96, 320, device=device).bfloat16().requires_grad_(True),)
+
+
+def test_identical_casts_launch_once(triton_target):
+    cast = _cast_fn()
+
+    def block(x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        return cast.apply(h) + cast.apply(h) + cast.apply(h) + cast.apply(h * 2)
+
+    gm = forward_graph(block, *_inputs(triton_target), min_cut=True)
+    assert len(_launches(gm)) == 4, "AOTAutograd merged the casts itself: this pass has nothing to do"
+    assert dedupe_kernel_launches(gm.graph) == 2
+    gm.graph.lint()
+    kept = _launches(gm)
+    assert len(kept) == 2 and kept[0].kwargs["kwargs"]["x_ptr"] is not kept[1].kwargs["kwargs"]["x_ptr"]
+    reads = [n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] in kept]
+    assert {n.args[0] for n in reads} == set(kept)
+    saved = [a for a in gm.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+    cols = [a for a in saved if a.target is operator.getitem and a.args[1] == "col_ptr"]
+    assert len(cols) == 4 and len({c.args[0] for c in cols}) == 2, f"saved columnwise copies not shared: {saved}"
+    assert not any("empty" in str(n.target) and not n.users for n in gm.graph.nodes), "an allocation is left"
+
+
+def test_casts_that_differ_are_kept(triton_target):
+    with_col, row_only = _cast_fn(columnwise=True), _cast_fn(columnwise=False)
+
+    def block(x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        return with_col.apply(h) + row_only.apply(h)
+
+    gm = forward_graph(block, *_inputs(triton_target), min_cut=True)
+    assert dedupe_kernel_launches(gm.graph) == 0
+    assert len(_launches(gm)) == 2
+
+
+def test_a_cast_that_writes_a_history_is_kept(triton_target):
+    from hybrid_dist.kernels.fp8.tensor import cast_op
+
+    def f(x, scale, history):
+        a = cast_op(x, scale, scale, history, E4M3, False, 0.0, False, True, False, True)
+        b = cast_op(x, scale, scale, history, E4M3, False, 0.0, False, True, False, True)
+        return a[0].float() + b[0].float()
+
+    x = torch.randn(64, 128, device=triton_target).bfloat16()
+    scale, history = torch.ones((), device=triton_target), torch.zeros(4, device=triton_target)
+    gm = forward_graph(f, x, scale, history)
+    assert len(_launches(gm)) == 2
+    assert dedupe_kernel_launches(gm.graph) == 0
+
+
+def test_compile_options_install_one_pass():
+    """Equal options for every block compiled with them (else Dynamo compiles each block
+    with its own backend: one graph per block instead of one per block structure)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    p = compile_options()["post_grad_custom_pre_pass"]
+    assert isinstance(p, CustomGraphPass) and p.uuid() == "hybrid_dist.dedupe_kernel_launches.1"
+    assert compile_options() == compile_options()
