@@ -30,6 +30,8 @@ import operator
 import torch
 from torch import fx
 
+from hybrid_dist.warn import warn_once
+
 aten = torch.ops.aten
 _FRESH = (aten.empty.memory_format, aten.empty_strided.default)
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -147,7 +149,11 @@ def _dedupe_pass():
 
     class DedupeKernelLaunches(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
-            dedupe_kernel_launches(graph)
+            try:
+                dedupe_kernel_launches(graph)
+            except Exception as e:  # an optimization: a graph it does not understand compiles as it is
+                warn_once(f"hd.compile_options: merging identical kernel launches failed ({type(e).__name__}: "
+                          f"{e}); the graph compiles without it", key="dedupe_kernel_launches")
 
         def uuid(self) -> str:
             return "hybrid_dist.dedupe_kernel_launches.1"

@@ -105,3 +105,16 @@ def test_compile_options_install_one_pass():
     p = compile_options()["post_grad_custom_pre_pass"]
     assert isinstance(p, CustomGraphPass) and p.uuid() == "hybrid_dist.dedupe_kernel_launches.1"
     assert compile_options() == compile_options()
+
+
+def test_the_pass_never_fails_a_compile(monkeypatch):
+    """A graph the pass does not understand compiles as it is (warned once)."""
+    from hybrid_dist.kernels import dedupe_launches
+
+    def broken(graph):
+        raise KeyError("kernel_idx")
+
+    monkeypatch.setattr(dedupe_launches, "dedupe_kernel_launches", broken)
+    graph = torch.fx.Graph()
+    with pytest.warns(UserWarning, match="merging identical kernel launches failed"):
+        compile_options()["post_grad_custom_pre_pass"](graph)
