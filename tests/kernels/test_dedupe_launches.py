@@ -70,6 +70,29 @@ def test_identical_casts_launch_once(triton_target):
     assert not any("empty" in str(n.target) and not n.users for n in gm.graph.nodes), "an allocation is left"
 
 
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "compile_options"])
+def test_in_inductors_post_grad_passes(triton_target, options):
+    """Where ``compile_options`` runs it: inductor's post-grad passes over the forward graph
+    (they re-inplace the launches after it): 4 launches, 2 with the pass."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.fx_passes.post_grad import post_grad_passes
+    from torch._inductor.virtualized import V
+
+    cast = _cast_fn()
+
+    def block(x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        return cast.apply(h) + cast.apply(h) + cast.apply(h) + cast.apply(h * 2)
+
+    gm = forward_graph(block, *_inputs(triton_target), min_cut=True)
+    fake_mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+    with config.patch(compile_options() if options else {}), V.set_fake_mode(fake_mode):
+        post_grad_passes(gm, is_inference=False)
+    gm.graph.lint()
+    assert len(_launches(gm)) == (2 if options else 4)
+
+
 def test_casts_that_differ_are_kept(triton_target):
     with_col, row_only = _cast_fn(columnwise=True), _cast_fn(columnwise=False)
 
