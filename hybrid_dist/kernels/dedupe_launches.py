@@ -81,14 +81,16 @@ def _launch_key(node: fx.Node):
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     kw = node.kwargs
-    written = set(kw["tensors_to_clone"])
+    written = {kw["kwargs"][name]: name for name in kw["tensors_to_clone"]}
     args = []
     for name, v in sorted(kw["kwargs"].items()):
-        if name in written:
+        if name in kw["tensors_to_clone"]:
             val = v.meta.get("val") if isinstance(v, fx.Node) else None
             if val is None or not _fresh(v, node):
                 return None  # writes a tensor that exists (or cannot be checked)
             args.append((name, "out", tuple(val.shape), tuple(val.stride()), val.dtype, val.device))
+        elif isinstance(v, fx.Node) and v in written:  # an unused pointer given a written buffer
+            args.append((name, "same as", written[v]))
         elif isinstance(v, fx.Node):
             args.append((name, "in", v))
         else:

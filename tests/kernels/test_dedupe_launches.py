@@ -93,6 +93,20 @@ def test_in_inductors_post_grad_passes(triton_target, options):
     assert len(_launches(gm)) == (2 if options else 4)
 
 
+def test_rowwise_only_casts_launch_once(triton_target):
+    """A rowwise-only cast passes its row buffer as the unused columnwise pointer too."""
+    row_only = _cast_fn(columnwise=False)
+
+    def block(x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        return row_only.apply(h) + row_only.apply(h)
+
+    gm = forward_graph(block, *_inputs(triton_target), min_cut=True)
+    assert len(_launches(gm)) == 2
+    assert dedupe_kernel_launches(gm.graph) == 1
+    gm.graph.lint()
+
+
 def test_casts_that_differ_are_kept(triton_target):
     with_col, row_only = _cast_fn(columnwise=True), _cast_fn(columnwise=False)
 
