@@ -24,6 +24,23 @@ def triton_target(monkeypatch):
     return "cpu"
 
 
+def cuda_kernels_on_cpu(monkeypatch) -> None:
+    """Route the kernel registry's lookups to the CUDA implementations for CPU tensors too
+    (registered here on a CPU-only host; every table restored after the test), so a traced
+    model takes its CUDA path: ``kernel_op`` launches, ``torch._scaled_mm``."""
+    import hybrid_dist as hd
+    from hybrid_dist import _kernel_registry as reg
+    from hybrid_dist.kernels import _register
+
+    for name, table in list(vars(reg).items()):  # the registry's tables: _QUANTIZE, _GEMM, ...
+        if name.startswith("_") and not name.startswith("__") and name.isupper() and isinstance(table, (dict, list)):
+            monkeypatch.setattr(reg, name, table.copy())
+    if hd.Float8Quantizer not in reg._QUANTIZE:  # CPU-only hosts register no CUDA kernels
+        _register.register_all()
+    monkeypatch.setattr(reg, "quantize_impl_for", lambda q, t: reg._QUANTIZE.get(type(q)))
+    monkeypatch.setattr(reg, "gemm_impls_for", lambda device: reg._GEMM)
+
+
 class _Captured(Exception):
     pass
 

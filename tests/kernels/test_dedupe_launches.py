@@ -12,7 +12,7 @@ import torch
 
 from hybrid_dist.kernels._jit_common import INTERPRET
 from hybrid_dist.kernels.dedupe_launches import compile_options, dedupe_kernel_launches
-from tests.kernels._traced_graphs import forward_graph, triton_target  # noqa: F401 (a fixture)
+from tests.kernels._traced_graphs import cuda_kernels_on_cpu, forward_graph, triton_target  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(INTERPRET.value, reason="under the interpreter the ops are library_ops")
 E4M3 = torch.float8_e4m3fn
@@ -105,6 +105,38 @@ def test_rowwise_only_casts_launch_once(triton_target):
     assert len(_launches(gm)) == 2
     assert dedupe_kernel_launches(gm.graph) == 1
     gm.graph.lint()
+
+
+def test_a_launcher_block_casts_each_shared_input_once(triton_target, monkeypatch):
+    """The launcher's Llama block under ``fp8_current`` (its CUDA kernels traced on CPU
+    tensors): the compiled forward casts the 7 weights and the 7 layer inputs, 14 launches;
+    with the pass 11: q, k, v share the attention norm's cast, w1 and w3 the FFN norm's."""
+    import dataclasses
+
+    import hybrid_dist as hd
+    from hybrid_dist.launch.model import Block, rope_tables
+    from hybrid_dist.launch.presets import preset
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.fx_passes.post_grad import post_grad_passes
+    from torch._inductor.virtualized import V
+
+    cuda_kernels_on_cpu(monkeypatch)
+    cfg = dataclasses.replace(preset("tiny"), n_layers=1)
+    torch.manual_seed(0)
+    block = Block(cfg).bfloat16()
+    hd.set_recipe(block, hd.recipe_from_name("fp8_current"))
+    cos, sin = rope_tables(cfg, device="cpu")
+    x = torch.randn(1, 64, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    aux = torch.zeros((), requires_grad=True)
+    counts = []
+    for options in ({}, compile_options()):
+        gm = forward_graph(lambda x: block(x, cos, sin, aux)[0], x, min_cut=True)
+        fake_mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+        with config.patch(options), V.set_fake_mode(fake_mode):
+            post_grad_passes(gm, is_inference=False)
+        counts.append(len(_launches(gm)))
+    assert counts == [14, 11]
 
 
 def test_casts_that_differ_are_kept(triton_target):
