@@ -219,9 +219,10 @@ _HELP = {
     "fsdp_copy_in": "FSDP2's packing of gradients before each reduce-scatter: hd (hybrid_dist.fsdp2."
                     "grad_copy_in: the same bytes, one copy per parameter), torch (torch._chunk_cat, host work "
                     "per 2 KiB of gradient) or auto (hd where this torch's FSDP2 allows it, else torch)",
-    "compile": "torch.compile each block",
+    "compile": "torch.compile each block (with hd.compile_options(): layers reading one tensor share its "
+               "FP8 cast)",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "
-                              "(hd.link_quantized_input; not with --compile or --tp)",
+                              "(hd.link_quantized_input, eager; --compile shares casts by itself; not with --tp)",
     "data": "tokens as .npy or raw binary (--data-dtype); default: synthetic Markov stream",
     "save_every": "save a DCP checkpoint to --checkpoint-dir every N steps",
     "resume": "a checkpoint step dir, or a --checkpoint-dir (latest step)",
