@@ -154,6 +154,8 @@ def test_compile_options_cast_a_shared_input_once_gpu():
     weights' casts), and the step is bitwise the one compiled without the options."""
     import re
 
+    from torch._inductor.utils import run_and_get_code
+
     m, k, n = 256, 512, 256
     xs, dys = _inputs(m, k, n, 2, "cuda", torch.bfloat16)
     runs, casts = {}, {}
@@ -162,10 +164,11 @@ def test_compile_options_cast_a_shared_input_once_gpu():
         torch.manual_seed(0)
         module = _SharedInput("fp8_current", k, n)
         fn = torch.compile(module, fullgraph=True, options=options)
-        code = []
         with _no_compile_caches():
-            runs[variant] = _steps(module, lambda x: _code_of(fn, x, code), xs, dys)
-        casts[variant] = len(re.findall(r"_cast_transpose_kernel\w*\.run\(", code[0]))
+            # compiles the training forward (stateless recipe: the extra call changes nothing)
+            _, (forward_code,) = run_and_get_code(fn, xs[0].clone().requires_grad_(True))
+            runs[variant] = _steps(module, fn, xs, dys)
+        casts[variant] = len(re.findall(r"_cast_transpose_kernel\w*\.run\(", forward_code))
     # each weight's cast, and each layer's cast of the shared input (merged into one)
     assert casts == {"compiled": 6, "compile_options": 4}, f"FP8 cast launches in the forward: {casts}"
     for step, (r, c) in enumerate(zip(runs["compiled"], runs["compile_options"])):
@@ -184,17 +187,6 @@ def _no_compile_caches():
     stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
     stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
     return stack
-
-
-def _code_of(fn, x, code: list):
-    """``fn(x)``; the first call appends the forward's generated code to ``code``."""
-    from torch._inductor.utils import run_and_get_code
-
-    if code:
-        return fn(x)
-    y, sources = run_and_get_code(fn, x)
-    code.extend(sources)
-    return y
 
 
 @pytest.mark.gpu
