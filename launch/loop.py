@@ -26,6 +26,7 @@ from hybrid_dist.fsdp2 import track_all_gather
 from hybrid_dist.launch import checkpoint, torchao_baseline
 from hybrid_dist.launch.config import TrainConfig, load_recipe
 from hybrid_dist.launch.data import make_data
+from hybrid_dist.launch.gc_policy import StepGC
 from hybrid_dist.launch.dry_run import check_alignment, check_tp
 from hybrid_dist.launch.mesh import ParallelDims
 from hybrid_dist.launch.metrics import Meter
@@ -355,7 +356,9 @@ def train(cfg: TrainConfig) -> dict:
     profiler = StepProfiler(cfg.profile_step, cfg.profile_steps, rank=dist.get_rank(), trace=cfg.profile_trace,
                             host=not cfg.profile_device_only)
     heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
-    with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start):
+    collector = StepGC(cfg.gc_every, start, cfg.timing_warmup)
+    with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start), \
+            contextlib.closing(collector):
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(cfg, step)
             for group in optimizer.param_groups:
@@ -373,6 +376,7 @@ def train(cfg: TrainConfig) -> dict:
                 acct.reset()
             window.add(step, _mean_over(loss, meshes.dp.get_group(), dims.dp), norm,
                        tokens=tokens[:, 1:].numel() * dims.dp, lr=lr, ag_bytes=meter.ag_bytes, host_s=host)
+            collector.after_step(step)
             if not window.due(step, records is not None):
                 heartbeat.beat(step)
                 continue

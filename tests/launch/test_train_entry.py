@@ -19,6 +19,7 @@ from hybrid_dist.launch.train import main
     (["--recipe", "nope"], "--recipe 'nope' is unknown"),
     (["--preset", "huge"], "--preset 'huge' is unknown"),
     (["--save-every", "2"], "--save-every needs --checkpoint-dir"),
+    (["--gc-every", "-1"], "--gc-every must be >= 0 (0 = Python's automatic collector), got -1"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the TP ranks: it needs --tp 2"),
     (["--sequence-parallel", "--tp", "2", "--moe-experts", "4"], "run MoE models without --sequence-parallel"),
     (["--sequence-parallel", "--tp", "2", "--seq-len", "63"], "--seq-len 63 must be a multiple of --tp 2"),
