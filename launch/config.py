@@ -60,7 +60,7 @@ class TrainConfig:
     log_every: int = 10
     inspect_every: int = 0          # quantization statistics every N steps into --metrics (0 = off)
     timing_warmup: int = 2          # first steps left out of the summary's tokens/s (allocator, JIT, compile)
-    gc_every: int = 50              # Python GC: full collection every N steps, objects frozen after warm-up (0 = auto)
+    gc_every: int = 50              # Python GC after warm-up: survivors frozen, full collection every N steps (0 = auto)
     run_name: str | None = None
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
@@ -205,8 +205,8 @@ _HELP = {
     "baseline": "none, or torchao-float8: torchao float8 tensorwise training with float8 FSDP all-gather "
                 "(needs torchao; with --recipe bf16)",
     "timing_warmup": "first steps left out of the summary's tokens/s and MFU",
-    "gc_every": "Python's garbage collector: off in the loop, objects alive after the warm-up steps frozen, "
-                "a full collection of the rest every N steps (0 = Python's automatic collector)",
+    "gc_every": "Python's garbage collector after the warm-up steps: objects alive then frozen, automatic "
+                "collection off, a full collection of the rest every N steps (0 = Python's automatic collector)",
     "batch_size": "sequences per data-parallel rank (batch*seq must fit the recipe's blocks: 128 for fp8_block)",
     "fsdp": "FSDP (dp_shard) degree; -1 = world / (hsdp*tp)",
     "hsdp": "HSDP replicas (dp_replicate degree)",

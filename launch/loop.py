@@ -26,8 +26,8 @@ from hybrid_dist.fsdp2 import track_all_gather
 from hybrid_dist.launch import checkpoint, torchao_baseline
 from hybrid_dist.launch.config import TrainConfig, load_recipe
 from hybrid_dist.launch.data import make_data
-from hybrid_dist.launch.gc_policy import StepGC
 from hybrid_dist.launch.dry_run import check_alignment, check_tp
+from hybrid_dist.launch.gc_policy import StepGC
 from hybrid_dist.launch.mesh import ParallelDims
 from hybrid_dist.launch.metrics import Meter
 from hybrid_dist.launch.model import Transformer, apply_recipe

@@ -27,6 +27,17 @@ def _cycle(finalized: list) -> None:
     weakref.finalize(node, finalized.append, 1)
 
 
+def _collected_at(steps: StepGC, quiet: tuple, step: int) -> None:
+    """A cycle made now survives the steps ``quiet`` and is collected at ``step``."""
+    finalized = []
+    _cycle(finalized)
+    for s in quiet:
+        steps.after_step(s)
+    assert finalized == [], f"collected before step {step}"
+    steps.after_step(step)
+    assert finalized == [1], f"not collected at step {step}"
+
+
 @pytest.fixture
 def collector_enabled():
     was = gc.isenabled()
@@ -49,12 +60,7 @@ def test_warmup_survivors_frozen_later_garbage_collected_every_n_steps(collector
     assert finalized == []
     steps.after_step(3)
     assert finalized == [1]
-    _cycle(finalized)
-    steps.after_step(4)
-    steps.after_step(5)
-    assert finalized == [1]
-    steps.after_step(6)
-    assert finalized == [1, 1]
+    _collected_at(steps, (4, 5), 6)
     steps.close()
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
@@ -68,12 +74,7 @@ def test_a_resumed_run_freezes_after_its_own_warmup(collector_enabled):
     _cycle(finalized)
     steps.after_step(42)  # the last warm-up step: full collection, then freeze
     assert finalized == [1] and gc.get_freeze_count() > 0
-    _cycle(finalized)
-    steps.after_step(43)
-    steps.after_step(49)
-    assert finalized == [1]
-    steps.after_step(50)
-    assert finalized == [1, 1]
+    _collected_at(steps, (43, 49), 50)
     steps.close()
 
 
