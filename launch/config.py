@@ -60,7 +60,7 @@ class TrainConfig:
     log_every: int = 10
     inspect_every: int = 0          # quantization statistics every N steps into --metrics (0 = off)
     timing_warmup: int = 2          # first steps left out of the summary's tokens/s (allocator, JIT, compile)
-    gc_every: int = 50              # Python GC after warm-up: survivors frozen, full collection every N steps (0 = auto)
+    gc_every: int = 50              # Python GC after warm-up: survivors frozen, collected every N steps (0 = auto)
     run_name: str | None = None
     quiet: bool = False
     profile_step: int = 0           # profile this step on rank 0 and print where its time went (0 = off)
