@@ -13,9 +13,11 @@ real row tiles (counted from ``offs`` on the device) times the N tiles, GROUP_M-
 operands arrive by TMA (``Kc`` a multiple of 16; boxes past ``Kc`` or ``C`` read zeros); only
 rows inside a tile's group and columns ``< R`` are stored. Rows ``>= offs[-1]`` are NOT
 written (the output is ``torch.empty``); with ``tokens`` the output is in token order.
-``grouped_tokens_fp8`` (wgrad): grid (tiles of Ra × tiles of Rb, E), pointer loads over each
-group's contraction range; group bounds must be multiples of 16 (the packed layout guarantees
-it; unchecked), and an empty group writes zeros.
+``grouped_tokens_fp8`` (wgrad): persistent over the E · tiles of Ra × tiles of Rb output
+tiles, expert-major; operands by TMA over each group's contraction range (``C`` a multiple
+of 16), the columns of a group's last box past its end zeroed; group bounds must be
+multiples of 16 (the packed layout guarantees it; unchecked), and an empty group writes
+zeros. Output tiles are stored by TMA when ``Rb`` is a multiple of 8.
 
 ``grouped_rows`` / ``grouped_tokens`` call the host wrappers in eager code and, while
 ``torch.compile`` traces, the same wrappers as one ``torch.library`` operator each (an
@@ -47,13 +49,13 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def _tokens_configs():
     """Autotune configs of the wgrad kernel (``_rows_configs``: the rows kernel's)."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # one small config (tiles split groups): CPU tests
-        return [triton.Config({"BM": 64, "BN": 64, "BK": 32, "GROUP_M": 2}, num_warps=4)]
+        return [triton.Config({"BM": 64, "BN": 64, "BK": 32, "GROUP_M": 2}, num_warps=4, pre_hook=_set_blocks)]
     # sm90 ptxas: no spills with fast_accum at BN=256; 128x128/8 warps has none when promoting (a
     # second fp32 accumulator); autotuning picks among them per shape
     shapes = ((128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3),
               (256, 128, 8, 4))
-    return [triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in shapes]
+    return [triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s,
+                          pre_hook=_set_blocks) for bm, bn, w, s in shapes]
 
 
 @triton.jit
@@ -90,6 +92,8 @@ def _set_blocks(nargs):
     """Autotune pre-hook: the TMA boxes of the config (host descriptors carry them)."""
     nargs["a_desc"].block_shape = [nargs["BM"], nargs["BK"]]
     nargs["b_desc"].block_shape = [nargs["BN"], nargs["BK"]]
+    if nargs.get("out_desc") is not None:
+        nargs["out_desc"].block_shape = [1, nargs["BM"], nargs["BN"]]
 
 
 def _rows_configs():
@@ -140,32 +144,45 @@ def _rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, tok_ptr, out_ptr, C, 
         tl.store(out_ptrs, out, mask=(rm[:, None] < row_end) & (rn[None, :] < R))
 
 
-@triton.autotune(configs=_tokens_configs(), key=["Ra", "Rb"])
+@triton.autotune(configs=_tokens_configs(), key=["Ra", "Rb", "FAST"])
 @triton.jit
-def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, Ra, Rb, C, FAST: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    g = tl.program_id(1)
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(Ra, BM), tl.cdiv(Rb, BN), GROUP_M)
-    end = tl.multiple_of(tl.load(offs_ptr + g), 16)
-    # the hint must sit on a value of this function (on a helper's result it is lost when the
-    # helper is inlined, and the FP8 loads become byte-wide, an order of magnitude slower)
-    start = tl.multiple_of(tl.load(offs_ptr + tl.maximum(g - 1, 0)) * (g > 0), 16)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = start + tl.arange(0, BK)
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * C + rk[None, :]
-    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * C + rk[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(start, end, BK):
-        a = tl.load(a_ptrs, mask=(rm[:, None] < Ra) & (rk[None, :] < end - k + start), other=0.0)
-        b = tl.load(b_ptrs, mask=(rn[:, None] < Rb) & (rk[None, :] < end - k + start), other=0.0)
-        acc = _dot(a, tl.trans(b), acc, FAST, BK)
-        a_ptrs += BK
-        b_ptrs += BK
-    scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
-    out = tl.where(end > start, acc * scale, 0.0).to(tl.bfloat16)  # empty group: 0 for any scale
-    out_ptrs = out_ptr + (g.to(tl.int64) * Ra + rm[:, None]) * Rb + rn[None, :]
-    tl.store(out_ptrs, out, mask=(rm[:, None] < Ra) & (rn[None, :] < Rb))
+def _tokens_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, offs_ptr, out_ptr, Ra, Rb, E, FAST: tl.constexpr,
+                   TMA_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    """Persistent: program p computes tiles p, p + P, ... of the E · (Ra/BM) · (Rb/BN) output
+    tiles, expert-major (a group's operands stay in L2 while its tiles run). A group's whole
+    BK boxes come by TMA; its last partial box (group ends are multiples of 16, not of BK)
+    is read by TMA too and its columns past the group's end zeroed before the product.
+    ``TMA_OUT``: the tile is stored by TMA (``out`` as ``[E, Ra, Rb]``, boxes clipped at each
+    expert's edges), asynchronously, so the store overlaps the next tile's loads."""
+    num_m, num_n = tl.cdiv(Ra, BM), tl.cdiv(Rb, BN)
+    per_group = num_m * num_n
+    for tile in tl.range(tl.program_id(0), E * per_group, tl.num_programs(0)):
+        g = tile // per_group
+        pid_m, pid_n = _swizzle(tile % per_group, num_m, num_n, GROUP_M)
+        start = _group_start(offs_ptr, g)
+        end = tl.load(offs_ptr + g)
+        whole = start + (end - start) // BK * BK
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(start, whole, BK):
+            a = a_desc.load([pid_m * BM, k])
+            b = b_desc.load([pid_n * BN, k])
+            acc = _dot(a, b.T, acc, FAST, BK)
+        if whole < end:  # the partial box: columns >= end belong to the next group (or are past C)
+            inside = (whole + tl.arange(0, BK))[None, :] < end
+            a = a_desc.load([pid_m * BM, whole])
+            b = b_desc.load([pid_n * BN, whole])
+            a, b = tl.where(inside, a, tl.zeros_like(a)), tl.where(inside, b, tl.zeros_like(b))
+            acc = _dot(a, b.T, acc, FAST, BK)
+        scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
+        out = tl.where(end > start, acc * scale, 0.0).to(tl.bfloat16)  # empty group: 0 for any scale
+        if TMA_OUT:
+            out_desc.store([g, pid_m * BM, pid_n * BN], tl.reshape(out, [1, BM, BN]))
+        else:
+            rm = pid_m * BM + tl.arange(0, BM)
+            rn = pid_n * BN + tl.arange(0, BN)
+            out_ptrs = out_ptr + (g.to(tl.int64) * Ra + rm[:, None]) * Rb + rn[None, :]
+            tl.store(out_ptrs, out, mask=(rm[:, None] < Ra) & (rn[None, :] < Rb))
 
 
 def _num_programs(device) -> int:
@@ -219,8 +236,8 @@ def grouped_rows_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False,
 
 
 def grouped_tokens_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False) -> torch.Tensor:
-    """bf16 ``[E, Ra, Rb]`` (module doc): ``a [Ra, C]``, ``b [Rb, C]`` FP8, groups along C
-    (starts multiples of 16); empty groups zero."""
+    """bf16 ``[E, Ra, Rb]`` (module doc): ``a [Ra, C]``, ``b [Rb, C]`` FP8, ``C`` and the
+    groups along it (starts) multiples of 16; empty groups zero."""
     (ra, c), (rb, cb), e = a.shape, b.shape, offs.numel()
     if cb != c:
         raise ValueError(f"grouped_tokens_fp8: a [Ra, C] and b [Rb, C]; got {tuple(a.shape)}, {tuple(b.shape)}")
@@ -228,9 +245,18 @@ def grouped_tokens_fp8(a, b, scale_a, scale_b, offs, *, fast_accum: bool = False
     out = torch.empty((e, ra, rb), dtype=torch.bfloat16, device=a.device)
     if out.numel() == 0:
         return out
+    if c % 16:
+        raise ValueError(f"grouped_tokens_fp8: C={c} must be a multiple of 16 (TMA rows of 16-byte multiples)")
+    # boxes are set per config by the autotune pre-hook (_set_blocks)
+    a_desc = TensorDescriptor.from_tensor(a.contiguous(), [1, 16])
+    b_desc = TensorDescriptor.from_tensor(b.contiguous(), [1, 16])
+    tma_out = rb % 8 == 0  # TMA rows of 16-byte multiples
+    out_desc = TensorDescriptor.from_tensor(out, [1, 1, 8]) if tma_out else None
+    programs = _num_programs(a.device)
+
     def grid(meta):
-        return (triton.cdiv(ra, meta["BM"]) * triton.cdiv(rb, meta["BN"]), e)
-    _tokens_kernel[grid](a.contiguous(), b.contiguous(), sa, sb, offs, out, ra, rb, c, FAST=fast_accum)
+        return (min(programs, e * triton.cdiv(ra, meta["BM"]) * triton.cdiv(rb, meta["BN"])),)
+    _tokens_kernel[grid](a_desc, b_desc, out_desc, sa, sb, offs, out, ra, rb, e, FAST=fast_accum, TMA_OUT=tma_out)
     return out
 
 
