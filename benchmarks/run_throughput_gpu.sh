@@ -66,6 +66,7 @@ $(end_to_end_rows 8b4k "$M8B4K" 150)
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
 1b_moe8_bf16_compile|100|0|$MOE --recipe bf16 --compile
 1b_moe8_fp8_current_compile|100|0|$MOE --recipe fp8_current --compile
+1b_moe8_fp8_current_qinit_compile|100|0|$MOE --recipe fp8_current --quantized-init --compile
 8b_mxfp8_fwd_nvfp4_bwd|120|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd
 8b_mxfp8_fwd_nvfp4_bwd_qinit_compile|150|0|$M8B --recipe mxfp8_fwd_nvfp4_bwd --quantized-init --compile
 8b_nvfp4|120|0|$M8B --recipe nvfp4
@@ -74,6 +75,7 @@ $(end_to_end_rows 8b4k "$M8B4K" 150)
 8b_L4_moe8_fp8_current|75|0|$MOE8B --recipe fp8_current
 8b_L4_moe8_bf16_compile|100|0|$MOE8B --recipe bf16 --compile
 8b_L4_moe8_fp8_current_compile|100|0|$MOE8B --recipe fp8_current --compile
+8b_L4_moe8_fp8_current_qinit_compile|100|0|$MOE8B --recipe fp8_current --quantized-init --compile
 "
 
 

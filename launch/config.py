@@ -118,14 +118,8 @@ class TrainConfig:
             self._check_sequence_parallel()
 
     def check_device(self, device_type: str) -> None:
-        """Refuses what is known to fail on ``device_type``: MoE models with quantized init on
-        CUDA (the gradients of the second step are NaN: every recipe tried, eager and
-        compiled; CPU trains), compiled MoE blocks with ``fp8_block`` on CPU (inductor's C++
-        code generation fails on the experts, torch 2.13)."""
-        if device_type == "cuda" and self.moe_experts and self.quantized_init:
-            raise NotImplementedError(
-                "--quantized-init with --moe-experts on CUDA: the backward of the second step gives NaN "
-                "gradients (a known fault); train MoE models without --quantized-init")
+        """Refuses what is known to fail on ``device_type``: compiled MoE blocks with
+        ``fp8_block`` on CPU (inductor's C++ code generation fails on the experts, torch 2.13)."""
         if not (self.compile and self.moe_experts):
             return
         if device_type == "cpu" and self.recipe == "fp8_block":

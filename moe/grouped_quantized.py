@@ -46,7 +46,7 @@ import os
 
 import torch
 
-from hybrid_dist import saved_storages
+from hybrid_dist import gemm, saved_storages
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.formats.identity import IdentityQuantizer
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
@@ -181,11 +181,30 @@ def _token(q, fields, direction) -> TokenOperand:
 
 
 def _weights(weight, plan, need_dgrad):
+    """``(fprop operand, dgrad source)``: the stacked rowwise operand, and what backward
+    stacks the dgrad operand from (``_dgrad_operand``): for a high-precision weight the
+    operand quantized now; for a ``QuantizedTensor`` its columnwise storage itself, read
+    only in backward (under FSDP2 a forward gathers the rowwise direction alone and the
+    columnwise buffers are refilled before backward: a copy made in forward would hold
+    stale bytes)."""
+    if isinstance(weight, QuantizedTensor):
+        row = expert_weight_storages(weight, plan, need_dgrad=False)[0]
+        col = gemm.operand(weight, "columnwise", "weight", "dgrad") if need_dgrad else None
+        return stack_experts(row), col
     batched = batched_fp8_weights(weight, plan, need_dgrad=need_dgrad)
     if batched is not None:
-        return batched
+        return batched[0], (batched[1].storage if need_dgrad else None)
     rows, cols = expert_weight_storages(weight, plan, need_dgrad=need_dgrad)
-    return stack_experts(rows), (stack_experts(cols) if need_dgrad else None)
+    return stack_experts(rows), (stack_experts(cols).storage if need_dgrad else None)
+
+
+def _dgrad_operand(source, num_experts: int, n: int | None) -> WeightOperand:
+    """The stacked dgrad operand from ``_weights``' source: with ``n`` (the weight's out
+    features) a quantized weight's columnwise storage ``[K, E·N]`` (``grouped_linear`` note:
+    expert weights) split into its E experts and stacked, else the operand stacked in forward."""
+    if n is not None:
+        return stack_experts([source.narrow_dim0(i * n, n) for i in range(num_experts)])
+    return WeightOperand(storage=source, scale=source.tensor_scale(), num_experts=num_experts)
 
 
 class _QuantizedGroupedFn(torch.autograd.Function):
@@ -201,6 +220,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         offs = xs.padded_offsets[1:].to(torch.int32)
         tok_offs = xs.offsets[1:].to(torch.int32)
         w_row, w_col = _weights(weight, plan, need_dgrad)
+        n_from_weight = weight.shape[1] if isinstance(weight, QuantizedTensor) else None
         x_row = _token(plan.input, xs.rowwise, "rowwise")
         y = rows_gemm(x_row, w_row, offs, xs.row_expert, plan.recipe.fprop, xs.dest, tok_offs)
         x_col = _token(plan.input, xs.columnwise, "columnwise").storage if need_wgrad else None
@@ -210,10 +230,10 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             stats.record_experts("input", x_hp, [x_row.storage],
                                  [x_col] if need_wgrad else None, num_experts=e, offsets=xs.offsets,
                                  poff=xs.padded_offsets)
-            stats.record_experts("weight", weight, unstack_experts(w_row),
-                                 unstack_experts(w_col) if need_dgrad else None, num_experts=e)
-        saved_storages.pack(ctx, x_col, w_col.storage if need_dgrad else None)
-        ctx.plan, ctx.mult, ctx.num_experts = plan, mult, weight.shape[0]
+            cols = unstack_experts(_dgrad_operand(w_col, e, n_from_weight)) if need_dgrad else None
+            stats.record_experts("weight", weight, unstack_experts(w_row), cols, num_experts=e)
+        saved_storages.pack(ctx, x_col, w_col)
+        ctx.plan, ctx.mult, ctx.num_experts, ctx.n_from_weight = plan, mult, weight.shape[0], n_from_weight
         ctx.io = io if io and "packed" in io else None  # only dy_packed is read back (not the x rows)
         ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
         return y
@@ -237,7 +257,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                                      offsets=dys.offsets, poff=dys.padded_offsets)
         dx = dw = None
         if need_dgrad:
-            w_op = WeightOperand(storage=w_col, scale=w_col.tensor_scale(), num_experts=ctx.num_experts)
+            w_op = _dgrad_operand(w_col, ctx.num_experts, ctx.n_from_weight)
             dx = rows_gemm(_token(plan.grad_output, dys.rowwise, "rowwise"), w_op, ctx.offs, dys.row_expert,
                            plan.recipe.dgrad, dys.dest, ctx.tok_offs)
         if need_wgrad:

@@ -61,3 +61,67 @@ def _worker(rank, world):
 
 def test_fsdp2_expert_sharding_bitwise():
     assert run_ranks(_worker, 2) == [True, True]
+
+
+def _poison_fsdp_allocations():
+    """Fill every storage FSDP2 re-allocates before an all-gather with 0xFF bytes (NaN in
+    every float format), as a GPU's caching allocator hands back memory holding other data."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    def poisoned(tensor):
+        storage = tensor.untyped_storage()
+        if storage.size() != tensor.numel() * tensor.itemsize:
+            storage.resize_(tensor.numel() * tensor.itemsize)
+            torch.empty(0, dtype=torch.uint8).set_(storage).fill_(0xFF)
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = poisoned
+
+
+class _Root(torch.nn.Module):
+    def __init__(self, recipe):
+        super().__init__()
+        torch.manual_seed(0)
+        with hd.quantized_model_init(recipe):
+            self.experts = GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16)
+
+    def forward(self, x, splits):
+        return self.experts(x, splits)
+
+
+def _resharded_worker(rank, world):
+    """A quantized-init GroupedLinear on the sync-free grouped path (the CUDA path, emulated
+    on CPU) as a block that reshards after forward, two steps, against the unsharded layer."""
+    from hybrid_dist.moe import grouped_quantized
+
+    grouped_quantized.fits = lambda plan, x, w: grouped_quantized.unsupported_reason(plan, x, w) is None
+    _poison_fsdp_allocations()
+    mesh = init_device_mesh("cpu", (world,))
+    splits = torch.tensor([10, 0, 30, 24])
+    for recipe_name in ("fp8_current", "mxfp8"):
+        recipe = hd.recipe_from_name(recipe_name)
+
+        ref, sharded = _Root(recipe), _Root(recipe)
+        fully_shard(sharded.experts, mesh=mesh, reshard_after_forward=True)
+        fully_shard(sharded, mesh=mesh)
+        for step in range(2):
+            cfg = f"FSDP2 world={world} recipe={recipe_name} quantized_init resharded step={step}"
+            torch.manual_seed(10 + step)
+            x = torch.randn(int(splits.sum()), K, dtype=torch.bfloat16)
+            dy = torch.randn(int(splits.sum()), N, dtype=torch.bfloat16)
+            got = []
+            for m in (ref, sharded):
+                xi = x.clone().requires_grad_(True)
+                m(xi, splits).backward(dy)
+                got.append((xi.grad, m.experts.weight.grad))
+            (dx_ref, dw_ref), (dx, dw) = got
+            assert torch.equal(dx, dx_ref), f"{cfg}: dx differs from the unsharded layer"
+            assert torch.equal(dw.full_tensor(), dw_ref), f"{cfg}: dW differs from the unsharded layer"
+            ref.experts.weight.grad = sharded.experts.weight.grad = None
+    return True
+
+
+def test_fsdp2_resharded_quantized_experts_backward_reads_refilled_columnwise():
+    """FSDP2 gathers only the rowwise direction for the forward of a block that reshards,
+    and refills the columnwise buffers before its backward: the grouped path's dgrad must
+    read them then (re-allocated buffers hold NaN bytes until refilled)."""
+    assert run_ranks(_resharded_worker, 1) == [True]

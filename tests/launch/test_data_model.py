@@ -143,17 +143,6 @@ def test_checkpointing_expert_parallel_and_quantized_init_are_accepted():
     assert (cfg.ep, cfg.quantized_init, cfg.save_every) == (2, True, 5)
 
 
-def test_moe_with_quantized_init_refused_on_cuda():
-    """MoE + ``--quantized-init`` on CUDA: NaN gradients from step 2 (one H200, 125m and 1b
-    MoE presets, fp8_current / fp8_delayed / mxfp8, eager and compiled): refused there with
-    the flags named; CPU, dense models and MoE without quantized init pass."""
-    with pytest.raises(NotImplementedError, match="--quantized-init with --moe-experts on CUDA"):
-        TrainConfig(moe_experts=4, quantized_init=True).check_device("cuda")
-    TrainConfig(moe_experts=4, quantized_init=True).check_device("cpu")
-    TrainConfig(moe_experts=0, quantized_init=True).check_device("cuda")
-    TrainConfig(moe_experts=4, quantized_init=False).check_device("cuda")
-
-
 def test_compiled_moe_refused_where_known_to_fail():
     """``--compile`` MoE with ``fp8_block``: inductor fails to compile the experts on CPU
     (InductorError, tiny preset 2 x 64): refused there with the flags named; CUDA, the other

@@ -193,3 +193,43 @@ def test_grouped_path_partial_gradients(grads):
         assert dw_p is None and torch.equal(dx_p, dx_f)
     if grads == "weight_only":
         assert dx_p is None and torch.equal(dw_p, dw_f)
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_current", "mxfp8"])
+def test_grouped_path_reads_the_quantized_weights_columnwise_in_backward(recipe_name):
+    """FSDP2 gathers a quantized weight's rowwise direction for the forward and refills its
+    columnwise buffers before the backward (``fsdp2/_hooks.py`` note), so the dgrad must read
+    the columnwise bytes as they are in backward; a copy taken in forward held stale bytes
+    (NaN gradients from the second step of an MoE launcher run on a GPU). The columnwise
+    buffers (the per-tensor scale is the shard's own, not re-gathered) hold 0xFF bytes (NaN)
+    through the forward and are refilled before the backward: y, dx and dW are bitwise the
+    run with valid buffers throughout."""
+    recipe = hd.recipe_from_name(recipe_name)
+    torch.manual_seed(0)
+    with hd.quantized_model_init(recipe):
+        g = GroupedLinear(E, K, N, recipe=recipe, dtype=torch.bfloat16)
+    plan, tpe = g.plan(recipe), torch.tensor(SPLITS)
+    x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16)
+    dy = torch.randn(sum(SPLITS), N, dtype=torch.bfloat16)
+    col = g.weight.storage_of("columnwise")
+    valid = {f: t.clone() for f, t in col.tensors().items() if t.dim()}
+
+    def refill(stale: bool) -> None:
+        with torch.no_grad():
+            for f, t in col.tensors().items():
+                if f not in valid:
+                    continue
+                with torch.autograd._unsafe_preserve_version_counter(t):
+                    t.view(torch.uint8).fill_(0xFF) if stale else t.copy_(valid[f])
+
+    runs = []
+    for stale in (False, True):
+        refill(stale)
+        xi = x.clone().requires_grad_(True)
+        y = grouped_quantized.grouped_linear(xi, g.weight, tpe, plan)
+        refill(False)
+        y.backward(dy)
+        runs.append((y.detach(), xi.grad, g.weight.grad))
+        g.weight.grad = None
+    for what, a, b in zip(("y", "dx", "dW"), *runs):
+        assert torch.equal(a, b), f"{recipe_name}: {what} differs when the columnwise buffers were stale in forward"
