@@ -88,9 +88,12 @@ class _LinearFn(torch.autograd.Function):
         x_row, x_col = _input_operands(x, plan, need_wgrad)
         w_row, w_col = weight_operands(weight, plan, need_dgrad)
         ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
+        # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them
+        # then): its statistics are recorded there
+        ctx.w_col_stats = isinstance(weight, QuantizedTensor) and w_col is not None
         if stats is not None:
             stats.record("input", x, x_row, x_col)
-            stats.record("weight", weight, w_row, w_col)
+            stats.record("weight", weight, w_row, None if ctx.w_col_stats else w_col)
         # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
@@ -111,6 +114,8 @@ class _LinearFn(torch.autograd.Function):
                                                             state=plan.states["grad_output"])
         if ctx.stats is not None:
             ctx.stats.record("grad_output", dy2d, dy_row, dy_col)
+            if ctx.w_col_stats:
+                ctx.stats.record("weight", None, None, w_col)
         dx = dw = db = None
         if need_dgrad:
             # dgrad: dx [M, K] = dy [M, N] · W [N, K]   (W columnwise stored [K, N])

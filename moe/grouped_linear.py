@@ -105,7 +105,10 @@ class _GroupedLinearFn(torch.autograd.Function):
         if stats is not None:
             stats.record_experts("input", x_hp, x_q.rowwise, x_q.columnwise if need_wgrad else None,
                                  num_experts=e, offsets=x_q.offsets, poff=x_q.padded_offsets)
-            stats.record_experts("weight", weight, w_rows, w_cols if need_dgrad else None, num_experts=e)
+            # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them then)
+            ctx.w_col_stats = isinstance(weight, QuantizedTensor) and need_dgrad
+            stats.record_experts("weight", weight, w_rows, w_cols if need_dgrad and not ctx.w_col_stats else None,
+                                 num_experts=e)
         # fprop: y_e [p_e, N] = x_e [p_e, K] · W_e [N, K]ᵀ, keep the m_e real rows
         y = _grouped_gemm_rows(x_q.rowwise, w_rows, x_q.splits, out_dtype=plan.recipe.fprop.out_dtype or x.dtype,
                                config=plan.recipe.fprop, width=n, like=x)
@@ -133,6 +136,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             ctx.stats.record_experts("grad_output", dy_hp, dy_q.rowwise if need_dgrad else None,
                                      dy_q.columnwise if need_wgrad else None, num_experts=e,
                                      offsets=dy_q.offsets, poff=dy_q.padded_offsets)
+            if ctx.w_col_stats:
+                ctx.stats.record_experts("weight", None, None, w_cols, num_experts=e)
         dx = dw = None
         if need_dgrad:
             # dgrad: dx_e [p_e, K] = dy_e [p_e, N] · W_e [N, K]   (W_e columnwise stored [K, N])

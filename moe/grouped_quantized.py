@@ -230,7 +230,8 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             stats.record_experts("input", x_hp, [x_row.storage],
                                  [x_col] if need_wgrad else None, num_experts=e, offsets=xs.offsets,
                                  poff=xs.padded_offsets)
-            cols = unstack_experts(_dgrad_operand(w_col, e, n_from_weight)) if need_dgrad else None
+            # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them then)
+            cols = unstack_experts(_dgrad_operand(w_col, e, None)) if need_dgrad and n_from_weight is None else None
             stats.record_experts("weight", weight, unstack_experts(w_row), cols, num_experts=e)
         saved_storages.pack(ctx, x_col, w_col)
         ctx.plan, ctx.mult, ctx.num_experts, ctx.n_from_weight = plan, mult, weight.shape[0], n_from_weight
@@ -250,14 +251,16 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             dys = device_split.split_quantize_packed(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
                                                      rowwise=need_dgrad, columnwise=need_wgrad,
                                                      states=plan.states["grad_output"], multiple=ctx.mult)
+        w_op = _dgrad_operand(w_col, ctx.num_experts, ctx.n_from_weight) if need_dgrad else None
         if ctx.stats is not None:
             row = [_token(plan.grad_output, dys.rowwise, "rowwise").storage] if need_dgrad else None
             col = [_token(plan.grad_output, dys.columnwise, "columnwise").storage] if need_wgrad else None
             ctx.stats.record_experts("grad_output", dy_hp, row, col, num_experts=ctx.num_experts,
                                      offsets=dys.offsets, poff=dys.padded_offsets)
+            if need_dgrad and ctx.n_from_weight is not None:
+                ctx.stats.record_experts("weight", None, None, unstack_experts(w_op), num_experts=ctx.num_experts)
         dx = dw = None
         if need_dgrad:
-            w_op = _dgrad_operand(w_col, ctx.num_experts, ctx.n_from_weight)
             dx = rows_gemm(_token(plan.grad_output, dys.rowwise, "rowwise"), w_op, ctx.offs, dys.row_expert,
                            plan.recipe.dgrad, dys.dest, ctx.tok_offs)
         if need_wgrad:

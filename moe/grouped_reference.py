@@ -33,6 +33,7 @@ from hybrid_dist.inspection import active_stats
 from hybrid_dist.moe import device_split
 from hybrid_dist.moe._segment_ops import segment_mm_rows, segment_mm_tokens
 from hybrid_dist.moe.grouped_operands import expert_weight_storages, row_scales, token_operand
+from hybrid_dist.quantized_tensor import QuantizedTensor
 
 __all__ = ["fits", "grouped_linear"]
 
@@ -99,7 +100,10 @@ class _PackedReferenceFn(torch.autograd.Function):
             e = len(w_rows)
             stats.record_experts("input", x, [x_row], [x_col] if need_wgrad else None, num_experts=e,
                                  offsets=ps.offsets, poff=ps.padded_offsets)
-            stats.record_experts("weight", weight, w_rows, w_cols if need_dgrad else None, num_experts=e)
+            # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them then)
+            ctx.w_col_stats = isinstance(weight, QuantizedTensor) and need_dgrad
+            stats.record_experts("weight", weight, w_rows, w_cols if need_dgrad and not ctx.w_col_stats else None,
+                                 num_experts=e)
         # fprop: y [T, N] = x_e [p_e, K] · W_e [N, K]ᵀ per segment, rows dest
         y = _rows_gemm(x_row, w_rows, ps, plan.recipe.fprop.out_dtype or x.dtype)
         saved_storages.pack(ctx, x_col, *(w_cols if need_dgrad else [None] * len(w_cols)))
@@ -121,6 +125,8 @@ class _PackedReferenceFn(torch.autograd.Function):
             ctx.stats.record_experts("grad_output", dy, [dy_row] if need_dgrad else None,
                                      [dy_col] if need_wgrad else None, num_experts=len(w_cols),
                                      offsets=ps.offsets, poff=ps.padded_offsets)
+            if ctx.w_col_stats:
+                ctx.stats.record_experts("weight", None, None, w_cols, num_experts=len(w_cols))
         dx = dw = None
         if need_dgrad:
             # dgrad: dx [T, K] = dy_e [p_e, N] · W_e [N, K] per segment (W_e columnwise stored [K, N])

@@ -39,6 +39,52 @@ def _step(m, x, g):
     return y
 
 
+def _stale_columnwise_forward(weights):
+    """``(spoil, refill)`` for one step: the quantized ``weights``' columnwise buffers hold
+    0xFF bytes (NaN) from ``spoil()`` (before the forward) until ``refill()`` (between forward
+    and backward), as under FSDP2 in a block that reshards after forward
+    (``fsdp2/_hooks.py`` note). Per-tensor scales are the shard's own: left as they are."""
+    cols = [w.storage_of("columnwise") for w in weights]
+    valid = [{f: t.clone() for f, t in col.tensors().items() if t.dim()} for col in cols]
+
+    def write(stale: bool) -> None:
+        with torch.no_grad():
+            for col, fields in zip(cols, valid):
+                for f, v in fields.items():
+                    t = getattr(col, f)
+                    with torch.autograd._unsafe_preserve_version_counter(t):
+                        t.view(torch.uint8).fill_(0xFF) if stale else t.copy_(v)
+
+    return (lambda: write(True)), (lambda: write(False))
+
+
+def test_quantized_weights_columnwise_recorded_from_backward():
+    """A quantized weight's columnwise row is recorded from the bytes its dgrad reads (valid
+    in backward), not from the forward's (stale under FSDP2): the same rows as a step whose
+    buffers stay valid."""
+    recipe = hd.recipe_from_name("fp8_current")
+    torch.manual_seed(0)
+    with hd.quantized_model_init(recipe):
+        m = torch.nn.Sequential(hd.Linear(64, 96, bias=False, name="up"), torch.nn.ReLU(),
+                                hd.Linear(96, 64, bias=False, name="down"))
+    hd.set_recipe(m, recipe)
+    x, g = _inputs()
+    spoil, refill = _stale_columnwise_forward([m[0].weight, m[2].weight])
+    rows = []
+    for stale in (False, True):
+        c = StatsCollector(m)
+        with c.capture():
+            xi = x.clone().requires_grad_(True)
+            if stale:
+                spoil()
+            y = m(xi)
+            refill()
+            y.backward(g)
+        rows.append({(r["module"], r["tensor_type"], r["direction"], r["format"]): r for r in c.read()})
+    assert sum(k[1:3] == ("weight", "columnwise") for k in rows[0]) >= 2
+    assert rows[1] == rows[0]
+
+
 def test_used_rows_are_the_gemm_operands():
     """fp8_current is deterministic: quantizing the same tensors again gives the GEMM's
     storages, so each used row equals quant_stats of them (every field)."""

@@ -15,7 +15,7 @@ from hybrid_dist.formats import Float8Quantizer, MXFP8Quantizer
 from hybrid_dist.inspection import CANDIDATES, FIELDS, StatsCollector, combine_stats, decode, quant_stats
 from hybrid_dist.moe import GroupedLinear, _grouped_mm, grouped_quantized
 from hybrid_dist.moe.split_quantize import split_quantize
-from tests.inspection.test_capture import STATS_OPS, _OpLog
+from tests.inspection.test_capture import STATS_OPS, _OpLog, _stale_columnwise_forward
 
 E, K, N = 4, 64, 96
 TOKENS = [10, 0, 17, 13]
@@ -243,3 +243,32 @@ def test_cuda_paths_rows_match_the_cpu_reference(recipe):
         assert round(g["underflow"] * g["nonzero"]) == round(r["underflow"] * r["nonzero"]), key
         assert (g["sqnr_db"] is None) == (r["sqnr_db"] is None), key
         assert g["sqnr_db"] is None or abs(g["sqnr_db"] - r["sqnr_db"]) < 0.01, key
+
+
+@pytest.mark.parametrize("path", ["packed_reference", "per_expert_loop", "cuda_path"])
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8"])
+def test_quantized_weights_columnwise_recorded_from_backward(recipe, path, monkeypatch):
+    """A quantized expert weight's columnwise row is recorded from the bytes its dgrad reads
+    (valid in backward), not from the forward's (stale under FSDP2): the same rows as a
+    step whose buffers stay valid."""
+    x, dy, tpe = (t.bfloat16() if t.is_floating_point() else t for t in _inputs())
+    r = hd.recipe_from_name(recipe)
+    torch.manual_seed(0)
+    with hd.quantized_model_init(r):
+        m = GroupedLinear(E, K, N, name="experts", recipe=r, dtype=torch.bfloat16)
+    if path == "cuda_path":
+        _take_cuda_path(monkeypatch, recipe)
+    spoil, refill = _stale_columnwise_forward([m.weight])
+    rows = []
+    for stale in (False, True):
+        c = StatsCollector(m)
+        with c.capture():
+            xi = x.clone().requires_grad_(True)
+            if stale:
+                spoil()
+            y = m(xi, tpe, io={} if path == "per_expert_loop" else None)
+            refill()
+            y.backward(dy)
+        rows.append(_keyed(c))
+    assert any(k[:2] == ("weight", "columnwise") for k in rows[0]), f"{recipe}: no weight columnwise row"
+    assert rows[1] == rows[0]
