@@ -170,7 +170,9 @@ class ColumnParallelFn(torch.autograd.Function):
             elif shared.stats_x is not None:  # prepared once for several consumers: each records it
                 stats.record("input", shared.stats_x, x_row, None)
                 ctx.stats_x = shared.stats_x if need_wgrad else None
-            stats.record("weight", weight, w_row, w_col, sharded=True)
+            # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them then)
+            ctx.w_col_stats = isinstance(weight, QuantizedTensor) and w_col is not None
+            stats.record("weight", weight, w_row, None if ctx.w_col_stats else w_col, sharded=True)
         # fprop: y [M, N/tp] = x [M, K] · W_local [N/tp, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         if bias is not None:
@@ -195,6 +197,8 @@ class ColumnParallelFn(torch.autograd.Function):
                                                   columnwise=need_wgrad, state=plan.states["grad_output"])
         if ctx.stats is not None:
             ctx.stats.record("grad_output", dy2d, dy_row, dy_col, sharded=True)
+            if ctx.w_col_stats:
+                ctx.stats.record("weight", None, None, w_col, sharded=True)
         x_handle = None
         if need_wgrad:  # start the wgrad input gather; it overlaps the dgrad GEMM
             src = ctx.shared if ctx.shared is not None else WgradInput.from_meta(ctx.wgrad_meta, wgrad_st)
@@ -236,7 +240,8 @@ class RowParallelFn(torch.autograd.Function):
         ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
         if stats is not None:
             stats.record("input", x, x_row, x_col, sharded=True)
-            stats.record("weight", weight, w_row, w_col, sharded=True)
+            ctx.w_col_stats = isinstance(weight, QuantizedTensor) and w_col is not None  # (as ColumnParallelFn)
+            stats.record("weight", weight, w_row, None if ctx.w_col_stats else w_col, sharded=True)
         # fprop: y [M, N] (partial over K shards) = x [M, K/tp] · W_local [N, K/tp]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)
         y = _reduce(y.reshape(*x.shape[:-1], y.shape[-1]), cfg, async_op=False)
@@ -269,6 +274,8 @@ class RowParallelFn(torch.autograd.Function):
                 db = dy2d.sum(0)
         if ctx.stats is not None:
             ctx.stats.record("grad_output", _all_rows(dy2d, cfg.group) if cfg.sequence_parallel else dy2d, dy_row, dy_col)
+            if ctx.w_col_stats:
+                ctx.stats.record("weight", None, None, w_col, sharded=True)
         dx = dw = None
         if need_dgrad:
             # dgrad: dx [M, K/tp] = dy [M, N] · W_local [N, K/tp]   (W columnwise stored [K/tp, N])

@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import hybrid_dist as hd
 from hybrid_dist.inspection import StatsCollector
 from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel, PrepareHybridModuleInput
+from tests.inspection.test_capture import _stale_columnwise_forward
 from tests_distributed._harness import run_ranks
 from tests_distributed.test_tp_linear import MLP, GateUp
 
@@ -70,3 +71,35 @@ def test_sequence_parallel_gathered_operands_are_full_rows(recipe, model_name):
     for rank, (fails, n) in enumerate(run_ranks(_rank, 2, recipe, model_name)):
         assert n >= 16, f"{cfg} rank {rank}: {n} rows"
         assert not fails, f"{cfg} rank {rank}: " + "; ".join(fails)
+
+
+def _stale_rank(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    recipe = hd.recipe_from_name("fp8_current")
+    torch.manual_seed(0)
+    with hd.quantized_model_init(recipe):
+        model = MLP(H, F_, recipe)
+    parallelize_module(model, mesh, {"fc1": HybridColwiseParallel(), "fc2": HybridRowwiseParallel()})
+    g = torch.Generator().manual_seed(7)
+    x, dy = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
+    spoil, refill = _stale_columnwise_forward([model.fc1.weight.to_local(), model.fc2.weight.to_local()])
+    rows = []
+    for stale in (False, True):
+        c = StatsCollector(model)
+        with c.capture():
+            if stale:
+                spoil()
+            y = model(x.clone().requires_grad_(True))  # both layers' dgrad: both weights' columnwise
+            refill()
+            y.backward(dy)
+        rows.append(_rows(c))
+    cols = [k for k in rows[0] if k[1:3] == ("weight", "columnwise")]
+    assert len(cols) == 2, f"rank {rank}: weight columnwise rows {cols}"
+    assert rows[1] == rows[0], f"rank {rank}: rows differ when the weights' columnwise bytes were stale in forward"
+    return True
+
+
+def test_quantized_weights_columnwise_recorded_from_backward():
+    """TP = 2 (gloo), quantized-init weights: a weight's columnwise row comes from the bytes its
+    dgrad reads in backward (FSDP2 refills them then), not from the forward's."""
+    assert run_ranks(_stale_rank, 2) == [True, True]
