@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import hybrid_dist as hd
 from hybrid_dist.inspection import StatsCollector
 from hybrid_dist.tensor_parallel import HybridColwiseParallel, HybridRowwiseParallel, PrepareHybridModuleInput
-from tests.inspection.test_capture import _stale_columnwise_forward
+from tests.inspection.test_capture import rows_clean_and_stale
 from tests_distributed._harness import run_ranks
 from tests_distributed.test_tp_linear import MLP, GateUp
 
@@ -82,17 +82,9 @@ def _stale_rank(rank, world):
     parallelize_module(model, mesh, {"fc1": HybridColwiseParallel(), "fc2": HybridRowwiseParallel()})
     g = torch.Generator().manual_seed(7)
     x, dy = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
-    spoil, refill = _stale_columnwise_forward([model.fc1.weight.to_local(), model.fc2.weight.to_local()])
-    rows = []
-    for stale in (False, True):
-        c = StatsCollector(model)
-        with c.capture():
-            if stale:
-                spoil()
-            y = model(x.clone().requires_grad_(True))  # both layers' dgrad: both weights' columnwise
-            refill()
-            y.backward(dy)
-        rows.append(_rows(c))
+    weights = [model.fc1.weight.to_local(), model.fc2.weight.to_local()]
+    # x requires grad: both layers' dgrad, so both weights' columnwise rows
+    rows = rows_clean_and_stale(model, weights, lambda: model(x.clone().requires_grad_(True)), dy, _rows)
     cols = [k for k in rows[0] if k[1:3] == ("weight", "columnwise")]
     assert len(cols) == 2, f"rank {rank}: weight columnwise rows {cols}"
     assert rows[1] == rows[0], f"rank {rank}: rows differ when the weights' columnwise bytes were stale in forward"

@@ -39,11 +39,12 @@ def _step(m, x, g):
     return y
 
 
-def _stale_columnwise_forward(weights):
-    """``(spoil, refill)`` for one step: the quantized ``weights``' columnwise buffers hold
-    0xFF bytes (NaN) from ``spoil()`` (before the forward) until ``refill()`` (between forward
-    and backward), as under FSDP2 in a block that reshards after forward
-    (``fsdp2/_hooks.py`` note). Per-tensor scales are the shard's own: left as they are."""
+def rows_clean_and_stale(model, weights, forward, dy, key) -> list[dict]:
+    """``key(collector)`` of one captured step of ``forward().backward(dy)`` on ``model``,
+    then of the same step with the quantized ``weights``' columnwise buffers holding 0xFF
+    bytes (NaN) through the forward and refilled before the backward, as under FSDP2 in a
+    block that reshards after forward (``fsdp2/_hooks.py`` note). Per-tensor scales are
+    the shard's own: left as they are."""
     cols = [w.storage_of("columnwise") for w in weights]
     valid = [{f: t.clone() for f, t in col.tensors().items() if t.dim()} for col in cols]
 
@@ -55,7 +56,16 @@ def _stale_columnwise_forward(weights):
                     with torch.autograd._unsafe_preserve_version_counter(t):
                         t.view(torch.uint8).fill_(0xFF) if stale else t.copy_(v)
 
-    return (lambda: write(True)), (lambda: write(False))
+    rows = []
+    for stale in (False, True):
+        c = StatsCollector(model)
+        with c.capture():
+            write(stale)
+            y = forward()
+            write(False)
+            y.backward(dy)
+        rows.append(key(c))
+    return rows
 
 
 def test_quantized_weights_columnwise_recorded_from_backward():
@@ -69,18 +79,9 @@ def test_quantized_weights_columnwise_recorded_from_backward():
                                 hd.Linear(96, 64, bias=False, name="down"))
     hd.set_recipe(m, recipe)
     x, g = _inputs()
-    spoil, refill = _stale_columnwise_forward([m[0].weight, m[2].weight])
-    rows = []
-    for stale in (False, True):
-        c = StatsCollector(m)
-        with c.capture():
-            xi = x.clone().requires_grad_(True)
-            if stale:
-                spoil()
-            y = m(xi)
-            refill()
-            y.backward(g)
-        rows.append({(r["module"], r["tensor_type"], r["direction"], r["format"]): r for r in c.read()})
+    rows = rows_clean_and_stale(m, [m[0].weight, m[2].weight], lambda: m(x.clone().requires_grad_(True)), g,
+                                lambda c: {(r["module"], r["tensor_type"], r["direction"], r["format"]): r
+                                           for r in c.read()})
     assert sum(k[1:3] == ("weight", "columnwise") for k in rows[0]) >= 2
     assert rows[1] == rows[0]
 

@@ -15,7 +15,7 @@ from hybrid_dist.formats import Float8Quantizer, MXFP8Quantizer
 from hybrid_dist.inspection import CANDIDATES, FIELDS, StatsCollector, combine_stats, decode, quant_stats
 from hybrid_dist.moe import GroupedLinear, _grouped_mm, grouped_quantized
 from hybrid_dist.moe.split_quantize import split_quantize
-from tests.inspection.test_capture import STATS_OPS, _OpLog, _stale_columnwise_forward
+from tests.inspection.test_capture import STATS_OPS, _OpLog, rows_clean_and_stale
 
 E, K, N = 4, 64, 96
 TOKENS = [10, 0, 17, 13]
@@ -258,17 +258,7 @@ def test_quantized_weights_columnwise_recorded_from_backward(recipe, path, monke
         m = GroupedLinear(E, K, N, name="experts", recipe=r, dtype=torch.bfloat16)
     if path == "cuda_path":
         _take_cuda_path(monkeypatch, recipe)
-    spoil, refill = _stale_columnwise_forward([m.weight])
-    rows = []
-    for stale in (False, True):
-        c = StatsCollector(m)
-        with c.capture():
-            xi = x.clone().requires_grad_(True)
-            if stale:
-                spoil()
-            y = m(xi, tpe, io={} if path == "per_expert_loop" else None)
-            refill()
-            y.backward(dy)
-        rows.append(_keyed(c))
+    io = {} if path == "per_expert_loop" else None
+    rows = rows_clean_and_stale(m, [m.weight], lambda: m(x.clone().requires_grad_(True), tpe, io=io), dy, _keyed)
     assert any(k[:2] == ("weight", "columnwise") for k in rows[0]), f"{recipe}: no weight columnwise row"
     assert rows[1] == rows[0]
