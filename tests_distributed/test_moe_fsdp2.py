@@ -8,13 +8,14 @@ division by 2 do not depend on the order. Covers high-precision weights (quantiz
 forward) and ``hd.quantized_model_init`` (QuantizedTensor parameters).
 """
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import hybrid_dist as hd
 from hybrid_dist.moe import GroupedLinear
-from tests_distributed._harness import run_ranks
+from tests_distributed._harness import run_nccl, run_ranks
 
 E, K, N = 4, 64, 64
 SPLITS = [[10, 0, 30, 24], [3, 40, 0, 21]]  # per rank
@@ -88,14 +89,18 @@ class _Root(torch.nn.Module):
         return self.experts(x, splits)
 
 
-def _resharded_worker(rank, world):
-    """A quantized-init GroupedLinear on the sync-free grouped path (the CUDA path, emulated
-    on CPU) as a block that reshards after forward, two steps, against the unsharded layer."""
+def _resharded_worker(rank, world, device="cpu"):
+    """A quantized-init GroupedLinear on the sync-free grouped path (the CUDA path; emulated
+    on CPU, where the re-allocated storages are filled with NaN bytes as the caching allocator
+    may leave them) as a block that reshards after forward, two steps, against the unsharded
+    layer."""
     from hybrid_dist.moe import grouped_quantized
 
-    grouped_quantized.fits = lambda plan, x, w: grouped_quantized.unsupported_reason(plan, x, w) is None
-    _poison_fsdp_allocations()
-    mesh = init_device_mesh("cpu", (world,))
+    if device == "cpu":
+        grouped_quantized.fits = lambda plan, x, w: grouped_quantized.unsupported_reason(plan, x, w) is None
+        _poison_fsdp_allocations()
+    torch.set_default_device(device)
+    mesh = init_device_mesh(device, (world,))
     splits = torch.tensor([10, 0, 30, 24])
     for recipe_name in ("fp8_current", "mxfp8"):
         recipe = hd.recipe_from_name(recipe_name)
@@ -125,3 +130,11 @@ def test_fsdp2_resharded_quantized_experts_backward_reads_refilled_columnwise():
     and refills the columnwise buffers before its backward: the grouped path's dgrad must
     read them then (re-allocated buffers hold NaN bytes until refilled)."""
     assert run_ranks(_resharded_worker, 1) == [True]
+
+
+@pytest.mark.gpu
+def test_fsdp2_resharded_quantized_experts_on_cuda():
+    """The same on one CUDA device over NCCL, on the grouped path's CUDA kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert run_nccl(_resharded_worker, 1, "cuda") == [True]
