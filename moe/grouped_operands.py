@@ -38,6 +38,7 @@ from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
 from hybrid_dist.formats.mxfp8 import MXFP8Quantizer, MXFP8Storage
 from hybrid_dist.formats.nvfp4 import NVFP4Quantizer, NVFP4Storage
 from hybrid_dist.kernels import TRITON_INSTALLED
+from hybrid_dist.library_op import library_op
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
 __all__ = ["TokenOperand", "WeightOperand", "batched_fp8_weights", "bf16_values", "expert_weight_storages",
@@ -96,6 +97,41 @@ def stack_experts(storages: list[DirectionStorage]) -> WeightOperand:
         out[f] = torch.stack([t.reshape(()) for t in ts]) if ax is None else torch.cat(ts, dim=ax[0])
     st = first.with_tensors(out)
     return WeightOperand(storage=st, scale=st.tensor_scale(), num_experts=len(storages))
+
+
+@library_op("hybrid_dist::stack_segments")
+def _stack_segments_op(after: torch.Tensor, t: torch.Tensor, cut_dim: int, segments: int,
+                       cat_dim: int) -> torch.Tensor:
+    """``t`` cut into ``segments`` equal parts along ``cut_dim`` and concatenated along
+    ``cat_dim``. ``after`` is not read: it orders the copy after ``after`` is computed."""
+    return torch.cat(t.chunk(segments, cut_dim), dim=cat_dim)
+
+
+@_stack_segments_op.register_fake
+def _(after, t, cut_dim, segments, cat_dim):
+    shape = list(t.shape)
+    shape[cut_dim] //= segments
+    shape[cat_dim] *= segments
+    return t.new_empty(shape)
+
+
+def stack_dim0_segments(st: DirectionStorage, num_experts: int, after: torch.Tensor) -> WeightOperand:
+    """``stack_experts`` of ``st``'s ``num_experts`` equal logical dim-0 segments (a
+    quantized ``[E·N, K]`` weight's per-expert storages), bitwise, each field copied by one
+    opaque operator that takes ``after`` (a tensor of the backward pass): a compiled
+    graph's partitioner would otherwise compute the copy in forward, as it may for any
+    value of forward inputs alone, where under FSDP2 the columnwise buffers are not yet
+    refilled (``grouped_quantized._weights``)."""
+    key, axes = ("C" if st.transposed else "R"), st.field_axes()  # the logical dim 0 of the stored layout
+    out = {}
+    for f, t in st.tensors().items():
+        ax = axes[f]
+        if key in ax:
+            out[f] = _stack_segments_op(after, t, ax[key][0], num_experts, ax["R"][0])
+        else:  # per-tensor: one value per expert
+            out[f] = torch.stack([t.reshape(())] * num_experts)
+    stacked = st.with_tensors(out)
+    return WeightOperand(storage=stacked, scale=stacked.tensor_scale(), num_experts=num_experts)
 
 
 def unstack_experts(op: WeightOperand) -> list[DirectionStorage]:

@@ -55,7 +55,8 @@ from hybrid_dist.kernels import TRITON_INSTALLED
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.grouped_operands import (
     BF16, TokenOperand, WeightOperand, batched_fp8_weights, bf16_values, expert_weight_storages, fold_columns,
-    fold_experts, fold_rows, fold_source, row_scales, stack_experts, token_operand, unstack_experts,
+    fold_experts, fold_rows, fold_source, row_scales, stack_dim0_segments, stack_experts, token_operand,
+    unstack_experts,
 )
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -198,12 +199,13 @@ def _weights(weight, plan, need_dgrad):
     return stack_experts(rows), (stack_experts(cols).storage if need_dgrad else None)
 
 
-def _dgrad_operand(source, num_experts: int, n: int | None) -> WeightOperand:
-    """The stacked dgrad operand from ``_weights``' source: with ``n`` (the weight's out
-    features) a quantized weight's columnwise storage ``[K, E·N]`` (``grouped_linear`` note:
-    expert weights) split into its E experts and stacked, else the operand stacked in forward."""
-    if n is not None:
-        return stack_experts([source.narrow_dim0(i * n, n) for i in range(num_experts)])
+def _dgrad_operand(source, num_experts: int, from_weight: bool, after: torch.Tensor | None) -> WeightOperand:
+    """The stacked dgrad operand from ``_weights``' source: a quantized weight's columnwise
+    storage ``[K, E·N]`` (``grouped_linear`` note: expert weights) split into its E experts
+    and stacked, copied after ``after`` (``stack_dim0_segments``), or the operand stacked in
+    forward."""
+    if from_weight:
+        return stack_dim0_segments(source, num_experts, after)
     return WeightOperand(storage=source, scale=source.tensor_scale(), num_experts=num_experts)
 
 
@@ -220,7 +222,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         offs = xs.padded_offsets[1:].to(torch.int32)
         tok_offs = xs.offsets[1:].to(torch.int32)
         w_row, w_col = _weights(weight, plan, need_dgrad)
-        n_from_weight = weight.shape[1] if isinstance(weight, QuantizedTensor) else None
+        from_weight = isinstance(weight, QuantizedTensor)
         x_row = _token(plan.input, xs.rowwise, "rowwise")
         y = rows_gemm(x_row, w_row, offs, xs.row_expert, plan.recipe.fprop, xs.dest, tok_offs)
         x_col = _token(plan.input, xs.columnwise, "columnwise").storage if need_wgrad else None
@@ -231,10 +233,10 @@ class _QuantizedGroupedFn(torch.autograd.Function):
                                  [x_col] if need_wgrad else None, num_experts=e, offsets=xs.offsets,
                                  poff=xs.padded_offsets)
             # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them then)
-            cols = unstack_experts(_dgrad_operand(w_col, e, None)) if need_dgrad and n_from_weight is None else None
+            cols = unstack_experts(_dgrad_operand(w_col, e, False, None)) if need_dgrad and not from_weight else None
             stats.record_experts("weight", weight, unstack_experts(w_row), cols, num_experts=e)
         saved_storages.pack(ctx, x_col, w_col)
-        ctx.plan, ctx.mult, ctx.num_experts, ctx.n_from_weight = plan, mult, weight.shape[0], n_from_weight
+        ctx.plan, ctx.mult, ctx.num_experts, ctx.w_from_weight = plan, mult, weight.shape[0], from_weight
         ctx.io = io if io and "packed" in io else None  # only dy_packed is read back (not the x rows)
         ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
         return y
@@ -251,13 +253,13 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             dys = device_split.split_quantize_packed(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
                                                      rowwise=need_dgrad, columnwise=need_wgrad,
                                                      states=plan.states["grad_output"], multiple=ctx.mult)
-        w_op = _dgrad_operand(w_col, ctx.num_experts, ctx.n_from_weight) if need_dgrad else None
+        w_op = _dgrad_operand(w_col, ctx.num_experts, ctx.w_from_weight, dy) if need_dgrad else None
         if ctx.stats is not None:
             row = [_token(plan.grad_output, dys.rowwise, "rowwise").storage] if need_dgrad else None
             col = [_token(plan.grad_output, dys.columnwise, "columnwise").storage] if need_wgrad else None
             ctx.stats.record_experts("grad_output", dy_hp, row, col, num_experts=ctx.num_experts,
                                      offsets=dys.offsets, poff=dys.padded_offsets)
-            if need_dgrad and ctx.n_from_weight is not None:
+            if need_dgrad and ctx.w_from_weight:
                 ctx.stats.record_experts("weight", None, None, unstack_experts(w_op), num_experts=ctx.num_experts)
         dx = dw = None
         if need_dgrad:

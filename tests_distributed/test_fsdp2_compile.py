@@ -13,18 +13,20 @@ the first block's ``aux`` input is a constant, the others' the running loss (req
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import hybrid_dist as hd
 from tests._tiers import by_recipe, slow
-from tests_distributed._harness import run_ranks
+from tests_distributed._harness import run_nccl, run_ranks
 
 STEPS = 4
 
 
-def _train(recipe_name: str, compiled: bool, moe_experts: int = 0):
+def _train(recipe_name: str, compiled: bool, moe_experts: int = 0, device: str = "cpu", backend: str = "aot_eager"):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
@@ -35,17 +37,18 @@ def _train(recipe_name: str, compiled: bool, moe_experts: int = 0):
 
     torch._dynamo.reset()
     counters.clear()
+    torch.set_default_device(device)
     cfg, recipe = preset("tiny", layers=3, moe_experts=moe_experts), hd.recipe_from_name(recipe_name)
     torch.manual_seed(0)
     with hd.quantized_model_init(recipe, keep_high_precision_init=False):
         model = Transformer(cfg)
     model.init_weights()
     apply_recipe(model, recipe, share_quantized_inputs=False)
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend(backend)
     if compiled:
         for name, block in list(model.layers.items()):
             model.layers[name] = torch.compile(block, backend=counter, fullgraph=True)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
@@ -55,7 +58,7 @@ def _train(recipe_name: str, compiled: bool, moe_experts: int = 0):
     g = torch.Generator().manual_seed(dist.get_rank())
     losses = []
     for _ in range(STEPS):
-        tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=g, device="cpu").to(device)
         logits, aux = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + 0.01 * aux
         loss.backward()
@@ -94,3 +97,32 @@ def test_compiled_fsdp2_moe_quantized_init_one_graph_bitwise_eager(name):
         # aux (no grad), the others the running load-balancing loss (requires grad)
         assert frames == 2, f"{where}: {frames} graphs for 3 blocks x {STEPS} steps (expected 2)"
         assert losses == ref, f"{where}: compiled losses {losses} != eager {ref}"
+
+
+def _poisoned_compiled_and_eager(rank: int, world_size: int, recipe_name: str, moe_experts: int):
+    """Both runs with every storage FSDP2 re-allocates filled with 0xFF bytes (NaN), so a
+    value read before FSDP2 refills it (a quantized weight's columnwise direction in the
+    forward of a resharded block) shows."""
+    from tests_distributed.test_moe_fsdp2 import _poison_fsdp_allocations
+
+    _poison_fsdp_allocations()
+    compiled = _train(recipe_name, compiled=True, moe_experts=moe_experts, device="cuda", backend="inductor")
+    eager = _train(recipe_name, compiled=False, moe_experts=moe_experts, device="cuda")
+    return compiled, eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,moe_experts", [("fp8_current", 0), ("mxfp8_fwd_nvfp4_bwd", 0), ("fp8_current", 4),
+                                              ("mxfp8", 4)])
+def test_compiled_fsdp2_reads_refilled_columnwise_on_cuda(name, moe_experts):
+    """Inductor (whose partitioner computes in forward what depends on forward inputs alone)
+    on CUDA under FSDP2 over NCCL, quantized init, re-allocated storages NaN until refilled:
+    every loss finite and within 2% of the eager run's (inductor's kernels round differently
+    from eager's where they regenerate the non-GEMM ops)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    (losses, _, breaks), (ref, _, _) = run_nccl(_poisoned_compiled_and_eager, 1, name, moe_experts)[0]
+    where = f"{name}, {'MoE 4 experts' if moe_experts else 'dense'}, FSDP2 on 1 NCCL rank, inductor"
+    assert breaks == 0, f"{where}: {breaks} graph breaks"
+    assert all(math.isfinite(v) for v in losses + ref), f"{where}: losses {losses}, eager {ref}"
+    assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(losses, ref)), f"{where}: compiled {losses} vs eager {ref}"

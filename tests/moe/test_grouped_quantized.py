@@ -233,3 +233,49 @@ def test_grouped_path_reads_the_quantized_weights_columnwise_in_backward(recipe_
         g.weight.grad = None
     for what, a, b in zip(("y", "dx", "dW"), *runs):
         assert torch.equal(a, b), f"{recipe_name}: {what} differs when the columnwise buffers were stale in forward"
+
+
+def test_compiled_graphs_stack_the_quantized_weights_columnwise_in_backward():
+    """Inductor's partitioner (min-cut) moves into the forward graph what depends on forward
+    inputs alone, a plain ``narrow`` + ``cat`` of the weight's columnwise fields included,
+    where FSDP2 has not refilled them. The dgrad operand's stacking
+    (``stack_dim0_segments``) takes the backward's gradient as an ordering input, so it
+    stays in the backward graph, and equals ``stack_experts`` of the narrowed experts."""
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+
+    from hybrid_dist.formats import Float8Quantizer
+    from hybrid_dist.formats.float8 import Float8Storage
+    from hybrid_dist.moe.grouped_operands import stack_dim0_segments, stack_experts
+
+    e, n, k = 4, 32, 64
+    _, col = Float8Quantizer().quantize_storages(torch.randn(e * n, k), rowwise=False, columnwise=True)
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, data, scale_inv):
+            ctx.save_for_backward(data, scale_inv)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, dy):
+            data, scale_inv = ctx.saved_tensors
+            st = Float8Storage(data=data, scale_inv=scale_inv, transposed=True)
+            w = stack_dim0_segments(st, e, dy).storage
+            return dy + w.data.float().sum() * w.scale_inv.sum(), None, None
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = {str(nd.target) for nd in gm.graph.nodes if nd.op == "call_function"}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    fn = aot_function(lambda x, d, s: Fn.apply(x, d, s), fw_compiler=keep("fw"), bw_compiler=keep("bw"),
+                      partition_fn=min_cut_rematerialization_partition)
+    fn(torch.randn(8, requires_grad=True), col.data, col.scale_inv).sum().backward()
+    op = "hybrid_dist.stack_segments.default"
+    assert op in graphs["bw"] and op not in graphs["fw"], f"stack_segments: forward {graphs['fw']}"
+    got = stack_dim0_segments(col, e, torch.zeros(())).storage
+    want = stack_experts([col.narrow_dim0(i * n, n) for i in range(e)]).storage
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors().values(), want.tensors().values()))
