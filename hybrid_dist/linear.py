@@ -88,11 +88,10 @@ class _LinearFn(torch.autograd.Function):
         x_row, x_col = _input_operands(x, plan, need_wgrad)
         w_row, w_col = weight_operands(weight, plan, need_dgrad)
         ctx.stats = stats = active_stats(plan)  # None unless a logging step captures (no op when off)
-        # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them
-        # then): its statistics are recorded there
-        ctx.w_col_stats = isinstance(weight, QuantizedTensor) and w_col is not None
         if stats is not None:
             stats.record("input", x, x_row, x_col)
+            # a quantized weight's columnwise bytes are valid in backward (FSDP2 refills them then)
+            ctx.w_col_stats = isinstance(weight, QuantizedTensor) and w_col is not None
             stats.record("weight", weight, w_row, None if ctx.w_col_stats else w_col)
         # fprop: y [M, N] = x [M, K] · W [N, K]ᵀ
         y = gemm.gemm_nt(x_row, w_row, out_dtype=plan.recipe.fprop.out_dtype or x.dtype, config=plan.recipe.fprop)

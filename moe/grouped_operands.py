@@ -43,7 +43,7 @@ from hybrid_dist.quantized_tensor import QuantizedTensor
 
 __all__ = ["TokenOperand", "WeightOperand", "batched_fp8_weights", "bf16_values", "expert_weight_storages",
            "fold_experts", "fold_columns", "fold_rows", "fold_source", "token_operand", "stack_experts", "row_scales",
-           "unstack_experts"]
+           "stack_dim0_segments", "unstack_experts"]
 
 BF16 = torch.bfloat16
 
