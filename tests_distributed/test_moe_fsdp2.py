@@ -73,7 +73,7 @@ def _poison_fsdp_allocations():
         storage = tensor.untyped_storage()
         if storage.size() != tensor.numel() * tensor.itemsize:
             storage.resize_(tensor.numel() * tensor.itemsize)
-            torch.empty(0, dtype=torch.uint8).set_(storage).fill_(0xFF)
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).fill_(0xFF)
 
     _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = poisoned
 
