@@ -100,7 +100,7 @@ def _table(ints: list[int], device: torch.device) -> torch.Tensor:
     tab = _TABLES.get(key)
     if tab is None:
         if device.type == "cuda":  # pinned source, no wait for the device's queue
-            tab = torch.tensor(ints, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+            tab = torch.tensor(ints, dtype=torch.int64, device="cpu").pin_memory().to(device, non_blocking=True)
         else:  # the Triton interpreter's CPU tensors
             tab = torch.tensor(ints, dtype=torch.int64, device=device)
         if len(_TABLES) >= _MAX_TABLES:
