@@ -17,9 +17,14 @@ same count, numels and dtypes. Three modes keep that true:
   and every gather of a recomputed module (``_pass`` [Note: activation recompute]).
 * ``"packed"`` — a hybrid of two formats with different signatures: this pass's buffers
   are packed into one uint8 buffer of ``max(rowwise bytes, columnwise bytes)`` per rank,
-  so the larger direction travels unpadded and the smaller one pays the padding. A
-  one-rank mesh packs every pass that sends more than one buffer (FSDP2 then copies only
-  the first all-gather input); one buffer (per-tensor FP8: the codes) goes in slots.
+  so the larger direction travels unpadded and the smaller one pays the padding.
+* ``"local"`` — a one-rank mesh (FSDP 1, or the FSDP dimension of a TP or HSDP mesh
+  of size 1), a persistent shard whose fields need no mixed-precision cast: the shard
+  is the whole tensor, so the unsharded tensor's storages share the shard's fields
+  (no copy, no second copy of the weight in memory) and the all-gather input is one
+  placeholder byte (FSDP2 copies the first all-gather input on one rank). A one-rank
+  mesh otherwise packs every pass that sends more than one buffer; one buffer (per-tensor
+  FP8: the codes) goes in slots.
 
 The unsharded tensor always holds both directions as storage objects: backward saved the
 columnwise storage in forward, FSDP frees it at the forward reshard and re-allocates it
@@ -40,9 +45,11 @@ from hybrid_dist.fsdp2._buffers import (
     DirectionGatherMeta,
     fsdp_assign_gathered,
     fsdp_gather_meta,
+    copy_keep_version,
     fsdp_transport_buffers,
     refresh_copies,
     run_refresh,
+    same_memory,
 )
 from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
@@ -65,6 +72,7 @@ class GatherMeta:
     quantizer: object  # the shard's quantizer (the unsharded tensor's)
     temporary: bool = False  # a shard made for this gather: its scalars need record_stream
     col_from_row: bool = False  # columnwise transport bytes are the rowwise data (see _col_from_row)
+    source: tuple = ()  # "local": the shard's storages, which the unsharded tensor shares
 
 
 def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
@@ -99,7 +107,11 @@ def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast, *, tempora
         plan = plans[key] = _Plan(storages, *_gather_plan(t, pass_, world, shape, cast, temporary))
     meta = plan.meta
     inputs = plan.inputs
-    if inputs is None:
+    if inputs is None and meta.mode == "local":
+        inputs = plan.inputs = (torch.zeros(1, dtype=torch.uint8, device=t.device),)
+        _check_stable(t, meta.mode, inputs)
+        plan.input_bytes = 1
+    elif inputs is None:
         bufs = [b for i, dm in plan.sources() for b in fsdp_transport_buffers(storages[i], dm)]
         inputs = (_pack(bufs, meta.capacity),) if meta.mode == "packed" else tuple(bufs)
         if plan.input_bytes is None:  # the plan's first gather: its signature must match every other pass's
@@ -170,6 +182,11 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
     capacity = 0
     signatures = {metas[d].signature() for d in present}
     one_buffer = not both and len(signatures) == 1 and len(next(iter(signatures))) == 1
+    if world == 1 and not temporary and all(dm.dtypes[f] == getattr(t.storage_of(d), f).dtype
+                                            for d, dm in metas.items() for f in dm.fields):
+        source = tuple(t.storage_of(d) for d in (ROW, COL))
+        meta = GatherMeta("local", pass_, wanted, metas, world, shape, 0, t.quantizer, source=source)
+        return meta, 0
     if world == 1 and not one_buffer:  # FSDP2 copies only the first all-gather input on one rank
         capacity = sum(metas[d].nbytes() for d in wanted) if both else max(m.nbytes() for m in metas.values())
         mode = "packed"
@@ -189,6 +206,8 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
     """First call: ``(unsharded QuantizedTensor, owned inner tensors)``; later calls
     refresh ``out`` in place (FSDP re-allocated the inner tensors before calling)."""
     _claim_scalars_for_current_stream(meta)
+    if meta.mode == "local":
+        return _share_shard(meta, param_dtype or t.dtype, out)
     if out is None:
         views = _gathered_views(outputs, meta)
         storages, owned = {}, []
@@ -202,6 +221,24 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
     _expose_rowwise(target, meta.pass_ != BACKWARD)
     program = _refresh_program(target, outputs, meta)
     run_refresh(program.fields, program.scalars)
+    return None
+
+
+def _share_shard(meta: GatherMeta, dtype: torch.dtype, out):
+    """``"local"`` mode: the first call builds the unsharded tensor on the shard's own fields
+    (FSDP owns no inner tensor of it, so it frees nothing at reshard); a later call copies
+    only fields that no longer share memory with the shard's (a shard rebuilt since, e.g.
+    moved to the device from CPU offload for this gather)."""
+    if out is None:
+        storages = {d: st.map_tensors(lambda x: x) for d, st in zip((ROW, COL), meta.source) if st is not None}
+        return QuantizedTensor(meta.shape, dtype, storages.get(ROW), storages.get(COL), meta.quantizer), ()
+    target = out._local_tensor if hasattr(out, "_local_tensor") else out
+    for d, src in zip((ROW, COL), meta.source):
+        dst = target.storage_of(d) if src is not None else None
+        for f in () if dst is None else src.TENSOR_FIELDS:
+            a, b = getattr(dst, f), getattr(src, f)
+            if a is not b and not same_memory(a, b):
+                copy_keep_version(a, b)
     return None
 
 

@@ -11,6 +11,8 @@ mode on ``aten.clone`` (no process group needed).
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +46,9 @@ def _weight_shard(name: str):
     """A 128 x 256 weight shard of recipe ``name`` with both directions (stateless)."""
     q = hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight"))
     return hd.hybrid.stateless(q).quantize(torch.randn(128, 256), rowwise=True, columnwise=True)
+
+
+_BOTH = types.SimpleNamespace(gathered=("rowwise", "columnwise"))  # a meta-like: compare both directions
 
 
 def _assert_same_bytes(unsharded, fresh, meta, where: str) -> None:
@@ -112,21 +117,55 @@ def test_backward_transport_reads_the_rowwise_data(name, expected):
                                                   ("mxfp8", "packed"), ("nvfp4", "packed"),
                                                   ("mxfp8_fwd_nvfp4_bwd", "packed")])
 def test_one_rank_packs_only_passes_of_several_buffers(name, one_rank_mode):
-    """On a one-rank mesh FSDP2 copies only the first all-gather input: a pass whose
-    transport is one buffer (per-tensor FP8's codes; its scale travels in the metadata) goes
-    in slots, sending views of the shard's own bytes, built once; the others pack."""
+    """On a one-rank mesh FSDP2 copies only the first all-gather input: a temporary shard's
+    (``quantize_on_all_gather``) pass whose transport is one buffer (per-tensor FP8's codes;
+    its scale travels in the metadata) goes in slots, sending views of the shard's own
+    bytes, built once; the others pack (a persistent shard is shared: the next test)."""
     shard = _weight_shard(name)
     for pass_ in (FORWARD, BACKWARD):
-        inputs, meta = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None)
-        again, _ = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None)
+        inputs, meta = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None, temporary=True)
+        again, _ = gather_inputs(shard, pass_, 1, torch.Size([128, 256]), None, temporary=True)
         assert meta.mode == one_rank_mode, f"{name} {pass_}: one-rank mode {meta.mode}, expected {one_rank_mode}"
         assert len(inputs) == 1, f"{name} {pass_}: {len(inputs)} all-gather inputs on one rank"
         if one_rank_mode == "slots":
             assert again is inputs and inputs[0].data_ptr() == shard.rowwise.data.data_ptr(), (
                 f"{name} {pass_}: the one-rank input is not the shard's rowwise codes")
     fresh = _weight_shard(name)
-    both, meta = gather_inputs(fresh, BOTH, 1, torch.Size([128, 256]), None)  # no reshard after forward
+    both, meta = gather_inputs(fresh, BOTH, 1, torch.Size([128, 256]), None, temporary=True)  # no reshard after forward
     assert meta.mode == "packed" and len(both) == 1, f"{name}: both directions on one rank: {meta.mode}"
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block"])
+def test_one_rank_persistent_shard_is_shared_not_copied(name):
+    """One rank, a persistent shard ("local"): every pass sends one placeholder byte, the
+    unsharded tensor's fields are the shard's own memory (FSDP owns none of it: nothing to
+    free or refill), so the optimizer's in-place write-back reaches it with no copy; a shard
+    rebuilt since (new storages) is copied in, bitwise."""
+    from hybrid_dist._tensor_ops import requantize_
+    from hybrid_dist.fsdp2._hooks import post_all_gather
+
+    torch.manual_seed(0)
+    shard, full = _weight_shard(name), torch.Size([128, 256])
+    unsharded = None
+    for pass_ in (FORWARD, BACKWARD, BOTH):
+        inputs, meta = gather_inputs(shard, pass_, 1, full, None)
+        assert meta.mode == "local" and [b.numel() for b in inputs] == [1], f"{name} {pass_}: {meta.mode}"
+        assert gather_inputs(shard, pass_, 1, full, None)[0] is inputs, f"{name} {pass_}: inputs rebuilt"
+        if unsharded is None:
+            unsharded, owned = post_all_gather(shard, inputs, meta, torch.bfloat16)
+            assert owned == () and unsharded.dtype == torch.bfloat16, f"{name}: owned {len(owned)}"
+        else:
+            assert post_all_gather(shard, inputs, meta, torch.bfloat16, out=unsharded) is None
+    for d in ("rowwise", "columnwise"):
+        for f in shard.storage_of(d).TENSOR_FIELDS:
+            a, b = getattr(unsharded.storage_of(d), f), getattr(shard.storage_of(d), f)
+            assert a.data_ptr() == b.data_ptr(), f"{name}: {d}.{f} is a copy"
+    requantize_(shard, torch.randn(128, 256))  # in place: seen with no refresh
+    _assert_same_bytes(unsharded, shard, _BOTH, f"{name} after the write-back")
+    rebuilt = _weight_shard(name)  # new storage objects: a new plan, whose refresh copies
+    inputs, meta = gather_inputs(rebuilt, BACKWARD, 1, full, None)
+    post_all_gather(rebuilt, inputs, meta, torch.bfloat16, out=unsharded)
+    _assert_same_bytes(unsharded, rebuilt, _BOTH, f"{name} rebuilt")
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4"])
@@ -187,7 +226,7 @@ def test_one_rank_packed_refresh_reads_fsdp_output_in_place(name):
     for step in range(3):
         requantize_(shard, torch.randn(128, 256))
         for pass_ in (FORWARD, BACKWARD):
-            (packed,), meta = gather_inputs(shard, pass_, 1, full, None)
+            (packed,), meta = gather_inputs(shard, pass_, 1, full, None, temporary=True)
             assert meta.mode == "packed", f"{name} {pass_}: {meta.mode}"
             base = bases.setdefault(pass_, torch.empty_like(packed))  # FSDP's output, reused
             base.copy_(packed)

@@ -128,13 +128,14 @@ def _resharded_worker(rank, world, device="cpu"):
 def test_fsdp2_resharded_quantized_experts_backward_reads_refilled_columnwise():
     """FSDP2 gathers only the rowwise direction for the forward of a block that reshards,
     and refills the columnwise buffers before its backward: the grouped path's dgrad must
-    read them then (re-allocated buffers hold NaN bytes until refilled)."""
-    assert run_ranks(_resharded_worker, 1) == [True]
+    read them then (re-allocated buffers hold NaN bytes until refilled). Two ranks: on one,
+    the unsharded tensor shares the shard's fields and nothing is re-allocated."""
+    assert run_ranks(_resharded_worker, 2) == [True, True]
 
 
 @pytest.mark.gpu
 def test_fsdp2_resharded_quantized_experts_on_cuda():
-    """The same on one CUDA device over NCCL, on the grouped path's CUDA kernels."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    assert run_nccl(_resharded_worker, 1, "cuda") == [True]
+    """The same on two CUDA devices over NCCL, on the grouped path's CUDA kernels."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    assert run_nccl(_resharded_worker, 2, "cuda") == [True, True]
