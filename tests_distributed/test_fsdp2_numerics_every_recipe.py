@@ -1,9 +1,9 @@
-"""FSDP2 numerics of every named recipe on 2–4 CUDA devices (``@pytest.mark.gpu``), and a
+"""FSDP2 numerics of every named recipe on 1–4 CUDA devices (``@pytest.mark.gpu``), and a
 per-layer probe of the first forward.
 
 Same functions and assertions as the gloo tests (``test_fsdp2_numerics``), run by an NCCL
 launcher here: one process per device, ``init_process_group("nccl")``. Skipped without
-CUDA (conftest) and without at least 2 devices.
+CUDA (conftest) and without the devices a test names.
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ def _diagnosis(r) -> str:
     sqnr = {fqn: round(p["master_sqnr"], 1) for fqn, p in r["params"].items()}
     return (f"    losses (unsharded, sharded): {r['losses']}\n    unsharded mismatches: {unsharded}\n"
             f"    shard mismatches: {shards}\n    master SQNR dB: {sqnr}")
+
+
+def test_nccl_fsdp2_trains_like_unsharded_1_rank_every_recipe():
+    """One rank: the unsharded tensors share the shards' fields ("local" mode, one
+    placeholder byte per gather)."""
+    _need(1)
+    results = run_nccl(numerics.train_and_compare, 1, list(hd.RECIPE_NAMES), True, "cuda")
+    _check_every_recipe(results, 1, exact=True, reshard=True)
 
 
 def test_nccl_fsdp2_trains_like_unsharded_2_ranks_every_recipe():
