@@ -19,7 +19,8 @@ same count, numels and dtypes. Three modes keep that true:
   are packed into one uint8 buffer of ``max(rowwise bytes, columnwise bytes)`` per rank,
   so the larger direction travels unpadded and the smaller one pays the padding.
 * ``"local"`` — a one-rank mesh (FSDP 1, or the FSDP dimension of a TP or HSDP mesh
-  of size 1), a persistent shard whose fields need no mixed-precision cast: the shard
+  of size 1), FSDP's own shard (not a copy made for the gather: CPU offload's, or
+  ``quantize_on_all_gather``'s) whose fields need no mixed-precision cast: the shard
   is the whole tensor, so the unsharded tensor's storages share the shard's fields
   (no copy, no second copy of the weight in memory) and the all-gather input is one
   placeholder byte (FSDP2 copies the first all-gather input on one rank). A one-rank
@@ -51,7 +52,7 @@ from hybrid_dist.fsdp2._buffers import (
     run_refresh,
     same_memory,
 )
-from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both
+from hybrid_dist.fsdp2._pass import BACKWARD, FORWARD, gather_pass, gathers_both, is_fsdp_shard
 from hybrid_dist.formats.float8 import Float8Quantizer, Float8Storage
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -88,7 +89,10 @@ def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
             "precision all-gather for such parameters)."
         )
     pass_ = gather_pass(module, t)
-    return gather_inputs(t, pass_, world, shape, getattr(mp_policy, "param_dtype", None))
+    # on one rank a copy of the shard (CPU offload's, to the device) is not shared ("local"
+    # mode would keep it on the device): it gathers like any shard made for one gather
+    temporary = world == 1 and not is_fsdp_shard(module, t)
+    return gather_inputs(t, pass_, world, shape, getattr(mp_policy, "param_dtype", None), temporary=temporary)
 
 
 def gather_inputs(t, pass_: str, world: int, shape: torch.Size, cast, *, temporary: bool = False):

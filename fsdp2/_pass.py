@@ -84,6 +84,13 @@ def _find_group(module: nn.Module, local_tensor: torch.Tensor):
     return fallback
 
 
+def is_fsdp_shard(module: nn.Module | None, local_tensor: torch.Tensor) -> bool:
+    """True when ``local_tensor`` is FSDP's own sharded local tensor (not a copy FSDP made
+    for this gather, as CPU offload's copy to the device is)."""
+    group = None if module is None else _find_group(module, local_tensor)
+    return group is not None and any(fp.sharded_param._local_tensor is local_tensor for fp in group.fsdp_params)
+
+
 def gather_pass(module: nn.Module | None, local_tensor: torch.Tensor) -> str:
     """``"forward"`` (rowwise), ``"backward"`` (columnwise) or ``"forward_both"``."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState

@@ -240,3 +240,33 @@ def test_one_rank_packed_refresh_reads_fsdp_output_in_place(name):
             assert programs.setdefault(pass_, program) is program, f"{name} {pass_}: the refresh program was rebuilt"
             fresh, _ = post_all_gather(shard, (base.clone().view(-1),), meta, None)
             _assert_same_bytes(unsharded, fresh, meta, f"{name} step {step} {pass_}")
+
+
+def _one_rank_copy_worker(rank, world):
+    """A quantized-init ``hd.Linear`` under FSDP2 on one gloo rank: its own shard gathers in
+    "local" mode; a copy of the shard (what CPU offload hands the hook: the shard moved to
+    the device for this gather) is not shared, it packs or goes in slots."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hybrid_dist.fsdp2._hooks import pre_all_gather
+
+    mesh = init_device_mesh("cpu", (1,))
+    out = {}
+    for name in ("fp8_current", "mxfp8"):
+        with hd.quantized_model_init(hd.recipe_from_name(name)):
+            layer = hd.Linear(256, 128, bias=False, dtype=torch.bfloat16)
+        fully_shard(layer, mesh=mesh)
+        shard = layer.weight._local_tensor
+        copy = hd.QuantizedTensor(shard.shape, shard.dtype, shard.rowwise.map_tensors(torch.clone),
+                                  shard.columnwise.map_tensors(torch.clone), shard.quantizer)
+        modes = [pre_all_gather(t, mesh, None, None, layer, None)[1].mode for t in (shard, copy)]
+        out[name] = modes
+    return out
+
+
+def test_one_rank_shares_only_fsdps_own_shard():
+    from tests_distributed._harness import run_ranks
+
+    (modes,) = run_ranks(_one_rank_copy_worker, 1)
+    assert modes == {"fp8_current": ["local", "slots"], "mxfp8": ["local", "packed"]}, modes
