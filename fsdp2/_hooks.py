@@ -6,7 +6,7 @@
 backward after a forward reshard: columnwise; no reshard after forward: both). FSDP2
 allocates each parameter's all-gather outputs once, from the first call's input sizes and
 dtypes, and reuses them on every later gather, so the inputs of every pass must have the
-same count, numels and dtypes. Three modes keep that true:
+same count, numels and dtypes. Four modes keep that true:
 
 * ``"slots"`` — both directions' gather signatures (``DirectionGatherMeta.signature``) are
   equal (every single-format quantizer: the columnwise transport layout has the rowwise
@@ -44,9 +44,9 @@ import torch
 from hybrid_dist.fsdp2._accounting import record_all_gather
 from hybrid_dist.fsdp2._buffers import (
     DirectionGatherMeta,
+    copy_keep_version,
     fsdp_assign_gathered,
     fsdp_gather_meta,
-    copy_keep_version,
     fsdp_transport_buffers,
     refresh_copies,
     run_refresh,
@@ -231,8 +231,8 @@ def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
 def _share_shard(meta: GatherMeta, dtype: torch.dtype, out):
     """``"local"`` mode: the first call builds the unsharded tensor on the shard's own fields
     (FSDP owns no inner tensor of it, so it frees nothing at reshard); a later call copies
-    only fields that no longer share memory with the shard's (a shard rebuilt since, e.g.
-    moved to the device from CPU offload for this gather)."""
+    only fields that no longer share memory with the shard's (a shard whose fields were
+    replaced since, not updated in place)."""
     if out is None:
         storages = {d: st.map_tensors(lambda x: x) for d, st in zip((ROW, COL), meta.source) if st is not None}
         return QuantizedTensor(meta.shape, dtype, storages.get(ROW), storages.get(COL), meta.quantizer), ()
