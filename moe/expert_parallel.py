@@ -107,13 +107,14 @@ def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) 
     if stats is not None:
         stats.add("counts", (world - 1) * e_l * tokens_per_expert.element_size())
     counts = tokens_per_expert.tolist()  # host read: a2a split sizes (module note)
-    recv_counts = torch.as_tensor(recv.tolist()).reshape(world, e_l).tolist()
+    recv_counts = recv.reshape(world, e_l).tolist()
     idx, pos = [[] for _ in range(e_l)], 0
     for s in range(world):
         for j in range(e_l):
-            idx[j].append(torch.arange(pos, pos + recv_counts[s][j]))
+            idx[j].append(torch.arange(pos, pos + recv_counts[s][j], device="cpu"))
             pos += recv_counts[s][j]
-    regroup = torch.cat([t for per in idx for t in per]) if pos else torch.zeros(0, dtype=torch.int64)
+    # built on the host (also under a CUDA default device), copied to the device once
+    regroup = torch.cat([t for per in idx for t in per]) if pos else torch.zeros(0, dtype=torch.int64, device="cpu")
     slot_offsets, _ = padded_offsets(tokens_per_expert, 1)
     slot_expert = torch.repeat_interleave(torch.arange(e, device=tokens_per_expert.device), tokens_per_expert,
                                           output_size=sum(counts))

@@ -61,3 +61,17 @@ def test_dispatch_ops_do_not_grow_with_experts(recipe_name, need_columnwise, mon
     requantized = need_columnwise and recipe_name != "fp8_current"  # fp8_current: the transpose
     most = 1 + (1 if requantized else 0)  # the receiver requantizes all local experts at once
     assert q4 == q16 and q4 <= most, f"{cfg}: quantize_storages calls E=4: {q4}, E=16: {q16} (at most {most})"
+
+
+def test_route_built_on_the_counts_device_under_another_default_device():
+    """A model built under ``torch.set_default_device("cuda")`` leaves that default on: the
+    route's host-side planning must not follow it (meta stands in for CUDA on CPU)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        counts = torch.tensor([3, 0, 5, 2], dtype=torch.int64, device="cpu")
+        with torch.device("meta"):
+            route = ep.make_route(counts, dist.group.WORLD, None)
+        assert route.regroup.device.type == "cpu" and route.slot_expert.device.type == "cpu", route
+        assert route.recv_counts == [[3, 0], [5, 2]], route.recv_counts  # the fake group echoes the counts
+    finally:
+        dist.destroy_process_group()

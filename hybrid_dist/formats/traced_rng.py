@@ -31,7 +31,7 @@ def register(state) -> torch.Tensor:
     int64 scalar tensor (what a traced draw passes to the op)."""
     uid = next(_NEXT)
     _LIVE[uid] = state
-    return torch.tensor(uid, dtype=torch.int64)
+    return torch.tensor(uid, dtype=torch.int64, device="cpu")  # explicit: also under a CUDA default device
 
 
 def registered_state(uid: torch.Tensor):

@@ -240,3 +240,12 @@ def test_rht_with_2d_blocks_and_sr():
     # with RHT, the columnwise direction is its own quantization, not the transpose
     assert not torch.equal(unpack_fp4(a.columnwise.data), unpack_fp4(a.rowwise.data).t())
     assert sqnr_db(x, a.dequantize("columnwise")) > 14.0
+
+
+def test_rng_state_id_is_a_host_scalar_under_another_default_device():
+    """The id a traced stochastic-rounding draw passes to its op is read on the host: it stays
+    a CPU scalar when a CUDA (here meta) default device is set."""
+    state = NVFP4Quantizer(stochastic_rounding=True, seed=7).make_state()
+    with torch.device("meta"):
+        uid = traced_rng.register(state)
+    assert uid.device.type == "cpu" and traced_rng.registered_state(uid) is state
