@@ -8,7 +8,11 @@ gets exactly the rows it would have made from the high-precision tokens.
 
 The sender quantizes all its slots at once (``quantize_slots``): one storage whose
 per-tensor fields are ``[E]`` vectors, each row quantized with its expert's entry, so per
-expert the bytes are those of quantizing its rows alone.
+expert the bytes are those of quantizing its rows alone. Delayed scaling's scale is not
+computed from this step's amax but held by the expert's state on the expert's rank: the
+exchange advances each rank's local states, gathers their scales into the ``[E]`` vector
+every sender uses, and records the all-reduced amax into the local states, the order and
+values of quantizing the received rows there.
 
 Wire row of one token: the row-axis fields of the storage (``data``, block scales) viewed
 as bytes and concatenated: ``[m, Σ bytes per row]`` uint8. Per-tensor fields are not sent:
@@ -64,8 +68,6 @@ def unsupported_reason(q, *, need_columnwise: bool) -> str | None:
     row, col = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
     if row.block_shape("rowwise")[0] != 1:
         return f"{type(row).__name__} rowwise blocks span {row.block_shape('rowwise')[0]} tokens"
-    if isinstance(row, Float8Quantizer) and row.scaling == "delayed":
-        return "delayed scaling keeps its amax history on the expert's rank"
     if isinstance(row, NVFP4Quantizer) and row.stochastic_rounding:
         return "stochastic rounding draws from the expert's generator"
     if need_columnwise and not (derivable_columnwise(q) or requantized_columnwise(q)):
@@ -111,7 +113,7 @@ def _tensor_fields(st: DirectionStorage) -> list[str]:
 
 
 def quantize_slots(q, x: torch.Tensor, slot_expert: torch.Tensor, slot_offsets: torch.Tensor,
-                   amax: torch.Tensor | None) -> DirectionStorage:
+                   amax: torch.Tensor | None, scale: torch.Tensor | None = None) -> DirectionStorage:
     """The rowwise storage of every slot ``x [S, K]`` (rows sorted by expert) in one pass;
     its per-tensor fields are ``[E]`` vectors, entry e for expert e's rows. Per slot the
     bytes are those of quantizing expert e's rows alone with ``amax[e]`` (module doc):
@@ -123,10 +125,11 @@ def quantize_slots(q, x: torch.Tensor, slot_expert: torch.Tensor, slot_offsets: 
     * NVFP4 (1D, no SR): each row's block scales against its expert's global scale.
 
     ``slot_expert [S]``: each row's expert; ``slot_offsets [E+1]``: each expert's first row;
-    ``amax [E]``: the all-reduced amaxes (None for formats without a per-tensor scale)."""
+    ``amax [E]``: the all-reduced amaxes (None for formats without a per-tensor scale);
+    ``scale [E]``: delayed scaling's per-expert scales (the experts' states', gathered)."""
     row = q.direction_quantizer("rowwise")
     if isinstance(row, Float8Quantizer):
-        scale = row.compute_scale(x, None, amax)
+        scale = row.compute_scale(x, None, amax) if scale is None else scale
         data = device_split.fp8_rows_by_expert(x, scale, slot_expert, slot_offsets, row.dtype)
         return Float8Storage(data=data, scale_inv=torch.reciprocal(scale), transposed=False)
     if isinstance(row, NVFP4Quantizer):

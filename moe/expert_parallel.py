@@ -30,10 +30,13 @@ quantization error of x; it equals the high-precision path's wherever the elemen
 the normal range of its row and column blocks and is otherwise within half the sum of the
 two directions' grid steps (``_wire`` module doc; measured in
 ``tests_distributed/test_moe_ep_columnwise.py``). So MXFP8 sends ``K + K/32`` bytes per
-token row (0.52× bf16) in training too. Other columnwise formats (NVFP4 with its
-per-tensor scale, RHT and SR; identity under a quantized rowwise), delayed scaling
-(history on the expert's rank) and NVFP4 stochastic rounding (the expert's generator) in
-the rowwise direction exchange high precision and quantize after (warned once).
+token row (0.52× bf16) in training too. Delayed scaling travels quantized too: the
+exchange advances the local experts' states, all-gathers their scales (``[E]`` floats) and
+records the all-reduced amax in them, so rows, scales and histories are bitwise those of
+quantizing after a high-precision exchange. Other columnwise formats (NVFP4 with its
+per-tensor scale, RHT and SR; identity under a quantized rowwise) and NVFP4 stochastic
+rounding (the expert's generator) in the rowwise direction exchange high precision and
+quantize after (warned once).
 
 At the receiver, the rows become the experts' per-expert storages (``GroupedQuantized``,
 the reference GEMM loop), or, where the expert layer takes the packed CUDA path
@@ -58,7 +61,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid_dist.amax_sync import all_reduce_amaxes
+from hybrid_dist.formats.float8 import Float8Quantizer, advance_stacked
 from hybrid_dist.moe.exchange_io import ExchangeIO
+from hybrid_dist.recipe_module import in_backward
 from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
@@ -168,14 +173,17 @@ def _exchange(x, route: Route, to_experts: bool, stats, key: str):
 
 
 def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_columnwise: bool,
-                       stats, key: str, packed_multiple: int | None = None, values: bool = True):
+                       stats, key: str, packed_multiple: int | None = None, values: bool = True,
+                       states=None, advance: bool = True):
     """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``: one quantize
     pass over all slots) and build the experts' :class:`GroupedQuantized` (padded to
     ``multiple``) at the receiver; with ``packed_multiple`` (``grouped_quantized.
     exchange_packable``), their ``device_split.PackedSplit`` for the sync-free grouped GEMMs
-    instead. Returns that and
-    the received rows' values ``[R, K]`` in x's dtype (expert-major), or None without
-    ``values``."""
+    instead. Delayed scaling needs ``states``, this rank's local experts' states of the
+    quantizer's role: advanced first (unless ``advance=False``: an activation recompute),
+    then their scales quantize every sender's rows and the step's amax is recorded in them
+    (``_wire`` module doc). Returns that and the received rows' values ``[R, K]`` in x's
+    dtype (expert-major), or None without ``values``."""
     e = len(route.counts_global)
     e_l = e // route.world
     x = x_perm.detach()
@@ -185,10 +193,12 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
         amax = all_reduce_amaxes(device_split.expert_amaxes(x, route.slot_expert, e), [route.group])
         if stats is not None:
             stats.add(key + "_amax", amax.numel() * amax.element_size())  # all-reduce payload
-    slots = _wire.quantize_slots(quantizer, x, route.slot_expert, route.slot_offsets, amax)
+    first = route.rank * e_l  # this rank's first global expert
+    scale = _delayed_scales(row_q, states, amax[first:first + e_l] if amax is not None else None, route,
+                            advance, stats, key)
+    slots = _wire.quantize_slots(quantizer, x, route.slot_expert, route.slot_offsets, amax, scale)
     recv = _a2a(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)
     recv = _to_expert_major(recv, route)
-    first = route.rank * e_l  # this rank's first global expert
     if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales from the amax
         scale_inv = slots.scale_inv[first:first + e_l]
         g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
@@ -211,6 +221,26 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     if not values:
         return g, None
     return g, torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(rows, route.local_splits)])
+
+
+def _delayed_scales(row_q, states, local_amax, route: Route, advance: bool, stats, key: str):
+    """Delayed scaling: every global expert's scale ``[E]`` (None for other scalings), with
+    this rank's local expert states advanced (``advance``) and ``local_amax [E_l]`` recorded."""
+    if not (isinstance(row_q, Float8Quantizer) and row_q.scaling == "delayed"):
+        return None
+    if states is None or len(states) != len(local_amax):
+        raise ValueError("quantized_exchange: delayed scaling needs the local experts' states "
+                         f"(one per local expert, {len(local_amax)}); got {states!r:.80}")
+    if advance:
+        advance_stacked(states, row_q)
+    local = torch.stack([s.scale for s in states]).to(local_amax.device)
+    scale = local.new_empty(route.world * local.numel())
+    dist.all_gather_into_tensor(scale, local, group=route.group)
+    if stats is not None:
+        stats.add(key + "_scale", local.numel() * local.element_size() * (route.world - 1))
+    for s, a in zip(states, local_amax):
+        s.record(a)
+    return scale
 
 
 def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need_columnwise: bool, dtype):
@@ -270,16 +300,17 @@ class _QuantizedDispatch(torch.autograd.Function):
     slots."""
 
     @staticmethod
-    def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats, packed):
+    def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats, packed, states):
         g, _ = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
-                                  stats=stats, key="dispatch", packed_multiple=packed, values=False)
+                                  stats=stats, key="dispatch", packed_multiple=packed, values=False,
+                                  states=states, advance=not in_backward())
         io["x_packed" if packed is not None else "x_quantized"] = g
         ctx.route, ctx.stats = route, stats
         return _rows_stand_in(g, x_perm)
 
     @staticmethod
     def backward(ctx, dx):
-        return _exchange(dx.contiguous(), ctx.route, False, ctx.stats, "dispatch_grad"), *([None] * 7)
+        return _exchange(dx.contiguous(), ctx.route, False, ctx.stats, "dispatch_grad"), *([None] * 8)
 
 
 class _QuantizedCombine(torch.autograd.Function):
@@ -288,17 +319,18 @@ class _QuantizedCombine(torch.autograd.Function):
     the experts' backward runs, which reads dy from there); returns the rows' stand-in."""
 
     @staticmethod
-    def forward(ctx, y_local, route, quantizer, multiple, io, stats):
-        ctx.route, ctx.q, ctx.multiple, ctx.io, ctx.stats = route, quantizer, multiple, io, stats
+    def forward(ctx, y_local, route, quantizer, multiple, io, stats, states):
+        ctx.route, ctx.q, ctx.multiple, ctx.io, ctx.stats, ctx.states = route, quantizer, multiple, io, stats, states
         return _exchange(y_local, route, False, stats, "combine")
 
     @staticmethod
     def backward(ctx, dy):
         packed = ctx.io.get("packed")  # the last GroupedLinear took the packed path (combine_io)
         g, _ = quantized_exchange(dy.contiguous(), ctx.route, ctx.q, multiple=ctx.multiple, need_columnwise=True,
-                                  stats=ctx.stats, key="combine_grad", packed_multiple=packed, values=False)
+                                  stats=ctx.stats, key="combine_grad", packed_multiple=packed, values=False,
+                                  states=ctx.states)
         ctx.io["dy_packed" if packed is not None else "dy_quantized"] = g
-        return _rows_stand_in(g, dy), *([None] * 5)
+        return _rows_stand_in(g, dy), *([None] * 6)
 
 
 def _warn_once(reason: str) -> None:
@@ -317,7 +349,8 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
     reason = _quantized_reason(plan, "input", need_columnwise)
     if reason is None:
         io = ExchangeIO()
-        x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats, packed)
+        x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats, packed,
+                                     plan.states["input"])
         return x, io
     if plan is not None and reason != "identity":
         _warn_once(reason)
@@ -338,7 +371,8 @@ def combine(y_local, route: Route, *, plan=None, io: ExchangeIO | None = None, s
     given to the last GroupedLinear's forward), the backward payload dy travels in that
     GroupedLinear's gradient format and fills ``io["dy_quantized"]`` for its backward."""
     if io is not None:
-        return _QuantizedCombine.apply(y_local, route, plan.grad_output, plan.multiple, io, stats)
+        return _QuantizedCombine.apply(y_local, route, plan.grad_output, plan.multiple, io, stats,
+                                       plan.states["grad_output"])
     reason = _quantized_reason(plan, "grad_output", True)
     if plan is not None and reason not in (None, "identity"):
         _warn_once(reason)

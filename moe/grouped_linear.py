@@ -162,7 +162,8 @@ def apply_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_exper
     if io is None and _grouped_mm.fits(plan, x, weight):
         return _grouped_mm.grouped_mm_linear(x, weight, tokens_per_expert, active_stats(plan))
     if not in_backward():
-        plan.advance("input")
+        if not (io is not None and ("x_quantized" in io or "x_packed" in io)):
+            plan.advance("input")  # else the exchange that quantized x advanced it (expert_parallel)
         plan.advance("weight")
     packed_io = io is not None and ("x_packed" in io or "packed" in io)
     if (io is None or packed_io) and grouped_quantized.fits(plan, x, weight):

@@ -160,6 +160,68 @@ def test_ep_equals_single_rank_and_counts_bytes(world):
             assert wire_q["counts"] == (world - 1) * (E // world) * 8, cfg
 
 
+def _delayed_worker(rank, world, steps):
+    """fp8_delayed over ``steps`` steps (its scales come from the histories from step 2 on):
+    quantized and high-precision dispatch both equal EP = 1 bitwise (y, dx, dW), and every
+    local expert's input and gradient history and scale equal the EP = 1 expert's. Returns
+    the quantized run's wire bytes."""
+    group, e_l = dist.group.WORLD, E // world
+    recipe = hd.recipe_from_name("fp8_delayed")
+    torch.manual_seed(1234)
+    xs = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
+    dys = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
+
+    def build(ep_group, quantized):  # no shared expert: its states would run per rank
+        torch.manual_seed(0)
+        return MoE(H, FFN, E, TOP_K, recipe=recipe, ep_group=ep_group, quantized_dispatch=quantized,
+                   dtype=torch.bfloat16)
+
+    ref = build(None, True)
+    models = {q: build(group, q) for q in (True, False)}
+    with torch.no_grad():
+        for m in models.values():
+            for name in ("fc1", "fc2"):
+                getattr(m, name).weight.copy_(getattr(ref, name).weight[rank * e_l:(rank + 1) * e_l])
+            m.router.load_state_dict(ref.router.state_dict())
+    for step in range(steps):
+        scale = 1.0 + step  # new inputs each step, so the histories move
+        xi = [(x * scale).requires_grad_(True) for x in xs]
+        routes = [ref.router(x) for x in xi]
+        ys_ref = torch.split(ref.routed(torch.cat(xi), torch.cat([r[0] for r in routes]),
+                                        torch.cat([r[1] for r in routes])), T)
+        torch.cat(ys_ref).backward(torch.cat(dys))
+        dxs_ref = [x.grad for x in xi]
+        for quantized, moe in models.items():
+            what = f"EP={world} rank={rank} fp8_delayed step={step} quantized_dispatch={quantized}"
+            y, dx = _run_ep(moe, xs[rank] * scale, dys[rank], True)
+            _same(y, ys_ref[rank], f"{what}: y vs EP=1")
+            _same(dx, dxs_ref[rank], f"{what}: dx vs EP=1")
+            for name in ("fc1", "fc2"):
+                dw_ref = getattr(ref, name).weight.grad[rank * e_l:(rank + 1) * e_l]
+                _same(getattr(moe, name).weight.grad, dw_ref, f"{what}: {name} dW vs EP=1")
+                for role in ("input", "grad_output"):
+                    got, want = getattr(moe, name).plan(recipe).states[role], getattr(ref, name).plan(recipe).states[role]
+                    for j, st in enumerate(got):
+                        st_ref = want[rank * e_l + j]
+                        _same(st.amax_history, st_ref.amax_history, f"{what}: {name} {role} expert {j} history")
+                        _same(st.scale.reshape(1), st_ref.scale.reshape(1), f"{what}: {name} {role} expert {j} scale")
+            moe.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    return dict(models[True].wire.bytes), _expected_dispatch_bytes(ref, xs, rank, world, 1)
+
+
+def test_ep_delayed_scaling_travels_quantized():
+    """Delayed scaling's rows travel in FP8 (1 byte per element each way) with the experts'
+    scales gathered from their ranks (``E_l`` floats from each other rank per exchange)."""
+    world, steps = 2, 3
+    for rank, (wire, rows_out) in enumerate(run_ranks(_delayed_worker, world, steps)):
+        cfg = f"EP={world} rank={rank} fp8_delayed"
+        # the last step's tokens are the first step's times 3: the same experts, the same rows
+        assert wire["dispatch"] == steps * rows_out * H and wire["combine_grad"] == steps * rows_out * H, (cfg, wire)
+        assert wire["dispatch_scale"] == steps * (E // world) * 4 * (world - 1), (cfg, wire)
+        assert wire["dispatch_amax"] == steps * E * 4, (cfg, wire)
+
+
 PACKED = {"fp8_current": "packed_fp8_rows", "mxfp8": "place_rows"}  # recipe -> the receiver's packing function
 
 
