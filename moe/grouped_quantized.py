@@ -246,10 +246,10 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         plan = ctx.plan
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_col, w_col = saved_storages.unpack(ctx)
-        plan.advance("grad_output")
         dys = ctx.io.get("dy_packed") if ctx.io else None  # expert parallel: filled by the combine's backward
         dy_hp = dy if dys is None else None  # gradient exchanged already quantized: no reference
-        if dys is None:
+        if dys is None:  # (else the exchange that quantized dy advanced its states)
+            plan.advance("grad_output")
             dys = device_split.split_quantize_packed(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
                                                      rowwise=need_dgrad, columnwise=need_wgrad,
                                                      states=plan.states["grad_output"], multiple=ctx.mult)
@@ -282,13 +282,14 @@ def grouped_linear(x, weight, tokens_per_expert, plan, io=None) -> torch.Tensor:
 
 def exchange_packable(plan, tensor_type: str) -> bool:
     """An expert-parallel exchange can hand this path ``tensor_type``'s rows packed: per-tensor
-    FP8 current scaling with columnwise = rowwise transposed (``device_split.packed_fp8_rows``),
+    FP8 with columnwise = rowwise transposed (``device_split.packed_fp8_rows``; delayed scaling's
+    scales and histories kept by the exchange, ``expert_parallel.quantized_exchange``),
     or a block format without per-tensor fields whose columnwise the receiver requantizes
     from the rows (MXFP8; FP8 blocks with power-of-two scales: ``_wire``'s module doc)."""
     q = getattr(plan, tensor_type)
     row = q.direction_quantizer("rowwise")
     if isinstance(row, Float8Quantizer):
-        return row.scaling == "current" and _wire.derivable_columnwise(q)
+        return _wire.derivable_columnwise(q)
     return (not row.is_per_tensor and _wire.requantized_columnwise(q)
             and _wire.unsupported_reason(q, need_columnwise=True) is None)
 

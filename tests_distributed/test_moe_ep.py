@@ -160,11 +160,16 @@ def test_ep_equals_single_rank_and_counts_bytes(world):
             assert wire_q["counts"] == (world - 1) * (E // world) * 8, cfg
 
 
-def _delayed_worker(rank, world, steps):
+def _delayed_worker(rank, world, steps, packed):
     """fp8_delayed over ``steps`` steps (its scales come from the histories from step 2 on):
     quantized and high-precision dispatch both equal EP = 1 bitwise (y, dx, dW), and every
-    local expert's input and gradient history and scale equal the EP = 1 expert's. Returns
-    the quantized run's wire bytes."""
+    local expert's input and gradient history and scale equal the EP = 1 expert's; ``packed``
+    forces the packed grouped path on CPU (the one CUDA takes). Returns the quantized run's
+    wire bytes."""
+    if packed:
+        from hybrid_dist.moe import grouped_quantized as gq
+
+        gq.fits = lambda plan, x, weight: gq.unsupported_reason(plan, x, weight) is None  # CPU too
     group, e_l = dist.group.WORLD, E // world
     recipe = hd.recipe_from_name("fp8_delayed")
     torch.manual_seed(1234)
@@ -210,25 +215,27 @@ def _delayed_worker(rank, world, steps):
     return dict(models[True].wire.bytes), _expected_dispatch_bytes(ref, xs, rank, world, 1)
 
 
-def test_ep_delayed_scaling_travels_quantized():
+@pytest.mark.parametrize("packed", [False, True], ids=["loop", "packed"])
+def test_ep_delayed_scaling_travels_quantized(packed):
     """Delayed scaling's rows travel in FP8 (1 byte per element each way) with the experts'
     scales gathered from their ranks (``E_l`` floats from each other rank per exchange)."""
     world, steps = 2, 3
-    for rank, (wire, rows_out) in enumerate(run_ranks(_delayed_worker, world, steps)):
-        cfg = f"EP={world} rank={rank} fp8_delayed"
+    for rank, (wire, rows_out) in enumerate(run_ranks(_delayed_worker, world, steps, packed)):
+        cfg = f"EP={world} rank={rank} fp8_delayed {'packed' if packed else 'loop'} path"
         # the last step's tokens are the first step's times 3: the same experts, the same rows
         assert wire["dispatch"] == steps * rows_out * H and wire["combine_grad"] == steps * rows_out * H, (cfg, wire)
         assert wire["dispatch_scale"] == steps * (E // world) * 4 * (world - 1), (cfg, wire)
         assert wire["dispatch_amax"] == steps * E * 4, (cfg, wire)
 
 
-PACKED = {"fp8_current": "packed_fp8_rows", "mxfp8": "place_rows"}  # recipe -> the receiver's packing function
+# recipe -> the receiver's packing function
+PACKED = {"fp8_current": "packed_fp8_rows", "fp8_delayed": "packed_fp8_rows", "mxfp8": "place_rows"}
 
 
 def _packed_worker(rank, world, recipe_name):
     """``recipe_name`` with the packed grouped path forced on CPU (its emulated kernels): the
     quantized dispatch hands the received rows over packed (``io["x_packed"]`` /
-    ``"dy_packed"``) and equals the high-precision dispatch: bitwise for ``fp8_current``;
+    ``"dy_packed"``) and equals the high-precision dispatch: bitwise for per-tensor FP8;
     for ``mxfp8`` y and dx bitwise and the experts' weight gradients within the SQNR floor
     (the receiver requantizes the columnwise direction). Returns failures."""
     import hybrid_dist.moe.device_split as ds
@@ -292,31 +299,33 @@ def _cuda_step(quantized, recipe_name="fp8_current"):
     return {"y": y.detach(), "dx": x.grad, **grads}
 
 
-def _cuda_packed_compare(rank, world):
+def _cuda_packed_compare(rank, world, recipe_name):
     import hybrid_dist.moe.device_split as ds
 
     calls = []
     place = ds.packed_fp8_rows
     ds.packed_fp8_rows = lambda *a, **k: calls.append(1) or place(*a, **k)
-    quantized = _cuda_step(True)
+    quantized = _cuda_step(True, recipe_name)
     n_packed = len(calls)
-    hp = _cuda_step(False)
+    hp = _cuda_step(False, recipe_name)
     differ = {k: int((_bits(quantized[k]) != _bits(hp[k])).sum()) for k in hp}
     return n_packed, differ
 
 
 @pytest.mark.gpu
-def test_ep1_packed_quantized_dispatch_is_bitwise_the_hp_dispatch():
-    """One NCCL rank, ``fp8_current``: the received FP8 rows go straight into the packed
+@pytest.mark.parametrize("recipe_name", ["fp8_current", "fp8_delayed"])
+def test_ep1_packed_quantized_dispatch_is_bitwise_the_hp_dispatch(recipe_name):
+    """One NCCL rank, per-tensor FP8: the received FP8 rows go straight into the packed
     grouped GEMMs (``device_split.packed_fp8_rows``: ``io["x_packed"]`` in the forward,
     ``io["dy_packed"]`` in the backward), and the output and every gradient are bitwise
     those of the high-precision dispatch (which quantizes after the exchange on the same
     packed path)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    ((n_packed, differ),) = run_nccl(_cuda_packed_compare, 1)
-    assert n_packed == 2, f"EP=1 fp8_current: packed_fp8_rows ran {n_packed} times (dispatch fwd + combine bwd: 2)"
-    assert not any(differ.values()), f"EP=1 fp8_current, quantized vs high-precision dispatch: elements differ {differ}"
+    ((n_packed, differ),) = run_nccl(_cuda_packed_compare, 1, recipe_name)
+    where = f"EP=1 {recipe_name}"
+    assert n_packed == 2, f"{where}: packed_fp8_rows ran {n_packed} times (dispatch fwd + combine bwd: 2)"
+    assert not any(differ.values()), f"{where}, quantized vs high-precision dispatch: elements differ {differ}"
 
 
 def _cuda_requantized_compare(rank, world):
