@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_dist.amax_sync import all_reduce_amaxes
-from hybrid_dist.formats.float8 import Float8Quantizer, advance_stacked
+from hybrid_dist.formats.float8 import Float8Quantizer, advance_stacked, stacked_delayed_states
 from hybrid_dist.moe.exchange_io import ExchangeIO
 from hybrid_dist.recipe_module import in_backward
 from hybrid_dist.warn import warn_once
@@ -199,7 +199,7 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     slots = _wire.quantize_slots(quantizer, x, route.slot_expert, route.slot_offsets, amax, scale)
     recv = _a2a(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)
     recv = _to_expert_major(recv, route)
-    if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales from the amax
+    if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales known here
         scale_inv = slots.scale_inv[first:first + e_l]
         g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
                                          packed_multiple, columnwise=need_columnwise)
@@ -229,17 +229,15 @@ def _delayed_scales(row_q, states, local_amax, route: Route, advance: bool, stat
     if not (isinstance(row_q, Float8Quantizer) and row_q.scaling == "delayed"):
         return None
     if states is None or len(states) != len(local_amax):
-        raise ValueError("quantized_exchange: delayed scaling needs the local experts' states "
-                         f"(one per local expert, {len(local_amax)}); got {states!r:.80}")
+        raise AssertionError(f"quantized_exchange: delayed scaling needs {len(local_amax)} local expert states")
     if advance:
         advance_stacked(states, row_q)
-    local = torch.stack([s.scale for s in states]).to(local_amax.device)
+    hist, local = stacked_delayed_states(states, local_amax.device)  # the states' own rows
     scale = local.new_empty(route.world * local.numel())
-    dist.all_gather_into_tensor(scale, local, group=route.group)
+    dist.all_gather_into_tensor(scale, local.contiguous(), group=route.group)
     if stats is not None:
         stats.add(key + "_scale", local.numel() * local.element_size() * (route.world - 1))
-    for s, a in zip(states, local_amax):
-        s.record(a)
+    torch.maximum(hist[:, 0], local_amax, out=hist[:, 0])  # = states[i].record(local_amax[i])
     return scale
 
 
