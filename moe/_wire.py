@@ -70,6 +70,9 @@ def unsupported_reason(q, *, need_columnwise: bool) -> str | None:
         return f"{type(row).__name__} rowwise blocks span {row.block_shape('rowwise')[0]} tokens"
     if isinstance(row, NVFP4Quantizer) and row.stochastic_rounding:
         return "stochastic rounding draws from the expert's generator"
+    if need_columnwise and isinstance(col, IdentityQuantizer) and not derivable_columnwise(q):
+        return ("the columnwise (wgrad) direction is high precision: its rows are the payload, and "
+                "sending them alone is cheaper than sending them beside quantized rows")
     if need_columnwise and not (derivable_columnwise(q) or requantized_columnwise(q)):
         return (f"the columnwise (wgrad) direction {type(col).__name__} blocks along tokens from "
                 "several ranks; the receiver makes it only as the rowwise bits transposed (one "

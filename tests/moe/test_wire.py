@@ -85,6 +85,7 @@ def test_unpack_places_rows_in_the_padded_layout(name):
     (hd.MXFP8Quantizer(), True, True),  # requantized columnwise
     (hd.Float8BlockQuantizer(block="1x128"), True, True),
     (hd.Float8Quantizer(), True, True),  # derived: the transpose
+    (hd.Float8Quantizer(scaling="delayed"), True, True),  # the exchange keeps the experts' states
     (hd.HybridQuantizer(rowwise=hd.IdentityQuantizer(), columnwise=hd.MXFP8Quantizer()), True, True),
     (hd.Float8BlockQuantizer(block="1x128", power_of_2_scales=False), True, False),  # values not exact
     (hd.Float8BlockQuantizer(block="1x128", power_of_2_scales=False), False, True),
@@ -92,8 +93,10 @@ def test_unpack_places_rows_in_the_padded_layout(name):
     (hd.HybridQuantizer(rowwise=hd.Float8Quantizer(), columnwise=hd.IdentityQuantizer()), True, False),
     (hd.HybridQuantizer(rowwise=hd.Float8Quantizer(), columnwise=hd.MXFP8Quantizer()), True, False),
     (hd.Float8BlockQuantizer(block="128x128"), False, False),  # rowwise blocks span 128 tokens
-], ids=["mxfp8", "fp8_1x128", "fp8", "identity_mxfp8", "fp8_1x128_no_pow2", "fp8_1x128_no_pow2_inference",
+], ids=["mxfp8", "fp8_1x128", "fp8", "fp8_delayed", "identity_mxfp8", "fp8_1x128_no_pow2", "fp8_1x128_no_pow2_inference",
         "mxfp8_nvfp4", "fp8_identity", "fp8_mxfp8", "fp8_128x128_inference"])
 def test_which_formats_travel_quantized(q, need_columnwise, allowed):
     reason = _wire.unsupported_reason(q, need_columnwise=need_columnwise)
     assert (reason is None) == allowed, f"{q} need_columnwise={need_columnwise}: {reason}"
+    if isinstance(q.direction_quantizer("columnwise"), hd.IdentityQuantizer) and not allowed:
+        assert "high precision" in reason, reason  # why, not a block layout it does not have
