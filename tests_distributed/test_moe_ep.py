@@ -160,6 +160,14 @@ def test_ep_equals_single_rank_and_counts_bytes(world):
             assert wire_q["counts"] == (world - 1) * (E // world) * 8, cfg
 
 
+def _force_packed_path() -> None:
+    """In this worker process, the packed grouped path (CUDA's) runs on CPU too (its
+    emulated kernels)."""
+    from hybrid_dist.moe import grouped_quantized as gq
+
+    gq.fits = lambda plan, x, weight: gq.unsupported_reason(plan, x, weight) is None
+
+
 def _delayed_worker(rank, world, steps, packed):
     """fp8_delayed over ``steps`` steps (its scales come from the histories from step 2 on):
     quantized and high-precision dispatch both equal EP = 1 bitwise (y, dx, dW), and every
@@ -167,9 +175,7 @@ def _delayed_worker(rank, world, steps, packed):
     forces the packed grouped path on CPU (the one CUDA takes). Returns the quantized run's
     wire bytes."""
     if packed:
-        from hybrid_dist.moe import grouped_quantized as gq
-
-        gq.fits = lambda plan, x, weight: gq.unsupported_reason(plan, x, weight) is None  # CPU too
+        _force_packed_path()
     group, e_l = dist.group.WORLD, E // world
     recipe = hd.recipe_from_name("fp8_delayed")
     torch.manual_seed(1234)
@@ -239,9 +245,8 @@ def _packed_worker(rank, world, recipe_name):
     for ``mxfp8`` y and dx bitwise and the experts' weight gradients within the SQNR floor
     (the receiver requantizes the columnwise direction). Returns failures."""
     import hybrid_dist.moe.device_split as ds
-    from hybrid_dist.moe import grouped_quantized as gq
 
-    gq.fits = lambda plan, x, weight: gq.unsupported_reason(plan, x, weight) is None  # CPU too
+    _force_packed_path()
     calls, fn = [], PACKED[recipe_name]
     place = getattr(ds, fn)
     setattr(ds, fn, lambda *a, **k: calls.append(1) or place(*a, **k))
