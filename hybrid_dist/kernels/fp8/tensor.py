@@ -248,7 +248,6 @@ def quantize_fp8_batched(q: Float8Quantizer, x: torch.Tensor, *, columnwise: boo
         return row, (col if columnwise else None), scale_inv
     if torch.compiler.is_compiling():
         raise ValueError("quantize_fp8_batched: delayed scaling records into stacked states; not traceable")
-    b = x.shape[0]
     row, col, scale_inv = _batched_buffers(x, q.dtype, columnwise)
     hist, scale = stacked_delayed_states(states, x.device)
     if x.numel():

@@ -64,6 +64,9 @@ def _check_amax():
             assert_bitwise_equal(out[i], tensor_amax(x), f"amaxes_into {x.dtype} #{i}")
 
 
+_ALIGNED_SHAPES = [(64, 128), (16, 48), (160, 32), (2, 32, 64), (48, 256)]
+
+
 def _quantized_like(q, x, row, col, separate_scale_inv):
     """A destination with the layout ``requantize_`` writes into (garbage values)."""
     from hybrid_dist.formats.float8 import Float8Storage
@@ -88,12 +91,13 @@ def _check_cast():
     gen = torch.Generator().manual_seed(1)
     quantizers = (hd.Float8Quantizer(), hd.Float8Quantizer(dtype=torch.float8_e5m2, power_of_2_scales=True,
                                                             amax_epsilon=1e-2))
-    for dtype in (torch.float32, torch.bfloat16):
-        xs = _inputs(dtype, gen)
+    for dtype, aligned in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                           (torch.bfloat16, True)):
+        # aligned: every M, K, row stride and address a multiple of 16 (the kernels' ALIGNED hints)
+        xs = [torch.randn(s, generator=gen).to(dtype) for s in _ALIGNED_SHAPES] if aligned else _inputs(dtype, gen)
         for q in quantizers:
             for row, col in ((True, True), (True, False), (False, True)):
                 for given in (False, True):
-                    fp8_multi._MAX_PROGRAMS = 3 if given else 1024  # 3: programs loop over several tiles
                     amax = torch.rand(len(xs) + 2, generator=gen) * 40 if given else None
                     slots = list(range(2, len(xs) + 2))[::-1] if given else None
                     dsts = [_quantized_like(q, x, row, col, i % 2 == 1) for i, x in enumerate(xs)]
@@ -105,7 +109,8 @@ def _check_cast():
                         assert r is None, "the per-tensor kernel declined"
                     left = fp8_multi.requantize_fp8_many([q] * len(xs), xs, dsts, amax, slots)
                     assert left == [], left
-                    what = f"{dtype} {q.dtype} pow2={q.power_of_2_scales} row={row} col={col} given={given}"
+                    what = (f"{dtype} aligned={aligned} {q.dtype} pow2={q.power_of_2_scales} row={row} col={col} "
+                            f"given={given}")
                     for i, (d, ref) in enumerate(zip(dsts, refs)):
                         for name, a, b in zip(("rowwise", "columnwise"), _storages(d), _storages(ref)):
                             assert (a is None) == (b is None)
@@ -272,7 +277,7 @@ def _kernels_launched(fn) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, expect", [(torch.float32, 4), (torch.bfloat16, 3)])
 def test_batched_write_back_launches_are_constant(dtype, expect):
-    """fp32: zero-fill, amax, rowwise cast, columnwise cast; bf16: one cast for both."""
+    """fp32: zero-fill, amax, rowwise cast, transpose of its codes; bf16: one cast for both."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     counts = {}

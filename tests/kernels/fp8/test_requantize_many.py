@@ -35,7 +35,7 @@ def _pairs(n, dtype, *, row=True, col=True, seed=0):
 
 
 @pytest.mark.parametrize("dtype, dirs, launches_own, launches_given", [
-    (torch.float32, (True, True), 3, 2),  # fp32: one launch per direction
+    (torch.float32, (True, True), 3, 2),  # fp32: the rowwise cast, then a transpose of its codes
     (torch.bfloat16, (True, True), 2, 1),
     (torch.float32, (False, True), 2, 1),
 ], ids=["fp32-both", "bf16-both", "fp32-col"])
@@ -47,11 +47,32 @@ def test_launches_do_not_grow_with_the_parameter_count(launches, dtype, dirs, la
         launches.clear()
         assert requantize_fp8_many([q] * n, hps, dsts, None, None) == []
         assert len(launches) == launches_own, f"n={n}: {[c[0] for c in launches]}"
-        assert [c[1][0] for c in launches] == [n] * launches_own, "one program row per tensor"
+        assert launches[0][1][0] == n, "amax: one program row per tensor"
+        for name, grid, args, consts in launches[1:]:  # cast and transpose: one program per tile
+            tab = args[0]
+            starts = tab[9 * n:10 * n + 1] if name == "_multi_cast_kernel" else tab[10 * n + 1:]
+            assert grid == (int(starts[-1]),) and starts[0] == 0 and (starts.diff() > 0).all(), name
+            assert consts["LOG_N"] == (n - 1).bit_length() and not consts["ALIGNED"], "SHAPES has K = 130"
         launches.clear()
         amax = torch.ones(n + 1)
         assert requantize_fp8_many([q] * n, hps, dsts, amax, list(range(1, n + 1))) == []
-        assert [c[0] for c in launches] == ["_multi_cast_kernel"] * launches_given, f"n={n} (given amax)"
+        assert [c[0] for c in launches] == ["_multi_cast_kernel", "_multi_transpose_kernel"][:launches_given], (
+            f"n={n} (given amax)")
+
+
+def test_aligned_entries_are_hinted(launches):
+    """Every address, M, K and row stride a multiple of 16: the cast and transpose launches
+    say so (``ALIGNED``); one entry off by a row stride of 8 elements: neither does."""
+    from hybrid_dist.kernels.fp8.multi import requantize_fp8_many
+
+    q = hd.Float8Quantizer()
+    for k, aligned in ((128, True), (136, False)):
+        hps = [torch.randn(64, k)[:, :128], torch.randn(32, 256)]
+        dsts = [q.quantize(hp) for hp in hps]
+        launches.clear()
+        assert requantize_fp8_many([q] * 2, hps, dsts, None, None) == []
+        assert [(c[0], c[3]["ALIGNED"]) for c in launches[1:]] == [
+            ("_multi_cast_kernel", aligned), ("_multi_transpose_kernel", aligned)], f"row stride {k}"
 
 
 def test_amaxes_one_launch_per_dtype(launches):
@@ -82,7 +103,7 @@ def test_tables_are_cached_by_address(launches):
     row = Float8Storage(data=old.rowwise.data.clone(), scale_inv=old.rowwise.scale_inv.clone(), transposed=False)
     dsts[2] = QuantizedTensor(old.shape, old.dtype, row, old.columnwise, q)  # a reallocated rowwise buffer
     requantize_fp8_many([q] * 6, hps, dsts, amax, range(6))
-    tab = launches[2][2][0].reshape(6, 9)
+    tab = launches[2][2][0][:6 * 9].reshape(6, 9)
     assert launches[2][2][0] is not launches[1][2][0]
     assert tab[2, 5].item() == row.data.data_ptr() and tab[2, 7].item() == row.scale_inv.data_ptr()
 
@@ -100,7 +121,10 @@ def test_unserved_pairs_are_left(launches):
     dsts[3] = QuantizedTensor(dsts[3].shape, dsts[3].dtype, dsts[3].rowwise, wrong, q)  # non-contiguous buffer
     e5 = hd.Float8Quantizer(dtype=torch.float8_e5m2)  # a buffer of another fp8 dtype than the quantizer's
     assert requantize_fp8_many([q, q, q, q, e5, q], hps, dsts, None, None) == [0, 2, 3, 4]
-    assert {c[1][0] for c in launches} == {2}, "the two served pairs in each launch"
+    assert launches[0][1][0] == 2, "the amax of the two served pairs"
+    served = [p.data_ptr() for p in (hps[1], hps[5])]
+    for name, _, args, _ in launches[1:]:  # cast (tab, amax, n) and transpose (tab, n)
+        assert args[-1] == 2 and args[0][:18].reshape(2, 9)[:, 0].tolist() == served, name
 
 
 def test_optimizer_hands_all_quantized_parameters_over_at_once(monkeypatch):
