@@ -62,6 +62,9 @@ PLAN="
 $(end_to_end_rows 8b "$M8B" 150)
 $(end_to_end_rows 1b "$M1B" 120)
 $(end_to_end_rows 8b4k "$M8B4K" 150)
+1b_nr_bf16_compile|120|0|$M1B --reshard-after-forward never --recipe bf16 --compile
+1b_nr_torchao_float8_compile|120|1|$M1B --reshard-after-forward never $TAO
+1b_nr_fp8_current_qinit_compile|120|0|$M1B --reshard-after-forward never $QI --compile
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
 1b_moe8_bf16_compile|100|0|$MOE --recipe bf16 --compile
@@ -89,7 +92,8 @@ path, name, status, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 p = argparse.ArgumentParser()
 for flag, kw in (("--preset", {}), ("--recipe", {"default": "bf16"}), ("--baseline", {"default": "none"}),
                  ("--layers", {"type": int, "default": 0}), ("--moe-experts", {"type": int, "default": 0}),
-                 ("--moe-top-k", {"type": int, "default": 2}), ("--fsdp", {"type": int})):
+                 ("--moe-top-k", {"type": int, "default": 2}), ("--fsdp", {"type": int}),
+                 ("--reshard-after-forward", {"default": "default"})):
     p.add_argument(flag, **kw)
 for flag in ("--quantized-init", "--compile"):
     p.add_argument(flag, action="store_true")
@@ -97,7 +101,7 @@ a, _ = p.parse_known_args(argv)
 rec = {"event": "start", "name": name, "status": status, "preset": a.preset, "recipe": a.recipe,
        "n_layers": a.layers or presets.PRESETS[a.preset].n_layers, "baseline": a.baseline,
        "quantized_init": a.quantized_init, "compile": a.compile, "moe_experts": a.moe_experts,
-       "moe_top_k": a.moe_top_k, "fsdp": a.fsdp}
+       "moe_top_k": a.moe_top_k, "fsdp": a.fsdp, "reshard_after_forward": a.reshard_after_forward}
 with open(path, "w") as f:
     f.write(json.dumps(rec) + "\n")
 EOF

@@ -109,7 +109,7 @@ def _summarize_window(path: str, gpu: list[dict], regions: list[dict], n_gaps: i
     print("  kernel time by category (all streams; nccl includes waiting for peers):")
     for cat, (n, ms) in sorted(by_cat.items(), key=lambda kv: -kv[1][1]):
         print(f"    {cat:<18s} x{n:<5d} {ms:8.1f} ms")
-    print(f"  longest compute-stream gaps (ms after window start: length, next kernel):")
+    print("  longest compute-stream gaps (ms after window start: length, next kernel):")
     starts = sorted(streams[compute], key=lambda e: e["ts"])
     for a, b in sorted(idle, key=lambda g: g[0] - g[1])[:n_gaps]:
         nxt = next((e["name"] for e in starts if e["ts"] >= b), "-")

@@ -14,7 +14,9 @@ same count, numels and dtypes. Four modes keep that true:
   rowwise fields of the unsharded tensor alias the slots (zero copy); columnwise fields
   are transposed back into owned buffers.
 * ``"both"`` — ``reshard_after_forward=False``: rowwise then columnwise buffers, once;
-  and every gather of a recomputed module (``_pass`` [Note: activation recompute]).
+  and every gather of a recomputed module (``_pass`` [Note: activation recompute]). Where
+  the columnwise data is the rowwise data transposed (``_col_from_row``) only the rowwise
+  buffers travel and the columnwise is transposed from them after the gather.
 * ``"packed"`` — a hybrid of two formats with different signatures: this pass's buffers
   are packed into one uint8 buffer of ``max(rowwise bytes, columnwise bytes)`` per rank,
   so the larger direction travels unpadded and the smaller one pays the padding.
@@ -73,6 +75,12 @@ class GatherMeta:
     quantizer: object  # the shard's quantizer (the unsharded tensor's)
     temporary: bool = False  # a shard made for this gather: its scalars need record_stream
     col_from_row: bool = False  # columnwise transport bytes are the rowwise data (see _col_from_row)
+
+    @property
+    def sent(self) -> tuple[str, ...]:
+        """The directions whose buffers travel: a derivable columnwise beside the rowwise
+        in one pass ("both") is made from the rowwise bytes, not sent again."""
+        return (ROW,) if self.col_from_row and ROW in self.gathered else self.gathered
     source: tuple = ()  # "local": the shard's storages, which the unsharded tensor shares
 
 
@@ -152,7 +160,7 @@ class _Plan:
         if self._sources is None:
             m = self.meta
             self._sources = [(0, m.dirs[ROW]) if d == ROW or m.col_from_row else (1, m.dirs[COL])
-                             for d in m.gathered]
+                             for d in m.sent]
         return self._sources
 
     _sources: list | None = None
@@ -184,15 +192,19 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
         )
     metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast, live_scalars=True) for d in present}
     capacity = 0
+    col_from_row = COL in wanted and ROW in present and _col_from_row(t)
+    sent = (ROW,) if col_from_row and ROW in wanted else wanted  # GatherMeta.sent
     signatures = {metas[d].signature() for d in present}
-    one_buffer = not both and len(signatures) == 1 and len(next(iter(signatures))) == 1
+    # every pass sends the same one buffer (per-tensor FP8: the codes)
+    one_buffer = ((not both and len(signatures) == 1 and len(next(iter(signatures))) == 1)
+                  or (both and len(sent) == 1 and len(metas[ROW].fields) == 1))
     if world == 1 and not temporary and all(dm.dtypes[f] == getattr(t.storage_of(d), f).dtype
                                             for d, dm in metas.items() for f in dm.fields):
         source = tuple(t.storage_of(d) for d in (ROW, COL))
         meta = GatherMeta("local", pass_, wanted, metas, world, shape, 0, t.quantizer, source=source)
         return meta, 0
     if world == 1 and not one_buffer:  # FSDP2 copies only the first all-gather input on one rank
-        capacity = sum(metas[d].nbytes() for d in wanted) if both else max(m.nbytes() for m in metas.values())
+        capacity = sum(metas[d].nbytes() for d in sent) if both else max(m.nbytes() for m in metas.values())
         mode = "packed"
     elif both:
         mode = "both"
@@ -201,9 +213,8 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
     else:
         capacity = max(m.nbytes() for m in metas.values())
         mode = "packed"
-    col_from_row = COL in wanted and ROW in present and _col_from_row(t)
     meta = GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer, temporary, col_from_row)
-    return meta, sum(metas[d].nbytes() for d in wanted)
+    return meta, sum(metas[d].nbytes() for d in sent)
 
 
 def post_all_gather(t, outputs, meta: GatherMeta, param_dtype, *, out=None):
@@ -336,7 +347,8 @@ def _gathered_views(outputs, meta: GatherMeta, *, owned: bool = True) -> dict[st
                        copy=owned or w > 1)
     if meta.mode == "both":
         n_row = len(meta.dirs[ROW].fields) if ROW in meta.dirs else 0
-        split = {ROW: outputs[:n_row], COL: outputs[n_row:]}
+        # a derivable columnwise reads the rowwise bytes (GatherMeta.sent)
+        split = {ROW: outputs[:n_row], COL: outputs[:n_row] if meta.col_from_row else outputs[n_row:]}
         return {d: as_fields(split[d], d) for d in meta.gathered}
     views = {d: as_fields(outputs, d) for d in meta.gathered}
     if ROW in meta.dirs and ROW not in views:

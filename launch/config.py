@@ -18,6 +18,7 @@ from hybrid_dist.launch.presets import PRESETS
 
 
 BASELINES = ("none", "torchao-float8")
+RESHARD_POLICIES = ("default", "always", "never")  # --reshard-after-forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     fsdp_copy_in: str = "auto"      # FSDP2's gradient copy-in before reduce-scatter: auto, hd or torch (its own)
+    reshard_after_forward: str = "default"  # default (every block but the last), always or never
     compile: bool = False
     share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
     data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
@@ -81,6 +83,9 @@ class TrainConfig:
             raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
         if self.fsdp_copy_in not in ("auto", "hd", "torch"):
             raise ValueError(f"--fsdp-copy-in must be auto, hd or torch, got {self.fsdp_copy_in!r}")
+        if self.reshard_after_forward not in RESHARD_POLICIES:
+            raise ValueError(f"--reshard-after-forward must be one of {', '.join(RESHARD_POLICIES)}, "
+                             f"got {self.reshard_after_forward!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"--on-nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         for name in ("collective_timeout", "first_step_timeout"):
@@ -224,6 +229,9 @@ _HELP = {
     "fsdp_copy_in": "FSDP2's packing of gradients before each reduce-scatter: hd (hybrid_dist.fsdp2."
                     "grad_copy_in: the same bytes, one copy per parameter), torch (torch._chunk_cat, host work "
                     "per 2 KiB of gradient) or auto (hd where this torch's FSDP2 allows it, else torch)",
+    "reshard_after_forward": "FSDP2 blocks' weights after forward: default (resharded, then gathered again "
+                             "in backward, except the last block's), always, or never (kept unsharded until "
+                             "backward: no backward all-gathers, the memory of every block's unsharded weights)",
     "compile": "torch.compile each block (with hd.compile_options(): layers reading one tensor share its "
                "FP8 cast)",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "

@@ -112,7 +112,8 @@ def _shard_on_fake_pg(m: ModelConfig, cfg: TrainConfig, dims: ParallelDims) -> t
     if dims.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=cfg.sequence_parallel, compiled=cfg.compile)
     apply_fsdp(model, meshes.fsdp, param_dtype=torch.bfloat16, cpu_offload=False, experts=expert_modules(model),
-               expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp)
+               expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp,
+               reshard=cfg.reshard_after_forward)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return local, notes
 

@@ -35,7 +35,8 @@ from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.guards import NonFiniteLoss, first_nonfinite, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
 from hybrid_dist.launch.inspect_stats import StepInspector
-from hybrid_dist.launch.parallelize import EP_API, expert_modules, needs_fsdp, parallelize, require
+from hybrid_dist.launch.parallelize import (EP_API, expert_modules, needs_fsdp, parallelize, require,
+                                            reshards_after_forward)
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.profile import StepProfiler
 from hybrid_dist.launch.quantized_init import check_quantized_init
@@ -133,10 +134,12 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
     return model, mcfg, recipe
 
 
-def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int, *, skip_quantized: bool) -> int:
+def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int, *, skip_quantized: bool,
+                              reshard: str = "default") -> int:
     """Estimated all-gather output bytes per rank per step (the unsharded parameters, as
-    ``hybrid_dist.fsdp2`` counts them): every block is gathered in forward and again in
-    backward (the last block and the root once). HSDP gathers over ``dp_shard`` only.
+    ``hybrid_dist.fsdp2`` counts them): each block is gathered in forward and, where it was
+    resharded after forward (``reshard``: ``--reshard-after-forward``; by default every block
+    but the last), again in backward; the root once. HSDP gathers over ``dp_shard`` only.
     ``skip_quantized``: leave out quantized parameters (``hybrid_dist.fsdp2`` measures those)."""
     if dims.fsdp == 1:
         return 0
@@ -148,7 +151,8 @@ def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int,
                    for t in locals_ if not (skip_quantized and isinstance(t, hd.QuantizedTensor)))
 
     blocks = list(model.layers.values())
-    total = sum(gathered(b.parameters()) * (2 if i < len(blocks) - 1 else 1) for i, b in enumerate(blocks))
+    total = sum(gathered(b.parameters()) * (2 if reshards_after_forward(reshard, i, len(blocks)) else 1)
+                for i, b in enumerate(blocks))
     block_ids = {id(p) for b in blocks for p in b.parameters()}
     total += gathered(p for p in model.parameters() if id(p) not in block_ids)
     return total
@@ -235,6 +239,7 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "seq_len": cfg.seq_len, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
             "inspect_every": cfg.inspect_every,
             "activation_checkpointing": cfg.activation_checkpointing, "timing_warmup": cfg.timing_warmup,
+            "reshard_after_forward": cfg.reshard_after_forward,
             "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
@@ -327,7 +332,7 @@ def _make_meter(cfg: TrainConfig, dims: ParallelDims, model, mcfg, recipe, start
     all-gathers (sharded quantized parameters), and the estimated high-precision bytes."""
     measured = _has_sharded_quantized_params(model)
     hp_ag_bytes = all_gather_bytes_per_step(model, dims, 2 if compute_dtype(cfg, device) == torch.bfloat16 else 4,
-                                            skip_quantized=measured)
+                                            skip_quantized=measured, reshard=cfg.reshard_after_forward)
     meter = Meter(total_steps=cfg.steps, flops_per_token=mcfg.flops_per_token(cfg.seq_len),
                   world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
                   log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=measured,

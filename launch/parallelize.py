@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 import hybrid_dist as hd
 from hybrid_dist.launch import fsdp_copy_in
-from hybrid_dist.launch.config import TrainConfig
+from hybrid_dist.launch.config import RESHARD_POLICIES, TrainConfig
 from hybrid_dist.launch.mesh import Meshes, ParallelDims
 from hybrid_dist.launch.sequence_parallel import ConsumersInput
 
@@ -95,10 +95,25 @@ def apply_ac(model: nn.Module) -> None:
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def reshards_after_forward(policy: str, block: int, n_blocks: int) -> bool:
+    """Whether block ``block`` of ``n_blocks`` is resharded after its forward under
+    ``policy`` (``--reshard-after-forward``): ``default`` every block but the last (whose
+    backward comes right after), ``always`` every block, ``never`` none."""
+    if policy not in RESHARD_POLICIES:
+        raise ValueError(f"reshard policy must be one of {', '.join(RESHARD_POLICIES)}, got {policy!r}")
+    return policy == "always" or (policy == "default" and block < n_blocks - 1)
+
+
 def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_offload: bool,
-               experts: list[nn.Module] = (), expert_mesh=None, dp_degree: int = 1) -> None:
+               experts: list[nn.Module] = (), expert_mesh=None, dp_degree: int = 1,
+               reshard: str = "default") -> None:
     """``fully_shard`` each block, then the root (embedding, norm, head). Applied even on
     one rank, where it only casts parameters to ``param_dtype`` for compute.
+
+    ``reshard`` (``reshards_after_forward``): under ``"never"`` (no expert group resharded
+    either) the backward gathers nothing, and each block's unsharded weights stay in memory
+    from its forward to its backward (quantized weights gather both directions in forward;
+    per-tensor FP8 sends its codes once).
 
     With expert parallelism, each rank's experts are different parameters: they shard over
     ``expert_mesh`` (the FSDP ranks holding the same experts) and their gradients, which
@@ -107,13 +122,13 @@ def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_off
     kw = dict(mesh=fsdp_mesh, mp_policy=mp)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
+    blocks = list(model.layers.values())
     if expert_mesh is not None:
         for mod in experts:
-            fully_shard(mod, **{**kw, "mesh": expert_mesh})
+            fully_shard(mod, **{**kw, "mesh": expert_mesh}, reshard_after_forward=reshard != "never")
             mod.set_gradient_divide_factor(float(dp_degree))
-    blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+        fully_shard(block, reshard_after_forward=reshards_after_forward(reshard, i, len(blocks)), **kw)
     fully_shard(model, **kw)
 
 
@@ -138,5 +153,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
     if needs_fsdp(cfg, dims, param_dtype):
         fsdp_copy_in.choose(cfg.fsdp_copy_in)  # process-wide: the flag of this run decides
         apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=cfg.cpu_offload, experts=experts,
-                   expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp)
+                   expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp,
+                   reshard=cfg.reshard_after_forward)
     return model

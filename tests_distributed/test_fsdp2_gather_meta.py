@@ -132,7 +132,9 @@ def test_one_rank_packs_only_passes_of_several_buffers(name, one_rank_mode):
                 f"{name} {pass_}: the one-rank input is not the shard's rowwise codes")
     fresh = _weight_shard(name)
     both, meta = gather_inputs(fresh, BOTH, 1, torch.Size([128, 256]), None, temporary=True)  # no reshard after forward
-    assert meta.mode == "packed" and len(both) == 1, f"{name}: both directions on one rank: {meta.mode}"
+    # per-tensor FP8 sends its codes once for both directions (the columnwise is derived after)
+    expected = "both" if one_rank_mode == "slots" else "packed"
+    assert meta.mode == expected and len(both) == 1, f"{name}: both directions on one rank: {meta.mode}"
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block"])
@@ -270,3 +272,26 @@ def test_one_rank_shares_only_fsdps_own_shard():
 
     (modes,) = run_ranks(_one_rank_copy_worker, 1)
     assert modes == {"fp8_current": ["local", "slots"], "mxfp8": ["local", "packed"]}, modes
+
+
+@pytest.mark.parametrize("name, derived", [("fp8_current", True), ("fp8_delayed", True), ("mxfp8", False)])
+def test_both_directions_pass_sends_a_derivable_columnwise_once(name, derived):
+    """``reshard_after_forward=False`` ("forward_both"): per-tensor FP8 sends its rowwise codes
+    once (a view of the shard) and the unsharded columnwise is transposed from them after the
+    gather; other formats send both directions. Either way the unsharded tensor is bitwise
+    the quantization of the full weight."""
+    from hybrid_dist.fsdp2._hooks import post_all_gather
+
+    torch.manual_seed(0)
+    w = torch.randn(128, 256)
+    q = hd.hybrid.stateless(hd.recipe_from_name(name).quantizer(hd.Role(tensor_type="weight")))
+    shard = q.quantize(w, rowwise=True, columnwise=True)
+    inputs, meta = gather_inputs(shard, BOTH, 2, torch.Size([256, 256]), None)
+    n_row, n_col = (len(fsdp_buffer_fields(st)) for st in (shard.rowwise, shard.columnwise))
+    assert meta.mode == "both" and meta.col_from_row is derived, f"{name}: {meta.mode}, {meta.col_from_row}"
+    assert len(inputs) == (n_row if derived else n_row + n_col), f"{name}: {len(inputs)} all-gather inputs"
+    if derived:
+        assert inputs[0].data_ptr() == shard.rowwise.data.data_ptr(), f"{name}: the rowwise codes were copied"
+    unsharded, _ = post_all_gather(shard, [torch.cat([b, b]) for b in inputs], meta, None)  # two equal shards
+    full = q.quantize(torch.cat([w, w]), rowwise=True, columnwise=True)
+    _assert_same_bytes(unsharded, full, _BOTH, f"{name} both directions")

@@ -205,6 +205,40 @@ def test_fsdp_copy_in_default_trains_bitwise_like_torch(tmp_path):
     assert ours == theirs and len(ours) == STEPS, f"{where}: default copy-in losses {ours} != torch's {theirs}"
 
 
+def _reshard_runs(rank, world_size, tmp):
+    """Per ``--reshard-after-forward`` policy: (losses, all-gather bytes of each step)."""
+    from hybrid_dist.launch.loop import train
+
+    out = {}
+    for policy in ("always", "default", "never"):
+        metrics = os.path.join(tmp, f"reshard-{policy}.jsonl")
+        losses = train(_cfg("fp8_current", quantized_init=True, layers=2, reshard_after_forward=policy,
+                            metrics=metrics))["losses"]
+        logged = [json.loads(line) for line in open(metrics)] if rank == 0 else []
+        out[policy] = (losses, [r["ag_bytes"] for r in logged if r["event"] == "step"])
+    return out
+
+
+def test_reshard_after_forward_policies_train_bitwise_alike(tmp_path):
+    """``--reshard-after-forward always | default | never`` gather the same weights at other
+    times: the same losses, bitwise. Bytes: ``default`` gathers block 0 again in backward
+    (``never`` does not) and its last block once with both directions, per-tensor FP8 sending
+    the codes once: so ``default`` is as far above ``never`` (block 0's backward gather) as
+    ``always`` is above ``default`` (the last block's backward gather)."""
+    from hybrid_dist.launch.model import Block
+    from hybrid_dist.launch.presets import preset
+
+    r0, _ = run_ranks(_reshard_runs, 2, str(tmp_path))
+    where = "fp8_current qinit tiny layers=2 fsdp=2 gloo"
+    (always, ag_always), (default, ag_default), (never, ag_never) = (r0[p] for p in ("always", "default", "never"))
+    assert always == default == never and len(default) == STEPS, f"{where}: losses {always} / {default} / {never}"
+    # one block's gather: its FP8 weights at 1 byte per element (one direction), its fp32 norms
+    block = Block(preset("tiny"))
+    one_pass = sum(p.numel() * (4 if "norm" in n else 1) for n, p in block.named_parameters())
+    for step, (a, d, n) in enumerate(zip(ag_always, ag_default, ag_never)):
+        assert a - d == d - n == one_pass, f"{where} step {step + 1}: all-gather bytes {a} / {d} / {n}, one pass {one_pass}"
+
+
 @slow
 def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
     r0, failures = _run_and_check(tmp_path, PAIRS["fp8_current_quantized_init_vs_hp_init"])
