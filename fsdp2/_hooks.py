@@ -75,13 +75,8 @@ class GatherMeta:
     quantizer: object  # the shard's quantizer (the unsharded tensor's)
     temporary: bool = False  # a shard made for this gather: its scalars need record_stream
     col_from_row: bool = False  # columnwise transport bytes are the rowwise data (see _col_from_row)
-
-    @property
-    def sent(self) -> tuple[str, ...]:
-        """The directions whose buffers travel: a derivable columnwise beside the rowwise
-        in one pass ("both") is made from the rowwise bytes, not sent again."""
-        return (ROW,) if self.col_from_row and ROW in self.gathered else self.gathered
     source: tuple = ()  # "local": the shard's storages, which the unsharded tensor shares
+    sent: tuple[str, ...] = ()  # directions whose buffers travel ("both" + col_from_row: rowwise only)
 
 
 def pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy):
@@ -193,7 +188,7 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
     metas = {d: fsdp_gather_meta(t.storage_of(d), cast=cast, live_scalars=True) for d in present}
     capacity = 0
     col_from_row = COL in wanted and ROW in present and _col_from_row(t)
-    sent = (ROW,) if col_from_row and ROW in wanted else wanted  # GatherMeta.sent
+    sent = (ROW,) if col_from_row and ROW in wanted else wanted  # the columnwise made from the rowwise bytes
     signatures = {metas[d].signature() for d in present}
     # every pass sends the same one buffer (per-tensor FP8: the codes)
     one_buffer = ((not both and len(signatures) == 1 and len(next(iter(signatures))) == 1)
@@ -213,7 +208,8 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
     else:
         capacity = max(m.nbytes() for m in metas.values())
         mode = "packed"
-    meta = GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer, temporary, col_from_row)
+    meta = GatherMeta(mode, pass_, wanted, metas, world, shape, capacity, t.quantizer, temporary, col_from_row,
+                      sent=sent)
     return meta, sum(metas[d].nbytes() for d in sent)
 
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
 from hybrid_dist.fsdp2 import track_all_gather
@@ -35,8 +34,8 @@ from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.guards import NonFiniteLoss, first_nonfinite, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
 from hybrid_dist.launch.inspect_stats import StepInspector
-from hybrid_dist.launch.parallelize import (EP_API, expert_modules, needs_fsdp, parallelize, require,
-                                            reshards_after_forward)
+from hybrid_dist.launch.parallelize import (EP_API, all_gather_bytes_per_step, expert_modules, needs_fsdp,
+                                            parallelize, require)
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.profile import StepProfiler
 from hybrid_dist.launch.quantized_init import check_quantized_init
@@ -132,30 +131,6 @@ def build_model(cfg: TrainConfig, dims: ParallelDims, meshes, device: torch.devi
         torch.manual_seed(cfg.seed)
         model.init_weights()
     return model, mcfg, recipe
-
-
-def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int, *, skip_quantized: bool,
-                              reshard: str = "default") -> int:
-    """Estimated all-gather output bytes per rank per step (the unsharded parameters, as
-    ``hybrid_dist.fsdp2`` counts them): each block is gathered in forward and, where it was
-    resharded after forward (``reshard``: ``--reshard-after-forward``; by default every block
-    but the last), again in backward; the root once. HSDP gathers over ``dp_shard`` only.
-    ``skip_quantized``: leave out quantized parameters (``hybrid_dist.fsdp2`` measures those)."""
-    if dims.fsdp == 1:
-        return 0
-
-    def gathered(params) -> int:  # local shard x fsdp = the TP-local unsharded size, in bytes
-        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        # torchao float8 weights gather as float8 (1 byte per element)
-        return sum(t.numel() * dims.fsdp * (1 if torchao_baseline.is_float8_weight(t) else param_dtype_bytes)
-                   for t in locals_ if not (skip_quantized and isinstance(t, hd.QuantizedTensor)))
-
-    blocks = list(model.layers.values())
-    total = sum(gathered(b.parameters()) * (2 if reshards_after_forward(reshard, i, len(blocks)) else 1)
-                for i, b in enumerate(blocks))
-    block_ids = {id(p) for b in blocks for p in b.parameters()}
-    total += gathered(p for p in model.parameters() if id(p) not in block_ids)
-    return total
 
 
 def make_optimizer(model, cfg: TrainConfig):

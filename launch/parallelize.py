@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
-from hybrid_dist.launch import fsdp_copy_in
+from hybrid_dist.launch import fsdp_copy_in, torchao_baseline
 from hybrid_dist.launch.config import RESHARD_POLICIES, TrainConfig
 from hybrid_dist.launch.mesh import Meshes, ParallelDims
 from hybrid_dist.launch.sequence_parallel import ConsumersInput
@@ -130,6 +131,29 @@ def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_off
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=reshards_after_forward(reshard, i, len(blocks)), **kw)
     fully_shard(model, **kw)
+
+
+def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int, *, skip_quantized: bool,
+                              reshard: str = "default") -> int:
+    """Estimated all-gather output bytes per rank per step (the unsharded parameters, as
+    ``hybrid_dist.fsdp2`` counts them): each block in forward and, where ``reshard``
+    (``--reshard-after-forward``) reshards it, again in backward; the root once. HSDP gathers
+    over ``dp_shard`` only. ``skip_quantized``: leave out quantized parameters (measured)."""
+    if dims.fsdp == 1:
+        return 0
+
+    def gathered(params) -> int:  # local shard x fsdp = the TP-local unsharded size, in bytes
+        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        # torchao float8 weights gather as float8 (1 byte per element)
+        return sum(t.numel() * dims.fsdp * (1 if torchao_baseline.is_float8_weight(t) else param_dtype_bytes)
+                   for t in locals_ if not (skip_quantized and isinstance(t, hd.QuantizedTensor)))
+
+    blocks = list(model.layers.values())
+    total = sum(gathered(b.parameters()) * (1 + reshards_after_forward(reshard, i, len(blocks)))
+                for i, b in enumerate(blocks))
+    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    total += gathered(p for p in model.parameters() if id(p) not in block_ids)
+    return total
 
 
 def needs_fsdp(cfg: TrainConfig, dims: ParallelDims, param_dtype: torch.dtype) -> bool:
