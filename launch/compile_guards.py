@@ -37,8 +37,8 @@ class GuardsChanged(RuntimeError):
 
 class SteadyGuards:
     """Which steps skip guard evaluation (``around(step)``) and the check after a step that
-    evaluated them (``after_step(step, graphs)``, ``graphs`` Dynamo's count of
-    compiled graphs so far). Steps ``start + 1 .. start + warmup`` evaluate every guard."""
+    evaluated them (``after_step(step)``). Steps ``start + 1 .. start + warmup`` evaluate
+    every guard."""
 
     def __init__(self, mode: str, *, start: int, warmup: int, check_every: int):
         if mode not in GUARD_MODES:
@@ -62,11 +62,16 @@ class SteadyGuards:
         else:
             yield
 
-    def after_step(self, step: int, graphs: int) -> None:
+    def after_step(self, step: int, graphs: int | None = None) -> None:
         """After ``step``: record the warm-up's graph count; on a step that evaluated the
-        guards, raise :class:`GuardsChanged` if Dynamo compiled since."""
+        guards, raise :class:`GuardsChanged` if Dynamo compiled since. ``graphs``: the
+        count of graphs Dynamo compiled so far (default: read from its counters)."""
         if not self.steady or step < self.first_skipped - 1 or self.skips(step):
             return
+        if graphs is None:
+            from torch._dynamo.utils import counters
+
+            graphs = int(counters["stats"]["unique_graphs"])
         if self.graphs is None:
             self.graphs = graphs
             return

@@ -81,6 +81,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def set_lr(optimizer, lr: float) -> float:
+    """``lr`` on every parameter group of ``optimizer``; returns it."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """``--dtype``; ``auto`` is bf16 on GPU and fp32 on CPU."""
     return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
@@ -342,9 +349,7 @@ def train(cfg: TrainConfig) -> dict:
     with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start), \
             contextlib.closing(collector):
         for step in range(start + 1, cfg.steps + 1):
-            lr = lr_at(cfg, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = set_lr(optimizer, lr_at(cfg, step))
             tokens = window.batch(step)
             with profiler.around(step), inspector.capture(step), guards.around(step):
                 host = {}
@@ -359,8 +364,7 @@ def train(cfg: TrainConfig) -> dict:
             window.add(step, _mean_over(loss, meshes.dp.get_group(), dims.dp), norm,
                        tokens=tokens[:, 1:].numel() * dims.dp, lr=lr, ag_bytes=meter.ag_bytes, host_s=host)
             collector.after_step(step)
-            if guards.steady:
-                guards.after_step(step, compile_stats()["graphs"])
+            guards.after_step(step)
             if not window.due(step, records is not None):
                 heartbeat.beat(step)
                 continue
