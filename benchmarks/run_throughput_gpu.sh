@@ -65,9 +65,6 @@ $(end_to_end_rows 8b4k "$M8B4K" 150)
 1b_nr_bf16_compile|120|0|$M1B --reshard-after-forward never --recipe bf16 --compile
 1b_nr_torchao_float8_compile|120|1|$M1B --reshard-after-forward never $TAO
 1b_nr_fp8_current_qinit_compile|120|0|$M1B --reshard-after-forward never $QI --compile
-1b_sg_bf16_compile|120|0|$M1B --compile-guards steady --recipe bf16 --compile
-1b_sg_torchao_float8_compile|120|1|$M1B --compile-guards steady $TAO
-1b_sg_fp8_current_qinit_compile|120|0|$M1B --compile-guards steady $QI --compile
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
 1b_moe8_bf16_compile|100|0|$MOE --recipe bf16 --compile
@@ -96,7 +93,7 @@ p = argparse.ArgumentParser()
 for flag, kw in (("--preset", {}), ("--recipe", {"default": "bf16"}), ("--baseline", {"default": "none"}),
                  ("--layers", {"type": int, "default": 0}), ("--moe-experts", {"type": int, "default": 0}),
                  ("--moe-top-k", {"type": int, "default": 2}), ("--fsdp", {"type": int}),
-                 ("--reshard-after-forward", {"default": "default"}), ("--compile-guards", {"default": "full"})):
+                 ("--reshard-after-forward", {"default": "default"})):
     p.add_argument(flag, **kw)
 for flag in ("--quantized-init", "--compile"):
     p.add_argument(flag, action="store_true")
@@ -104,8 +101,7 @@ a, _ = p.parse_known_args(argv)
 rec = {"event": "start", "name": name, "status": status, "preset": a.preset, "recipe": a.recipe,
        "n_layers": a.layers or presets.PRESETS[a.preset].n_layers, "baseline": a.baseline,
        "quantized_init": a.quantized_init, "compile": a.compile, "moe_experts": a.moe_experts,
-       "moe_top_k": a.moe_top_k, "fsdp": a.fsdp, "reshard_after_forward": a.reshard_after_forward,
-       "compile_guards": a.compile_guards}
+       "moe_top_k": a.moe_top_k, "fsdp": a.fsdp, "reshard_after_forward": a.reshard_after_forward}
 with open(path, "w") as f:
     f.write(json.dumps(rec) + "\n")
 EOF

@@ -14,7 +14,6 @@ import os
 from typing import Sequence
 
 import hybrid_dist as hd
-from hybrid_dist.launch.compile_guards import GUARD_MODES
 from hybrid_dist.launch.presets import PRESETS
 
 
@@ -53,7 +52,6 @@ class TrainConfig:
     fsdp_copy_in: str = "auto"      # FSDP2's gradient copy-in before reduce-scatter: auto, hd or torch (its own)
     reshard_after_forward: str = "default"  # default (every block but the last), always or never
     compile: bool = False
-    compile_guards: str = "full"    # full, or steady: guards skipped on steps between checks (see --help)
     share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
     data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
     data_dtype: str = "uint16"
@@ -85,12 +83,6 @@ class TrainConfig:
             raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
         if self.fsdp_copy_in not in ("auto", "hd", "torch"):
             raise ValueError(f"--fsdp-copy-in must be auto, hd or torch, got {self.fsdp_copy_in!r}")
-        if self.compile_guards not in GUARD_MODES:
-            raise ValueError(f"--compile-guards must be one of {', '.join(GUARD_MODES)}, got {self.compile_guards!r}")
-        if self.compile_guards == "steady" and (not self.compile or self.inspect_every or self.ep > 1):
-            raise ValueError("--compile-guards steady needs --compile, --inspect-every 0 (a statistics capture "
-                             "step switches what the compiled blocks record) and --ep 1 (the frames after the "
-                             "eager expert exchange see token counts that change every step)")
         if self.reshard_after_forward not in RESHARD_POLICIES:
             raise ValueError(f"--reshard-after-forward must be one of {', '.join(RESHARD_POLICIES)}, "
                              f"got {self.reshard_after_forward!r}")
@@ -242,10 +234,6 @@ _HELP = {
                              "backward: no backward all-gathers, the memory of every block's unsharded weights)",
     "compile": "torch.compile each block (with hd.compile_options(): layers reading one tensor share its "
                "FP8 cast)",
-    "compile_guards": "full: Dynamo evaluates the compiled blocks' guards before every call; steady: only "
-                      "on the warm-up steps and every --log-every-th step, skipped on the others "
-                      "(torch.compiler.set_stance(skip_guard_eval_unsafe=True); the job stops if a check "
-                      "step compiles anything: launch/compile_guards.py)",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "
                               "(hd.link_quantized_input, eager; --compile shares casts by itself; not with --tp)",
     "data": "tokens as .npy or raw binary (--data-dtype); default: synthetic Markov stream",

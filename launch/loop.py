@@ -24,7 +24,6 @@ import hybrid_dist as hd
 from hybrid_dist.fsdp2 import track_all_gather
 from hybrid_dist.launch import checkpoint, torchao_baseline
 from hybrid_dist.launch.config import TrainConfig, load_recipe
-from hybrid_dist.launch.compile_guards import SteadyGuards
 from hybrid_dist.launch.data import make_data
 from hybrid_dist.launch.dry_run import check_alignment, check_tp
 from hybrid_dist.launch.gc_policy import StepGC
@@ -222,7 +221,7 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "seq_len": cfg.seq_len, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
             "inspect_every": cfg.inspect_every,
             "activation_checkpointing": cfg.activation_checkpointing, "timing_warmup": cfg.timing_warmup,
-            "reshard_after_forward": cfg.reshard_after_forward, "compile_guards": cfg.compile_guards,
+            "reshard_after_forward": cfg.reshard_after_forward,
             "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
@@ -345,13 +344,12 @@ def train(cfg: TrainConfig) -> dict:
                             host=not cfg.profile_device_only)
     heartbeat, step = Heartbeat(dist.get_rank(), dist.get_world_size()), start + 1
     collector = StepGC(cfg.gc_every, start, cfg.timing_warmup)
-    guards = SteadyGuards(cfg.compile_guards, start=start, warmup=cfg.timing_warmup, check_every=cfg.log_every)
     with track_all_gather() as acct, named_laggards(heartbeat, lambda: step, cfg, start), \
             contextlib.closing(collector):
         for step in range(start + 1, cfg.steps + 1):
             lr = set_lr(optimizer, lr_at(cfg, step))
             tokens = window.batch(step)
-            with profiler.around(step), inspector.capture(step), guards.around(step):
+            with profiler.around(step), inspector.capture(step):
                 host = {}
                 loss, norm = train_step(model, optimizer, tokens, cfg, meshes.ep.get_group() if meshes.ep else None,
                                         after_step=after_step, host=host)
@@ -364,7 +362,6 @@ def train(cfg: TrainConfig) -> dict:
             window.add(step, _mean_over(loss, meshes.dp.get_group(), dims.dp), norm,
                        tokens=tokens[:, 1:].numel() * dims.dp, lr=lr, ag_bytes=meter.ag_bytes, host_s=host)
             collector.after_step(step)
-            guards.after_step(step)
             if not window.due(step, records is not None):
                 heartbeat.beat(step)
                 continue

@@ -239,41 +239,6 @@ def test_reshard_after_forward_policies_train_bitwise_alike(tmp_path):
         assert a - d == d - n == one_pass, f"{where} step {step + 1}: all-gather bytes {a} / {d} / {n}, one pass {one_pass}"
 
 
-def _guard_runs(rank, world_size):
-    """``--compile-guards full`` and ``steady`` (checks every 3rd step): losses, and how
-    many steps ran without guard evaluation."""
-    from hybrid_dist.launch import compile_guards
-    from hybrid_dist.launch.loop import train
-
-    skipped, real = [], compile_guards.SteadyGuards.around
-
-    def counting(self, step):
-        skipped.append(self.skips(step))
-        return real(self, step)
-
-    compile_guards.SteadyGuards.around = counting
-    try:
-        out = {}
-        for mode in ("full", "steady"):
-            skipped.clear()
-            cfg = _cfg("fp8_current", quantized_init=True, layers=2, compile=True, compile_guards=mode, log_every=3)
-            out[mode] = (train(cfg)["losses"], sum(skipped))
-        return out
-    finally:
-        compile_guards.SteadyGuards.around = real
-
-
-def test_compiled_steps_without_guard_evaluation_train_bitwise_alike():
-    """``--compile-guards steady`` skips Dynamo's guards on the steps between checks (here
-    steps 3, 4, 5, 7, 8 of 8: warm-up 1-2, checks every 3rd) and trains bitwise like
-    ``full``; no check step compiled anything (the job would have stopped)."""
-    r0, _ = run_ranks(_guard_runs, 2)
-    (full, full_skipped), (steady, steady_skipped) = r0["full"], r0["steady"]
-    where = "fp8_current qinit compiled tiny layers=2 fsdp=2 gloo"
-    assert full_skipped == 0 and steady_skipped == 4, f"{where}: skipped steps full {full_skipped}, steady {steady_skipped}"
-    assert steady == full and len(full) == STEPS, f"{where}: losses steady {steady} != full {full}"
-
-
 @slow
 def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
     r0, failures = _run_and_check(tmp_path, PAIRS["fp8_current_quantized_init_vs_hp_init"])
