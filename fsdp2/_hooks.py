@@ -192,7 +192,7 @@ def _gather_plan(t, pass_: str, world: int, shape: torch.Size, cast,
     signatures = {metas[d].signature() for d in present}
     # every pass sends the same one buffer (per-tensor FP8: the codes)
     one_buffer = ((not both and len(signatures) == 1 and len(next(iter(signatures))) == 1)
-                  or (both and len(sent) == 1 and len(metas[ROW].fields) == 1))
+                  or (both and len(sent) == 1 and len(metas[sent[0]].fields) == 1))
     if world == 1 and not temporary and all(dm.dtypes[f] == getattr(t.storage_of(d), f).dtype
                                             for d, dm in metas.items() for f in dm.fields):
         source = tuple(t.storage_of(d) for d in (ROW, COL))

@@ -236,7 +236,8 @@ def test_reshard_after_forward_policies_train_bitwise_alike(tmp_path):
     block = Block(preset("tiny"))
     one_pass = sum(p.numel() * (4 if "norm" in n else 1) for n, p in block.named_parameters())
     for step, (a, d, n) in enumerate(zip(ag_always, ag_default, ag_never)):
-        assert a - d == d - n == one_pass, f"{where} step {step + 1}: all-gather bytes {a} / {d} / {n}, one pass {one_pass}"
+        assert a - d == d - n == one_pass, (
+            f"{where} step {step + 1}: all-gather bytes {a} / {d} / {n}, one pass {one_pass}")
 
 
 @slow

@@ -79,7 +79,8 @@ def _tensor_of(starts_ptr, pid, n, LOG_N: tl.constexpr):
 @triton.jit
 def _multi_cast_kernel(tab_ptr, amax_ptr, n, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
                        EPS: tl.constexpr, POW2: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-                       COL_SCALE_INV: tl.constexpr, LOG_N: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                       COL_SCALE_INV: tl.constexpr, LOG_N: tl.constexpr, ALIGNED: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
     starts = tab_ptr + n * 9
     i = _tensor_of(starts, pid, n, LOG_N)
