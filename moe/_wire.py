@@ -42,8 +42,20 @@ at the receiver from the received rows (``columnwise_of``), one of two ways:
   scale) carry the error above. Measured on a GroupedLinear wgrad: ``tests_distributed/
   test_moe_ep_columnwise.py``.
 
-``unsupported_reason`` says when a quantizer can use neither (the caller then exchanges
-high precision and quantizes after).
+* requantized NVFP4: an NVFP4 columnwise (1D blocks, Hadamard transform, no stochastic
+  rounding) from a power-of-two block rowwise (``mxfp8_fwd_nvfp4_bwd``'s x), quantized per
+  expert: its global scale comes from the expert's amax, and every row of the expert
+  arrives at the expert's rank. The input is ``r``, not x: an FP4 code differs where the
+  rowwise rounding moved a value across an FP4 rounding boundary, and the global scale
+  follows amax(r). The wgrad operand then carries the rowwise error (MXFP8: about −31 dB
+  of x) beside NVFP4's own (about −16 dB): dW's SQNR against the exact product drops by
+  ~0.15 dB (``tests_distributed/test_moe_ep_columnwise.py``), for half the bytes of the
+  high-precision exchange.
+
+``unsupported_reason`` says when a quantizer can use none of these (the caller then
+exchanges high precision and quantizes after): an NVFP4 rowwise (its values are not exact
+inputs for a second quantization), and stochastic rounding in the sender's direction (the
+draws belong to the expert's generator).
 """
 
 from __future__ import annotations
@@ -77,7 +89,8 @@ def unsupported_reason(q, *, need_columnwise: bool) -> str | None:
         return (f"the columnwise (wgrad) direction {type(col).__name__} blocks along tokens from "
                 "several ranks; the receiver makes it only as the rowwise bits transposed (one "
                 "per-tensor FP8 quantizer both ways) or by requantizing the received values when "
-                "both directions are power-of-two block formats (MXFP8, FP8 blocks)")
+                "the rowwise is a power-of-two block format (MXFP8, FP8 blocks) and the columnwise "
+                "one too or NVFP4 without stochastic rounding")
     return None
 
 
@@ -87,12 +100,20 @@ def _pow2_blocks(q) -> bool:
     return isinstance(q, MXFP8Quantizer) or (isinstance(q, Float8BlockQuantizer) and q.power_of_2_scales)
 
 
+def _receiver_nvfp4(q) -> bool:
+    """An NVFP4 direction the receiver can quantize from values alone: 1D blocks, no
+    stochastic rounding (its per-expert global scale, and the Hadamard transform, come from
+    the expert's rows, which all arrive at the expert's rank)."""
+    return isinstance(q, NVFP4Quantizer) and not q.block_2d and not q.stochastic_rounding
+
+
 def requantized_columnwise(q) -> bool:
     """The receiver makes the columnwise direction by quantizing the received rows'
-    dequantized values (module doc): both directions power-of-two block formats (or an
-    identity rowwise), so those values are exact and the result depends on them alone."""
+    dequantized values (module doc): the rowwise a power-of-two block format (or identity),
+    so those values are exact, and the columnwise a power-of-two block format or a
+    receiver-side NVFP4 (``_receiver_nvfp4``), so the result depends on them alone."""
     row, col = q.direction_quantizer("rowwise"), q.direction_quantizer("columnwise")
-    return (not derivable_columnwise(q) and _pow2_blocks(col)
+    return (not derivable_columnwise(q) and (_pow2_blocks(col) or _receiver_nvfp4(col))
             and (_pow2_blocks(row) or isinstance(row, IdentityQuantizer)))
 
 

@@ -30,13 +30,16 @@ quantization error of x; it equals the high-precision path's wherever the elemen
 the normal range of its row and column blocks and is otherwise within half the sum of the
 two directions' grid steps (``_wire`` module doc; measured in
 ``tests_distributed/test_moe_ep_columnwise.py``). So MXFP8 sends ``K + K/32`` bytes per
-token row (0.52× bf16) in training too. Delayed scaling travels quantized too: the
+token row (0.52× bf16) in training too, and so does ``mxfp8_fwd_nvfp4_bwd``'s x, whose
+NVFP4 columnwise the receiver quantizes per expert from the MXFP8 values (dW's SQNR
+~0.15 dB below the high-precision exchange's; ``_wire``). Delayed scaling travels quantized too: the
 exchange advances the local experts' states, all-gathers their scales (``[E]`` floats) and
 records the all-reduced amax in them, so rows, scales and histories are bitwise those of
-quantizing after a high-precision exchange. Other columnwise formats (NVFP4 with its
-per-tensor scale, RHT and SR; identity under a quantized rowwise) and NVFP4 stochastic
-rounding (the expert's generator) in the rowwise direction exchange high precision and
-quantize after (warned once).
+quantizing after a high-precision exchange. The rest exchange high precision and quantize
+after (warned once): an NVFP4 rowwise under a columnwise made at the receiver (``nvfp4``'s
+x), an identity columnwise under a quantized rowwise (``fp8_fwd_bf16_bwd``'s x: the bf16
+rows are the wgrad operand, and sending them alone is the cheapest), and NVFP4 stochastic
+rounding in the sent direction (both NVFP4 recipes' dy: the expert's generator draws).
 
 At the receiver, the rows become the experts' per-expert storages (``GroupedQuantized``,
 the reference GEMM loop), or, where the expert layer takes the packed CUDA path
@@ -245,13 +248,20 @@ def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need
     """The packed split of received block-format rows (MXFP8, FP8 1×128: no per-tensor
     field): the wire rows placed as they are, the columnwise requantized from their values
     in one call over all local experts (``receiver_columnwise``: every expert's padded
-    segment is a multiple of the columnwise block, so the bytes are the per-expert ones)."""
-    placed, _, g = device_split.place_rows(recv, route.tokens_per_local_expert, multiple)
+    segment is a multiple of the columnwise block, so the bytes are the per-expert ones);
+    an NVFP4 columnwise, whose global scale is per expert, by ``split_quantize_packed`` of
+    the received values (the layout ``place_rows`` makes from the same counts)."""
+    counts = route.tokens_per_local_expert
+    placed, _, g = device_split.place_rows(recv, counts, multiple)
     rows = _wire.split_fields(placed, slots)
     col = None
-    if need_columnwise:
-        _, col_st = quantizer.direction_quantizer("columnwise").quantize_storages(
-            rows.dequantize(dtype), rowwise=False, columnwise=True)
+    cq = quantizer.direction_quantizer("columnwise")
+    if need_columnwise and cq.is_per_tensor:
+        values = _wire.split_fields(recv, slots).dequantize(dtype)
+        col = device_split.split_quantize_packed(values, counts, cq, rowwise=False, columnwise=True,
+                                                 multiple=multiple).columnwise
+    elif need_columnwise:
+        _, col_st = cq.quantize_storages(rows.dequantize(dtype), rowwise=False, columnwise=True)
         col = col_st.tensors()
     return dataclasses.replace(g, rowwise=rows.tensors(), columnwise=col)
 
@@ -261,11 +271,12 @@ def receiver_columnwise(quantizer, rows_all, rows: list, spans: list[tuple[int, 
     (``_wire.columnwise_of``): ``rows_all`` every expert's padded rows, ``rows`` the
     experts' views of it, ``spans`` their ``(start, p_e)``. A requantized format whose
     columnwise blocks (along tokens) fit every padded segment quantizes all experts in one
-    call: no block spans two experts, so each expert's part is its own quantization."""
+    call: no block spans two experts, so each expert's part is its own quantization (not
+    for a per-tensor columnwise such as NVFP4's global scale, which is per expert)."""
     if _wire.requantized_columnwise(quantizer):
         cq = quantizer.direction_quantizer("columnwise")
         block = cq.block_shape("columnwise")[0]
-        if spans and all(s % block == 0 and p % block == 0 for s, p in spans):
+        if spans and not cq.is_per_tensor and all(s % block == 0 and p % block == 0 for s, p in spans):
             _, col = cq.quantize_storages(rows_all.dequantize(dtype), rowwise=False, columnwise=True)
             return [col.narrow_dim0(s, p).map_tensors(torch.Tensor.contiguous) for s, p in spans]
     derived = _wire.derivable_columnwise(quantizer)

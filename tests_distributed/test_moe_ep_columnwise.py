@@ -11,9 +11,16 @@ quantized and the receiver requantizes the columnwise (wgrad) direction from the
 
 Two inputs per recipe: ``randn`` (typical activations) and ``wide`` (magnitudes spread over
 2**-20..1 inside each block, so many codes are subnormal and the double rounding shows).
+
+``mxfp8_fwd_nvfp4_bwd``: MXFP8 rows travel and the receiver quantizes the NVFP4 (RHT)
+columnwise from their values. Rowwise, values, y and dx are bitwise the high-precision
+exchange's; an NVFP4 code flips where the MXFP8 rounding moves a value across an FP4
+rounding boundary, so dW is held to accuracy instead: its SQNR against the exact fp32
+``dy^T x`` within ``NVFP4_DW_LOSS_DB`` of the high-precision exchange's.
 """
 
-import pytest
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +36,7 @@ K, N, E, S = 128, 128, 4, 80  # E global experts, S slots per rank
 # (bitwise) for both recipes; wide mxfp8 103.6 / 103.8 dB, fp8_block 101.2 / 102.0 dB (about
 # 6% of the columnwise elements differ, all of them tiny). The floor leaves 20 dB of margin.
 DW_SQNR_FLOOR_DB = 80.0
+NVFP4_DW_LOSS_DB = 0.5  # mxfp8_fwd_nvfp4_bwd: dW accuracy the quantized exchange may lose (module doc)
 MIN_NORMAL = {torch.float8_e4m3fn: 2.0 ** -6, torch.float8_e5m2: 2.0 ** -14}
 MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
@@ -131,6 +139,69 @@ def _worker(rank, world):
         for kind in ("randn", "wide"):
             out[(recipe_name, kind)] = _check(rank, world, recipe_name, kind)
     return out
+
+
+def _check_nvfp4(rank, world, kind):
+    """Failures and ``(dW SQNR vs exact, quantized / high-precision exchange, fraction of
+    columnwise code bytes that differ)`` of ``mxfp8_fwd_nvfp4_bwd`` on this rank (module doc)."""
+    cfg, bad = f"EP={world} rank={rank} recipe=mxfp8_fwd_nvfp4_bwd input={kind}", []
+    recipe = hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd")
+    torch.manual_seed(0)
+    fc = GroupedLinear(E // world, K, N, recipe=recipe)
+    fc_hp = copy.deepcopy(fc)  # its own SR states, equal to fc's: both backwards draw alike
+    plan = fc.plan(recipe)
+    x, counts = _inputs(kind, rank)
+    stats = ep.WireStats()
+    route = ep.make_route(counts, dist.group.WORLD, stats)
+    g, values = ep.quantized_exchange(x, route, plan.input, multiple=plan.multiple, need_columnwise=True,
+                                      stats=stats, key="dispatch")
+    x_hp, _ = ep.dispatch(x, route)
+    g_hp = split_quantize(x_hp, route.tokens_per_local_expert, [plan.input] * (E // world), multiple=plan.multiple)
+    flipped = total = 0
+    for j, (st, st_hp, col, col_hp) in enumerate(zip(g.rowwise, g_hp.rowwise, g.columnwise, g_hp.columnwise)):
+        m = g.splits[j]
+        for f in st.TENSOR_FIELDS:
+            if not torch.equal(_bits(getattr(st, f)[:m]), _bits(getattr(st_hp, f)[:m])):
+                bad.append(f"{cfg} expert {j}: rowwise field {f} differs from the high-precision path")
+        if col.data.shape != col_hp.data.shape or col.rht_seed != col_hp.rht_seed:
+            bad.append(f"{cfg} expert {j}: columnwise layout {col.data.shape}/{col.rht_seed} vs "
+                       f"{col_hp.data.shape}/{col_hp.rht_seed}")
+            continue
+        flipped += int((_bits(col.data) != _bits(col_hp.data)).sum())  # bytes: two E2M1 codes each
+        total += col.data.numel()
+    hp_values = torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(g_hp.rowwise, g_hp.splits)])
+    if not torch.equal(_bits(values), _bits(hp_values)):
+        bad.append(f"{cfg}: the received values differ from the high-precision path's rowwise values")
+    dy = torch.randn(values.shape[0], N, generator=torch.Generator().manual_seed(7 + rank)).bfloat16()
+    y, dx, dw = _grouped_step(fc, values, route.tokens_per_local_expert, g, dy)
+    y_hp, dx_hp, dw_hp = _grouped_step(fc_hp, values, route.tokens_per_local_expert, g_hp, dy)
+    for name, a, b in (("y", y, y_hp), ("dx", dx, dx_hp)):
+        if not torch.equal(_bits(a), _bits(b)):
+            bad.append(f"{cfg}: GroupedLinear {name} differs from the high-precision exchange")
+    exact = torch.stack([d.float().t() @ xe.float() for d, xe in zip(dy.split(g.splits), x_hp.split(g.splits))])
+    db, db_hp = sqnr_db(exact, dw.float()), sqnr_db(exact, dw_hp.float())
+    if db < db_hp - NVFP4_DW_LOSS_DB:
+        bad.append(f"{cfg}: dW SQNR vs exact {db:.2f} dB, high-precision exchange {db_hp:.2f} dB")
+    rows_out = sum(route.send_splits) - route.send_splits[rank]
+    if stats.bytes["dispatch"] != rows_out * (K + K // 32) or "dispatch_amax" in stats.bytes:
+        bad.append(f"{cfg}: dispatch sent {stats.bytes} bytes, expected {rows_out * (K + K // 32)} (MXFP8 rows)")
+    return bad, (db, db_hp, flipped / max(total, 1))
+
+
+def _nvfp4_worker(rank, world):
+    return {kind: _check_nvfp4(rank, world, kind) for kind in ("randn", "wide")}
+
+
+def test_nvfp4_columnwise_from_mxfp8_rows_keeps_dw_accuracy():
+    reports = run_ranks(_nvfp4_worker, 2)
+    bad = [b for rep in reports for failures, _ in rep.values() for b in failures]
+    assert not bad, "\n".join(bad)
+    for rank, rep in enumerate(reports):
+        for kind, (_, (db, db_hp, frac)) in rep.items():
+            print(f"rank {rank} {kind}: dW SQNR vs exact {db:.2f} dB (high-precision exchange {db_hp:.2f}), "
+                  f"{frac:.4f} of columnwise code bytes differ")
+    assert any(frac > 0 for rep in reports for _, (_, (_, _, frac)) in rep.items()), \
+        "no columnwise code differs: the accuracy check is vacuous"
 
 
 def test_requantized_columnwise_is_within_the_double_rounding_bound():

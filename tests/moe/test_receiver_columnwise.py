@@ -36,3 +36,47 @@ def test_one_call_equals_per_expert(recipe_name, monkeypatch):
     for j, (st, col) in enumerate(zip(rows, got)):
         want = _wire.columnwise_of(q, st, st.dequantize(torch.bfloat16))
         assert_storage_equal(col, want, f"{recipe_name} expert {j} ({padded[j]} rows)")
+
+
+def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
+    """``mxfp8_fwd_nvfp4_bwd``: the NVFP4 columnwise (global scale per expert, RHT) is made
+    per expert from the received MXFP8 rows' values, one quantize call per expert (no
+    one-call shortcut: a global scale over every expert would be wrong), and the packed
+    receiver (``_packed_block_rows``) gives the loop's bytes in the packed layout."""
+    import types
+
+    from hybrid_dist.moe import split_quantize
+    from hybrid_dist.moe.split_quantize import padded_offsets
+
+    recipe = hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd")
+    plan = GroupedLinear(4, 256, 256, recipe=recipe).plan(recipe)
+    q, multiple = plan.input, plan.multiple
+    assert _wire.requantized_columnwise(q)
+    counts = [40, 0, 16, 70]
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(m, 256, generator=g) * 10.0 ** (j - 2) for j, m in enumerate(counts)]).bfloat16()
+    tokens = torch.tensor(counts)
+    rows = q.quantize_storages(x, rowwise=True, columnwise=False)[0]  # the wire rows, expert-major
+    padded = [-(-m // multiple) * multiple for m in counts]
+    loop = split_quantize(rows.dequantize(torch.bfloat16), tokens, [q] * 4, multiple=multiple)
+    off, poff = padded_offsets(tokens, multiple)
+    rows_all = _wire.unpack(_wire.pack(rows), rows, ep._padded_rows(tokens, off, poff, sum(counts)), sum(padded))
+    spans = [(sum(padded[:j]), p) for j, p in enumerate(padded)]
+    experts = [rows_all.narrow_dim0(s, p) for s, p in spans]
+    got = ep.receiver_columnwise(q, rows_all, experts, spans, torch.bfloat16)
+    scales = []
+    for j, (col, want) in enumerate(zip(got, loop.columnwise)):
+        assert_storage_equal(col, want, f"expert {j} ({counts[j]} rows)")
+        scales.append(float(col.global_scale))
+    assert len(set(scales[j] for j in (0, 2, 3))) == 3, f"per-expert global scales expected: {scales}"
+    route = types.SimpleNamespace(tokens_per_local_expert=tokens)
+    packed = ep._packed_block_rows(_wire.pack(rows), rows, q, route, multiple, True, torch.bfloat16)
+    want = loop.packed("columnwise")
+    for f, t in packed.columnwise.items():
+        ax = loop.columnwise[0].field_axes()[f].get("C")
+        if ax is None:  # per-expert [E] fields
+            assert torch.equal(t.view(torch.uint8), want[f].view(torch.uint8)), f
+            continue
+        n = want[f].shape[ax[0]]
+        assert torch.equal(t.narrow(ax[0], 0, n).contiguous().view(torch.uint8),
+                           want[f].contiguous().view(torch.uint8)), f"packed columnwise field {f}"

@@ -89,12 +89,15 @@ def test_unpack_places_rows_in_the_padded_layout(name):
     (hd.HybridQuantizer(rowwise=hd.IdentityQuantizer(), columnwise=hd.MXFP8Quantizer()), True, True),
     (hd.Float8BlockQuantizer(block="1x128", power_of_2_scales=False), True, False),  # values not exact
     (hd.Float8BlockQuantizer(block="1x128", power_of_2_scales=False), False, True),
-    (hd.HybridQuantizer(rowwise=hd.MXFP8Quantizer(), columnwise=hd.NVFP4Quantizer(rht=True)), True, False),
+    (hd.HybridQuantizer(rowwise=hd.MXFP8Quantizer(), columnwise=hd.NVFP4Quantizer(rht=True)), True, True),
+    (hd.HybridQuantizer(rowwise=hd.MXFP8Quantizer(),  # columnwise SR: not made at the receiver
+                        columnwise=hd.NVFP4Quantizer(rht=True, stochastic_rounding=True)), True, False),
+    (hd.NVFP4Quantizer(rht=True), True, False),  # NVFP4 rows: values too coarse to quantize again
     (hd.HybridQuantizer(rowwise=hd.Float8Quantizer(), columnwise=hd.IdentityQuantizer()), True, False),
     (hd.HybridQuantizer(rowwise=hd.Float8Quantizer(), columnwise=hd.MXFP8Quantizer()), True, False),
     (hd.Float8BlockQuantizer(block="128x128"), False, False),  # rowwise blocks span 128 tokens
 ], ids=["mxfp8", "fp8_1x128", "fp8", "fp8_delayed", "identity_mxfp8", "fp8_1x128_no_pow2", "fp8_1x128_no_pow2_inference",
-        "mxfp8_nvfp4", "fp8_identity", "fp8_mxfp8", "fp8_128x128_inference"])
+        "mxfp8_nvfp4", "mxfp8_nvfp4_sr", "nvfp4", "fp8_identity", "fp8_mxfp8", "fp8_128x128_inference"])
 def test_which_formats_travel_quantized(q, need_columnwise, allowed):
     reason = _wire.unsupported_reason(q, need_columnwise=need_columnwise)
     assert (reason is None) == allowed, f"{q} need_columnwise={need_columnwise}: {reason}"
