@@ -70,11 +70,14 @@ def test_nccl_fsdp2_kept_init_trains_like_unsharded_2_ranks_every_recipe():
     assert not bad, f"(rank, recipe) whose sharded masters did not start from the init rows: {bad}"
 
 
-def test_nccl_fsdp2_4_ranks_no_reshard():
-    _need(4)
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_fsdp2_no_reshard(world):
+    """``reshard_after_forward=False``: every gather carries both directions ("both" mode;
+    per-tensor FP8 sends its codes once and transposes after the gather)."""
+    _need(world)
     names = ["fp8_current", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
-    results = run_nccl(numerics.train_and_compare, 4, names, False, "cuda", 2)
-    _check_every_recipe(results, 4, exact=False, reshard=False)
+    results = run_nccl(numerics.train_and_compare, world, names, False, "cuda", 2)
+    _check_every_recipe(results, world, exact=False, reshard=False)
 
 
 def probe_forward(rank, world, names, device_type="cuda"):
