@@ -32,10 +32,10 @@ two directions' grid steps (``_wire`` module doc; measured in
 ``tests_distributed/test_moe_ep_columnwise.py``). So MXFP8 sends ``K + K/32`` bytes per
 token row (0.52× bf16) in training too, and so does ``mxfp8_fwd_nvfp4_bwd``'s x, whose
 NVFP4 columnwise the receiver quantizes per expert from the MXFP8 values (dW's SQNR
-~0.15 dB below the high-precision exchange's; ``_wire``). Delayed scaling travels quantized too: the
-exchange advances the local experts' states, all-gathers their scales (``[E]`` floats) and
-records the all-reduced amax in them, so rows, scales and histories are bitwise those of
-quantizing after a high-precision exchange. The rest exchange high precision and quantize
+~0.15 dB below the high-precision exchange's; ``_wire``). Delayed scaling travels
+quantized too: the exchange advances the local experts' states, all-gathers their scales
+(``[E]`` floats) and records the all-reduced amax in them, so rows, scales and histories
+are bitwise those of quantizing after a high-precision exchange. The rest exchange high precision and quantize
 after (warned once): an NVFP4 rowwise under a columnwise made at the receiver (``nvfp4``'s
 x), an identity columnwise under a quantized rowwise (``fp8_fwd_bf16_bwd``'s x: the bf16
 rows are the wgrad operand, and sending them alone is the cheapest), and NVFP4 stochastic

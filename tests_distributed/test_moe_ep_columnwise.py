@@ -84,12 +84,17 @@ def _grouped_step(fc, x, tokens, g, dy):
     return y.detach(), x.grad, fc.weight.grad
 
 
-def _check(rank, world, recipe_name, kind):
-    """Failures (strings) and measurements of one recipe and input on this rank."""
+def _exchanged(rank, world, recipe_name, kind):
+    """``recipe_name``'s x exchanged quantized and in high precision (quantized after), each
+    fed to a GroupedLinear step, with the checks both recipe kinds share: rowwise rows
+    (padding: zero codes), the values handed to autograd, y and dx bitwise the high-
+    precision exchange's, and K + K/32 bytes a sent row (E4M3 codes with one E8M0 byte per
+    32, or one fp32 per 128), no amax all-reduce. Returns ``(failures, what was measured)``."""
     cfg, bad = f"EP={world} rank={rank} recipe={recipe_name} input={kind}", []
     recipe = hd.recipe_from_name(recipe_name)
     torch.manual_seed(0)
     fc = GroupedLinear(E // world, K, N, recipe=recipe)
+    fc_hp = copy.deepcopy(fc)  # its own states (NVFP4 SR), equal to fc's: both backwards draw alike
     plan = fc.plan(recipe)
     x, counts = _inputs(kind, rank)
     stats = ep.WireStats()
@@ -98,14 +103,33 @@ def _check(rank, world, recipe_name, kind):
                                       stats=stats, key="dispatch")
     x_hp, _ = ep.dispatch(x, route)  # high precision, then quantize after
     g_hp = split_quantize(x_hp, route.tokens_per_local_expert, [plan.input] * (E // world), multiple=plan.multiple)
-    mismatched = total = 0
-    for j, (st, st_hp, col, col_hp) in enumerate(zip(g.rowwise, g_hp.rowwise, g.columnwise, g_hp.columnwise)):
+    for j, (st, st_hp) in enumerate(zip(g.rowwise, g_hp.rowwise)):
         m = g.splits[j]
         for f in st.TENSOR_FIELDS:  # the real rows (padding rows: zero codes on both paths)
             if not torch.equal(_bits(getattr(st, f)[:m]), _bits(getattr(st_hp, f)[:m])):
                 bad.append(f"{cfg} expert {j}: rowwise field {f} differs from the high-precision path")
         if _bits(st.data[m:]).any():
             bad.append(f"{cfg} expert {j}: rowwise padding rows are not zero codes")
+    hp_values = torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(g_hp.rowwise, g_hp.splits)])
+    if not torch.equal(_bits(values), _bits(hp_values)):
+        bad.append(f"{cfg}: the received values differ from the high-precision path's rowwise values")
+    dy = torch.randn(values.shape[0], N, generator=torch.Generator().manual_seed(7 + rank)).bfloat16()
+    y, dx, dw = _grouped_step(fc, values, route.tokens_per_local_expert, g, dy)
+    y_hp, dx_hp, dw_hp = _grouped_step(fc_hp, values, route.tokens_per_local_expert, g_hp, dy)
+    for name, a, b in (("y", y, y_hp), ("dx", dx, dx_hp)):
+        if not torch.equal(_bits(a), _bits(b)):
+            bad.append(f"{cfg}: GroupedLinear {name} differs from the high-precision exchange")
+    want = (sum(route.send_splits) - route.send_splits[rank]) * (K + K // 32)
+    if stats.bytes["dispatch"] != want or "dispatch_amax" in stats.bytes:
+        bad.append(f"{cfg}: dispatch sent {stats.bytes} bytes, expected {want} (no amax all-reduce)")
+    return cfg, bad, dict(g=g, g_hp=g_hp, x_hp=x_hp, dy=dy, dw=dw, dw_hp=dw_hp)
+
+
+def _check(rank, world, recipe_name, kind):
+    """Failures (strings) and measurements of one recipe and input on this rank."""
+    cfg, bad, r = _exchanged(rank, world, recipe_name, kind)
+    mismatched = total = 0
+    for j, (st, col, col_hp) in enumerate(zip(r["g"].rowwise, r["g"].columnwise, r["g_hp"].columnwise)):
         (u_row, n_row), (u_col, n_col), (u_hp, n_hp) = _spacing(st), _spacing(col), _spacing(col_hp)
         diff = (col.dequantize() - col_hp.dequantize()).abs()
         over = diff > 0.5 * (u_row + u_col + u_hp)
@@ -114,22 +138,9 @@ def _check(rank, world, recipe_name, kind):
         if (diff[n_row & n_col & n_hp] != 0).any():
             bad.append(f"{cfg} expert {j}: a columnwise element with normal codes differs")
         mismatched, total = mismatched + int((diff != 0).sum()), total + diff.numel()
-    hp_values = torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(g_hp.rowwise, g_hp.splits)])
-    if not torch.equal(_bits(values), _bits(hp_values)):
-        bad.append(f"{cfg}: the received values differ from the high-precision path's rowwise values")
-    dy = torch.randn(values.shape[0], N, generator=torch.Generator().manual_seed(7 + rank)).bfloat16()
-    y, dx, dw = _grouped_step(fc, values, route.tokens_per_local_expert, g, dy)
-    y_hp, dx_hp, dw_hp = _grouped_step(fc, values, route.tokens_per_local_expert, g_hp, dy)
-    for name, a, b in (("y", y, y_hp), ("dx", dx, dx_hp)):
-        if not torch.equal(_bits(a), _bits(b)):
-            bad.append(f"{cfg}: GroupedLinear {name} differs from the high-precision exchange")
-    dw_sqnr = sqnr_db(dw_hp.float(), dw.float())
+    dw_sqnr = sqnr_db(r["dw_hp"].float(), r["dw"].float())
     if dw_sqnr < DW_SQNR_FLOOR_DB:
         bad.append(f"{cfg}: dW SQNR {dw_sqnr:.1f} dB < {DW_SQNR_FLOOR_DB} dB")
-    rows_out = sum(route.send_splits) - route.send_splits[rank]
-    want = rows_out * (K + K // 32)  # E4M3 codes + one byte per 32 (E8M0) or 4 bytes per 128 (fp32)
-    if stats.bytes["dispatch"] != want or "dispatch_amax" in stats.bytes:
-        bad.append(f"{cfg}: dispatch sent {stats.bytes} bytes, expected {want} (no amax all-reduce)")
     return bad, (mismatched, total, dw_sqnr)
 
 
@@ -144,47 +155,19 @@ def _worker(rank, world):
 def _check_nvfp4(rank, world, kind):
     """Failures and ``(dW SQNR vs exact, quantized / high-precision exchange, fraction of
     columnwise code bytes that differ)`` of ``mxfp8_fwd_nvfp4_bwd`` on this rank (module doc)."""
-    cfg, bad = f"EP={world} rank={rank} recipe=mxfp8_fwd_nvfp4_bwd input={kind}", []
-    recipe = hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd")
-    torch.manual_seed(0)
-    fc = GroupedLinear(E // world, K, N, recipe=recipe)
-    fc_hp = copy.deepcopy(fc)  # its own SR states, equal to fc's: both backwards draw alike
-    plan = fc.plan(recipe)
-    x, counts = _inputs(kind, rank)
-    stats = ep.WireStats()
-    route = ep.make_route(counts, dist.group.WORLD, stats)
-    g, values = ep.quantized_exchange(x, route, plan.input, multiple=plan.multiple, need_columnwise=True,
-                                      stats=stats, key="dispatch")
-    x_hp, _ = ep.dispatch(x, route)
-    g_hp = split_quantize(x_hp, route.tokens_per_local_expert, [plan.input] * (E // world), multiple=plan.multiple)
-    flipped = total = 0
-    for j, (st, st_hp, col, col_hp) in enumerate(zip(g.rowwise, g_hp.rowwise, g.columnwise, g_hp.columnwise)):
-        m = g.splits[j]
-        for f in st.TENSOR_FIELDS:
-            if not torch.equal(_bits(getattr(st, f)[:m]), _bits(getattr(st_hp, f)[:m])):
-                bad.append(f"{cfg} expert {j}: rowwise field {f} differs from the high-precision path")
+    cfg, bad, r = _exchanged(rank, world, "mxfp8_fwd_nvfp4_bwd", kind)
+    g, flipped, total = r["g"], 0, 0
+    for j, (col, col_hp) in enumerate(zip(g.columnwise, r["g_hp"].columnwise)):
         if col.data.shape != col_hp.data.shape or col.rht_seed != col_hp.rht_seed:
             bad.append(f"{cfg} expert {j}: columnwise layout {col.data.shape}/{col.rht_seed} vs "
                        f"{col_hp.data.shape}/{col_hp.rht_seed}")
             continue
         flipped += int((_bits(col.data) != _bits(col_hp.data)).sum())  # bytes: two E2M1 codes each
         total += col.data.numel()
-    hp_values = torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(g_hp.rowwise, g_hp.splits)])
-    if not torch.equal(_bits(values), _bits(hp_values)):
-        bad.append(f"{cfg}: the received values differ from the high-precision path's rowwise values")
-    dy = torch.randn(values.shape[0], N, generator=torch.Generator().manual_seed(7 + rank)).bfloat16()
-    y, dx, dw = _grouped_step(fc, values, route.tokens_per_local_expert, g, dy)
-    y_hp, dx_hp, dw_hp = _grouped_step(fc_hp, values, route.tokens_per_local_expert, g_hp, dy)
-    for name, a, b in (("y", y, y_hp), ("dx", dx, dx_hp)):
-        if not torch.equal(_bits(a), _bits(b)):
-            bad.append(f"{cfg}: GroupedLinear {name} differs from the high-precision exchange")
-    exact = torch.stack([d.float().t() @ xe.float() for d, xe in zip(dy.split(g.splits), x_hp.split(g.splits))])
-    db, db_hp = sqnr_db(exact, dw.float()), sqnr_db(exact, dw_hp.float())
+    exact = torch.stack([d.float().t() @ xe.float() for d, xe in zip(r["dy"].split(g.splits), r["x_hp"].split(g.splits))])
+    db, db_hp = sqnr_db(exact, r["dw"].float()), sqnr_db(exact, r["dw_hp"].float())
     if db < db_hp - NVFP4_DW_LOSS_DB:
         bad.append(f"{cfg}: dW SQNR vs exact {db:.2f} dB, high-precision exchange {db_hp:.2f} dB")
-    rows_out = sum(route.send_splits) - route.send_splits[rank]
-    if stats.bytes["dispatch"] != rows_out * (K + K // 32) or "dispatch_amax" in stats.bytes:
-        bad.append(f"{cfg}: dispatch sent {stats.bytes} bytes, expected {rows_out * (K + K // 32)} (MXFP8 rows)")
     return bad, (db, db_hp, flipped / max(total, 1))
 
 
