@@ -18,7 +18,8 @@
 # goes on. ROUNDS=N (default 1) runs the selected plan N times over, each configuration once
 # per round in turn (files thr_NAME.r<k>.jsonl): the table then gives per configuration the
 # median tokens/s and the median of the per-round ratios, for steps bound by a host whose
-# speed drifts between runs (the 1b).
+# speed drifts between runs (the 1b). TORCHRUN_ARGS adds options to every torchrun (e.g.
+# "--numa-binding exclusive": each rank on its own share of its GPU's NUMA node's cores).
 #
 #   OUT=gpu_logs bash benchmarks/run_throughput_gpu.sh
 set -o pipefail
@@ -122,7 +123,7 @@ while IFS='|' read -r name cap needs_tao opts; do
   [ "$cap" -gt "$left" ] && cap=$left
   port=$((port + 1)); t0=$SECONDS
   # shellcheck disable=SC2086
-  timeout -k 30 "$cap" torchrun --nproc-per-node "$NGPU" --master-port "$port" -m hybrid_dist.launch.train \
+  timeout -k 30 "$cap" torchrun --nproc-per-node "$NGPU" --master-port "$port" ${TORCHRUN_ARGS:-} -m hybrid_dist.launch.train \
     $opts --fsdp "$NGPU" --steps "$STEPS" --timing-warmup 2 --run-name "$name" --metrics "$f" < /dev/null > "$log" 2>&1
   rc=$?
   if [ "$rc" = 0 ] || grep -q '"event": "summary"' "$f" 2> /dev/null; then
