@@ -167,9 +167,11 @@ def quantize_slots(q, x: torch.Tensor, slot_expert: torch.Tensor, slot_offsets: 
 
 
 def pack(st: DirectionStorage) -> torch.Tensor:
-    """``[m, bytes]`` uint8: the row fields of a rowwise storage side by side."""
+    """``[m, bytes]`` uint8: the row fields of a rowwise storage side by side (one field,
+    per-tensor FP8's codes: a view of it, no copy)."""
     parts = [getattr(st, f).contiguous() for f in _row_fields(st)]
-    return torch.cat([p.reshape(p.shape[0], torch.Size(p.shape[1:]).numel()).view(torch.uint8) for p in parts], dim=1)
+    rows = [p.reshape(p.shape[0], torch.Size(p.shape[1:]).numel()).view(torch.uint8) for p in parts]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
 
 def row_bytes(st: DirectionStorage) -> int:

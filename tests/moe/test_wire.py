@@ -103,3 +103,14 @@ def test_which_formats_travel_quantized(q, need_columnwise, allowed):
     assert (reason is None) == allowed, f"{q} need_columnwise={need_columnwise}: {reason}"
     if isinstance(q.direction_quantizer("columnwise"), hd.IdentityQuantizer) and not allowed:
         assert "high precision" in reason, reason  # why, not a block layout it does not have
+
+
+def test_pack_of_one_field_is_a_view():
+    """Per-tensor FP8 rows travel as the codes themselves (no copy); two fields are
+    concatenated per row."""
+    x = torch.randn(6, 64).bfloat16()
+    fp8 = hd.Float8Quantizer().quantize_storages(x, rowwise=True, columnwise=False)[0]
+    wire = _wire.pack(fp8)
+    assert wire.data_ptr() == fp8.data.data_ptr() and wire.dtype == torch.uint8 and wire.shape == (6, 64)
+    mx = hd.MXFP8Quantizer().quantize_storages(x, rowwise=True, columnwise=False)[0]
+    assert _wire.pack(mx).shape == (6, 64 + 2)
