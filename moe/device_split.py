@@ -347,18 +347,22 @@ def split_quantize_packed(
 
 
 def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
-               columnwise: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, PackedSplit]:
-    """1-byte ``rows [T, W]`` (sorted by expert) placed in the packed layout: ``[C, W]`` with
-    zero padding rows, its transpose ``[W, C]`` if ``columnwise`` (else None), and the
-    layout's split with no fields (``rowwise`` / ``columnwise`` None): one read of the rows
-    by ``kernels.fp8.rows.place_codes`` on CUDA, else ``index_copy`` and a transpose. The
-    expert-parallel receiver places its wire rows with it (``expert_parallel``)."""
-    lay = _Layout(rows, tokens_per_expert, multiple)
+               columnwise: bool = False, src: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, PackedSplit]:
+    """1-byte ``rows [T, W]`` placed in the packed layout, token t (in expert order) from
+    row ``src[t]`` (None: row t, the rows sorted by expert): ``[C, W]`` with zero padding
+    rows, its transpose ``[W, C]`` if ``columnwise`` (else None), and the layout's split
+    with no fields (``rowwise`` / ``columnwise`` None): one read of the rows by
+    ``kernels.fp8.rows.place_codes`` on CUDA, else a gather, ``index_copy`` and a
+    transpose. The expert-parallel receiver places its wire rows with it, ``src`` its
+    regroup (``expert_parallel``)."""
     if kernels_serve(rows) and rows.stride(-1) == 1:
         from hybrid_dist.kernels.fp8.rows import place_codes
 
-        placed, placed_t = place_codes(rows, lay.row_expert, lay.off, lay.poff, columnwise=columnwise)
+        lay = _Layout(rows, tokens_per_expert, multiple)
+        placed, placed_t = place_codes(rows, lay.row_expert, lay.off, lay.poff, columnwise=columnwise, src=src)
     else:
+        lay = _Layout(rows if src is None else rows[src], tokens_per_expert, multiple)
         placed = lay.x_pad
         placed_t = placed.t().contiguous() if columnwise else None
     return placed, placed_t, PackedSplit(rowwise=None, columnwise=None, offsets=lay.off, padded_offsets=lay.poff,
@@ -367,13 +371,14 @@ def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: in
 
 
 def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
-                    columnwise: bool) -> PackedSplit:
+                    columnwise: bool, src: torch.Tensor | None = None) -> PackedSplit:
     """The packed split of rows already quantized per expert: per-tensor FP8 ``data [T, K]``
-    (rows sorted by expert), ``scale_inv [E]`` fp32. Equal to ``split_quantize_packed`` of
-    the high-precision rows with the same per-expert scales (the codes are placed, not
-    recomputed; columnwise = rowwise transposed, as for every per-tensor FP8 quantizer).
-    The expert-parallel receiver uses it (``expert_parallel.quantized_exchange``)."""
-    row, col, g = place_rows(data.view(torch.uint8), tokens_per_expert, multiple, columnwise=columnwise)
+    (sorted by expert, or token t at row ``src[t]``: ``place_rows``), ``scale_inv [E]``
+    fp32. Equal to ``split_quantize_packed`` of the high-precision rows with the same
+    per-expert scales (the codes are placed, not recomputed; columnwise = rowwise
+    transposed, as for every per-tensor FP8 quantizer). The expert-parallel receiver uses
+    it (``expert_parallel.quantized_exchange``)."""
+    row, col, g = place_rows(data.view(torch.uint8), tokens_per_expert, multiple, columnwise=columnwise, src=src)
     return dataclasses.replace(
         g, rowwise={"data": row.view(data.dtype), "scale_inv": scale_inv},
         columnwise={"data": col.view(data.dtype), "scale_inv": scale_inv} if columnwise else None)

@@ -200,17 +200,17 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     scale = _delayed_scales(row_q, states, amax[first:first + e_l] if amax is not None else None, route,
                             advance, stats, key)
     slots = _wire.quantize_slots(quantizer, x, route.slot_expert, route.slot_offsets, amax, scale)
-    recv = _a2a(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)
-    recv = _to_expert_major(recv, route)
+    recv = _a2a(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)  # source-major
     if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales known here
         scale_inv = slots.scale_inv[first:first + e_l]
         g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
-                                         packed_multiple, columnwise=need_columnwise)
+                                         packed_multiple, columnwise=need_columnwise, src=route.regroup)
         return g, (_packed_values(g, x.dtype) if values else None)
     if packed_multiple is not None:
         if values:
             raise ValueError("quantized_exchange: packed block-format rows come without values")
         return _packed_block_rows(recv, slots, quantizer, route, packed_multiple, need_columnwise, x.dtype), None
+    recv = _to_expert_major(recv, route)
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
     off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
     dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
@@ -250,14 +250,15 @@ def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need
     in one call over all local experts (``receiver_columnwise``: every expert's padded
     segment is a multiple of the columnwise block, so the bytes are the per-expert ones);
     an NVFP4 columnwise, whose global scale is per expert, by ``split_quantize_packed`` of
-    the received values (the layout ``place_rows`` makes from the same counts)."""
+    the received values (the layout ``place_rows`` makes from the same counts). ``recv``:
+    the wire rows in source-major order, placed through the route's regroup."""
     counts = route.tokens_per_local_expert
-    placed, _, g = device_split.place_rows(recv, counts, multiple)
+    placed, _, g = device_split.place_rows(recv, counts, multiple, src=route.regroup)
     rows = _wire.split_fields(placed, slots)
     col = None
     cq = quantizer.direction_quantizer("columnwise")
     if need_columnwise and cq.is_per_tensor:
-        values = _wire.split_fields(recv, slots).dequantize(dtype)
+        values = _wire.split_fields(_to_expert_major(recv, route), slots).dequantize(dtype)
         col = device_split.split_quantize_packed(values, counts, cq, rowwise=False, columnwise=True,
                                                  multiple=multiple).columnwise
     elif need_columnwise:

@@ -162,7 +162,8 @@ def test_packed_fp8_rows_equals_packed_quantize(dtype, device):
 def test_place_rows_is_index_copy_into_zeros(device):
     """``place_rows`` (the expert-parallel receiver's placement of wire rows; on CUDA
     ``kernels.fp8.rows.place_codes``): the rows on their packed rows, zero bytes in the
-    padding, and the index tensors of ``split_quantize_packed``'s layout."""
+    padding, and the index tensors of ``split_quantize_packed``'s layout; with ``src``,
+    token t from row ``src[t]``."""
     from hybrid_dist.moe.device_split import place_rows
 
     splits = [37, 0, 90, 73, 0]
@@ -179,3 +180,8 @@ def test_place_rows_is_index_copy_into_zeros(device):
     assert_bitwise_equal(placed, want, f"placed rows ({device})")
     assert_bitwise_equal(placed_t, want.t().contiguous(), f"placed rows, transposed ({device})")
     assert place_rows(rows, tpe, 32)[1] is None
+    src = torch.randperm(sum(splits), generator=gen).to(device)  # token t from row src[t] (a receiver's regroup)
+    placed, placed_t, _ = place_rows(rows, tpe, 32, columnwise=True, src=src)
+    want = rows.new_zeros(g.capacity, rows.shape[1]).index_copy_(0, ref.dest, rows[src])
+    assert_bitwise_equal(placed, want, f"placed rows through src ({device})")
+    assert_bitwise_equal(placed_t, want.t().contiguous(), f"placed rows through src, transposed ({device})")

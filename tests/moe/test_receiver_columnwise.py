@@ -42,10 +42,11 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     """``mxfp8_fwd_nvfp4_bwd``: the NVFP4 columnwise (global scale per expert, RHT) is made
     per expert from the received MXFP8 rows' values, one quantize call per expert (no
     one-call shortcut: a global scale over every expert would be wrong), and the packed
-    receiver (``_packed_block_rows``) gives the loop's bytes in the packed layout."""
+    receiver (``_packed_block_rows``, the rows arriving in another order than the experts')
+    gives the loop's bytes in the packed layout."""
     import types
 
-    from hybrid_dist.moe import split_quantize
+    from hybrid_dist.moe import device_split, split_quantize
     from hybrid_dist.moe.split_quantize import padded_offsets
 
     recipe = hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd")
@@ -69,8 +70,14 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
         assert_storage_equal(col, want, f"expert {j} ({counts[j]} rows)")
         scales.append(float(col.global_scale))
     assert len(set(scales[j] for j in (0, 2, 3))) == 3, f"per-expert global scales expected: {scales}"
-    route = types.SimpleNamespace(tokens_per_local_expert=tokens)
-    packed = ep._packed_block_rows(_wire.pack(rows), rows, q, route, multiple, True, torch.bfloat16)
+    regroup = torch.randperm(sum(counts), generator=g)  # expert-major row i = received row regroup[i]
+    wire = _wire.pack(rows)
+    received = torch.empty_like(wire).index_copy_(0, regroup, wire)
+    route = types.SimpleNamespace(tokens_per_local_expert=tokens, regroup=regroup)
+    packed = ep._packed_block_rows(received, rows, q, route, multiple, True, torch.bfloat16)
+    in_order = _wire.split_fields(device_split.place_rows(wire, tokens, multiple)[0], rows)
+    for f, t in packed.rowwise.items():
+        assert torch.equal(t.view(torch.uint8), getattr(in_order, f).view(torch.uint8)), f"packed rowwise {f}"
     want = loop.packed("columnwise")
     for f, t in packed.columnwise.items():
         ax = loop.columnwise[0].field_axes()[f].get("C")

@@ -28,8 +28,10 @@ the ``kernel_op``s ``hybrid_dist::fp8_expert_amax`` / ``hybrid_dist::fp8_packed_
 compiled packed split is eager's bytes from one read (no traced cast, no 1-byte transpose copy).
 
 ``place_codes`` moves rows that are already codes (the expert-parallel receiver's FP8
-rows, as bytes) into the same layout: ``row[p] = codes[t]`` (zero bytes for padding) and
-``col = rowᵀ``, from one read, in place of a zero fill, an ``index_copy`` and a transpose.
+rows, as bytes) into the same layout: ``row[p] = codes[src[t]]`` (``src`` the identity by
+default; the receiver's regroup from source-major to expert-major order otherwise, so the
+received rows are not gathered first; zero bytes for padding) and ``col = rowᵀ``, from one
+read, in place of a zero fill, an ``index_copy`` and a transpose.
 """
 
 from __future__ import annotations
@@ -75,14 +77,16 @@ def _fp8_packed_kernel(x_ptr, scale_ptr, row_expert_ptr, off_ptr, poff_ptr, row_
 
 
 @triton.jit
-def _place_codes_kernel(x_ptr, row_expert_ptr, off_ptr, poff_ptr, row_ptr, col_ptr, C, K, E, stride_t,
-                        COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def _place_codes_kernel(x_ptr, row_expert_ptr, off_ptr, poff_ptr, src_ptr, row_ptr, col_ptr, C, K, E, stride_t,
+                        SRC: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rp = pid_m * BM + tl.arange(0, BM)  # packed rows; their tokens as in _fp8_packed_kernel
     e = tl.load(row_expert_ptr + rp, mask=rp < C, other=E)
     real = e < E
     tok = rp - tl.load(poff_ptr + e, mask=real, other=0) + tl.load(off_ptr + e, mask=real, other=0)
     real &= tok < tl.load(off_ptr + e + 1, mask=real, other=0)
+    if SRC:  # the token's row in x
+        tok = tl.load(src_ptr + tok, mask=real, other=0)
     rk = pid_k * BK + tl.arange(0, BK)[None, :]
     b = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + rk, mask=real[:, None] & (rk < K), other=0)
     tl.store(row_ptr + rp[:, None].to(tl.int64) * K + rk, b, mask=(rp[:, None] < C) & (rk < K))
@@ -177,18 +181,20 @@ def fp8_rows_op(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.Tensor, 
 
 
 def place_codes(codes: torch.Tensor, row_expert: torch.Tensor, offsets: torch.Tensor, padded_offsets: torch.Tensor,
-                *, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                *, columnwise: bool, src: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(row [C, K], col [K, C] or None)`` uint8 (module doc): the 1-byte ``codes [T, K]``
-    (unit stride along K, rows sorted by expert) placed in the packed layout of
-    ``row_expert [C]`` and ``offsets`` / ``padded_offsets [E+1]``; bitwise ``index_copy``
-    into zeros, then a transpose. View the results as the codes' dtype."""
+    (unit stride along K) placed in the packed layout of ``row_expert [C]`` and ``offsets``
+    / ``padded_offsets [E+1]``, token t read from row ``src[t]`` (``src [T]`` int64; None:
+    row t, the rows sorted by expert); bitwise ``index_copy`` of ``codes[src]`` into zeros,
+    then a transpose. View the results as the codes' dtype."""
     c, k, e = row_expert.numel(), codes.shape[1], offsets.numel() - 1
-    src = codes.view(torch.uint8)
+    x = codes.view(torch.uint8)
     row = torch.empty((c, k), dtype=torch.uint8, device=codes.device)
     col = torch.empty((k, c) if columnwise else (0, 0), dtype=torch.uint8, device=codes.device)
     if c and k:
         grid = (triton.cdiv(c, _PLACE_TILE), triton.cdiv(k, _PLACE_TILE))
-        launch(_place_codes_kernel, grid, src, row_expert.contiguous(), offsets.contiguous(),
-               padded_offsets.contiguous(), row, col, c, k, e, max(src.stride(0), 1), COL=columnwise,
-               BM=_PLACE_TILE, BK=_PLACE_TILE, num_warps=4)
+        src_arg = offsets if src is None else src.contiguous()  # an unread placeholder without src
+        launch(_place_codes_kernel, grid, x, row_expert.contiguous(), offsets.contiguous(),
+               padded_offsets.contiguous(), src_arg, row, col, c, k, e, max(x.stride(0), 1), SRC=src is not None,
+               COL=columnwise, BM=_PLACE_TILE, BK=_PLACE_TILE, num_warps=4)
     return row, (col if columnwise else None)

@@ -74,6 +74,11 @@ def _check():
         assert (col is None) != columnwise
         if columnwise:
             assert_bitwise_equal(col, want_row.t().contiguous(), "place_codes col")
+    src = torch.randperm(codes.shape[0], generator=gen)  # token t read from row src[t] (the receiver's regroup)
+    want_src = code_bytes.new_zeros(lay.cap, codes.shape[1]).index_copy_(0, lay.dest, code_bytes[src])
+    row, col = place_codes(codes, lay.row_expert, lay.off, lay.poff, columnwise=True, src=src)
+    assert_bitwise_equal(row, want_src, "place_codes row through src")
+    assert_bitwise_equal(col, want_src.t().contiguous(), "place_codes col through src")
     print("fp8_rows interpreter checks passed")
 
 
