@@ -45,11 +45,12 @@ At the receiver, the rows become the experts' per-expert storages (``GroupedQuan
 the reference GEMM loop), or, where the expert layer takes the packed CUDA path
 (``GroupedLinear.packed_exchange``: per-tensor FP8, or a requantized block format such as
 MXFP8), are placed straight into that path's packed layout (``io["x_packed"]`` /
-``io["dy_packed"]``): FP8 codes with their transpose (``device_split.packed_fp8_rows``),
+``io["dy_packed"]``), read in arrival order through the regroup index (no expert-major
+copy first): FP8 codes with their transpose (``device_split.packed_fp8_rows``),
 block-format wire rows as they are, then the columnwise requantized for all local experts
-in one call (``device_split.place_rows``). Either way the rowwise direction, and a
-columnwise one derived from its bits, is bitwise that of exchanging high precision. No dequantized copy is made for
-autograd: the tensor the graph carries between the exchange and the experts (forward rows,
+in one call (``device_split.place_rows``; NVFP4's per expert). Either way the rowwise
+direction, and a columnwise one derived from its bits, is bitwise that of exchanging high
+precision. No dequantized copy is made for autograd: the tensor the graph carries between the exchange and the experts (forward rows,
 backward dy) is a broadcast stand-in, since the expert layer reads the rows from ``io``.
 
 Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes, so the counts are
