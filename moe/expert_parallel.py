@@ -37,9 +37,9 @@ quantized too: the exchange advances the local experts' states, all-gathers thei
 (``[E]`` floats) and records the all-reduced amax in them, so rows, scales and histories
 are bitwise those of quantizing after a high-precision exchange. The rest exchange high precision and quantize
 after (warned once): an NVFP4 rowwise under a columnwise made at the receiver (``nvfp4``'s
-x), an identity columnwise under a quantized rowwise (``fp8_fwd_bf16_bwd``'s x: the bf16
-rows are the wgrad operand, and sending them alone is the cheapest), and NVFP4 stochastic
-rounding in the sent direction (both NVFP4 recipes' dy: the expert's generator draws).
+x), an identity columnwise under a quantized rowwise (``fp8_fwd_bf16_bwd``'s x: its bf16
+rows are the wgrad operand, cheapest sent alone), and NVFP4 stochastic rounding in the
+sent direction (both NVFP4 recipes' dy: the expert's generator draws).
 
 At the receiver, the rows become the experts' per-expert storages (``GroupedQuantized``,
 the reference GEMM loop), or, where the expert layer takes the packed CUDA path
@@ -251,8 +251,8 @@ def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need
     in one call over all local experts (``receiver_columnwise``: every expert's padded
     segment is a multiple of the columnwise block, so the bytes are the per-expert ones);
     an NVFP4 columnwise, whose global scale is per expert, by ``split_quantize_packed`` of
-    the received values (the layout ``place_rows`` makes from the same counts). ``recv``:
-    the wire rows in source-major order, placed through the route's regroup."""
+    the received values (``place_rows``' layout). ``recv``: source-major, read through the
+    route's regroup."""
     counts = route.tokens_per_local_expert
     placed, _, g = device_split.place_rows(recv, counts, multiple, src=route.regroup)
     rows = _wire.split_fields(placed, slots)
