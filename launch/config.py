@@ -51,6 +51,7 @@ class TrainConfig:
     cpu_offload: bool = False
     fsdp_copy_in: str = "auto"      # FSDP2's gradient copy-in before reduce-scatter: auto, hd or torch (its own)
     reshard_after_forward: str = "default"  # default (every block but the last), always or never
+    fsdp_unit: int = 1              # consecutive blocks per fully_shard unit
     compile: bool = False
     share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
     data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
@@ -76,7 +77,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-        for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every", "profile_steps"):
+        for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every", "profile_steps", "fsdp_unit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.layers < 0:
@@ -230,8 +231,11 @@ _HELP = {
                     "grad_copy_in: the same bytes, one copy per parameter), torch (torch._chunk_cat, host work "
                     "per 2 KiB of gradient) or auto (hd where this torch's FSDP2 allows it, else torch)",
     "reshard_after_forward": "FSDP2 blocks' weights after forward: default (resharded, then gathered again "
-                             "in backward, except the last block's), always, or never (kept unsharded until "
+                             "in backward, except the last unit's), always, or never (kept unsharded until "
                              "backward: no backward all-gathers, the memory of every block's unsharded weights)",
+    "fsdp_unit": "blocks per FSDP2 unit: fully_shard of N consecutive blocks, gathered and reduced together "
+                 "(one all-gather, one reduce-scatter and FSDP2's per-unit host work for N blocks; N blocks' "
+                 "unsharded weights in memory at once)",
     "compile": "torch.compile each block (with hd.compile_options(): layers reading one tensor share its "
                "FP8 cast)",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "

@@ -113,7 +113,7 @@ def _shard_on_fake_pg(m: ModelConfig, cfg: TrainConfig, dims: ParallelDims) -> t
         apply_tp(model, meshes.tp, sequence_parallel=cfg.sequence_parallel, compiled=cfg.compile)
     apply_fsdp(model, meshes.fsdp, param_dtype=torch.bfloat16, cpu_offload=False, experts=expert_modules(model),
                expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp,
-               reshard=cfg.reshard_after_forward)
+               reshard=cfg.reshard_after_forward, blocks_per_unit=cfg.fsdp_unit)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return local, notes
 

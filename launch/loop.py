@@ -221,7 +221,7 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "seq_len": cfg.seq_len, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
             "inspect_every": cfg.inspect_every,
             "activation_checkpointing": cfg.activation_checkpointing, "timing_warmup": cfg.timing_warmup,
-            "reshard_after_forward": cfg.reshard_after_forward,
+            "reshard_after_forward": cfg.reshard_after_forward, "fsdp_unit": cfg.fsdp_unit,
             "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
@@ -314,7 +314,8 @@ def _make_meter(cfg: TrainConfig, dims: ParallelDims, model, mcfg, recipe, start
     all-gathers (sharded quantized parameters), and the estimated high-precision bytes."""
     measured = _has_sharded_quantized_params(model)
     hp_ag_bytes = all_gather_bytes_per_step(model, dims, 2 if compute_dtype(cfg, device) == torch.bfloat16 else 4,
-                                            skip_quantized=measured, reshard=cfg.reshard_after_forward)
+                                            skip_quantized=measured, reshard=cfg.reshard_after_forward,
+                                            blocks_per_unit=cfg.fsdp_unit)
     meter = Meter(total_steps=cfg.steps, flops_per_token=mcfg.flops_per_token(cfg.seq_len),
                   world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
                   log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=measured,

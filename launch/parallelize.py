@@ -96,20 +96,29 @@ def apply_ac(model: nn.Module) -> None:
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def reshards_after_forward(policy: str, block: int, n_blocks: int) -> bool:
-    """Whether block ``block`` of ``n_blocks`` is resharded after its forward under
-    ``policy`` (``--reshard-after-forward``): ``default`` every block but the last (whose
-    backward comes right after), ``always`` every block, ``never`` none."""
+def reshards_after_forward(policy: str, unit: int, n_units: int) -> bool:
+    """Whether FSDP unit ``unit`` of ``n_units`` is resharded after its forward under
+    ``policy`` (``--reshard-after-forward``): ``default`` every unit but the last (whose
+    backward comes right after), ``always`` every unit, ``never`` none."""
     if policy not in RESHARD_POLICIES:
         raise ValueError(f"reshard policy must be one of {', '.join(RESHARD_POLICIES)}, got {policy!r}")
-    return policy == "always" or (policy == "default" and block < n_blocks - 1)
+    return policy == "always" or (policy == "default" and unit < n_units - 1)
+
+
+def fsdp_units(model: nn.Module, blocks_per_unit: int = 1) -> list[list[nn.Module]]:
+    """The model's blocks in FSDP units of ``blocks_per_unit`` consecutive blocks (``--fsdp-unit``;
+    the last unit may hold fewer)."""
+    blocks = list(model.layers.values())
+    return [blocks[i:i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
 
 
 def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_offload: bool,
                experts: list[nn.Module] = (), expert_mesh=None, dp_degree: int = 1,
-               reshard: str = "default") -> None:
-    """``fully_shard`` each block, then the root (embedding, norm, head). Applied even on
-    one rank, where it only casts parameters to ``param_dtype`` for compute.
+               reshard: str = "default", blocks_per_unit: int = 1) -> None:
+    """``fully_shard`` each unit of ``blocks_per_unit`` blocks (``fsdp_units``), then the
+    root (embedding, norm, head). Applied even on one rank, where it only casts parameters
+    to ``param_dtype`` for compute. A unit of several blocks is one FSDP2 parameter group:
+    one all-gather, one reduce-scatter and FSDP2's per-group host work serve all of them.
 
     ``reshard`` (``reshards_after_forward``): under ``"never"`` (no expert group resharded
     either) the backward gathers nothing, and each block's unsharded weights stay in memory
@@ -123,20 +132,21 @@ def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_off
     kw = dict(mesh=fsdp_mesh, mp_policy=mp)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    blocks = list(model.layers.values())
     if expert_mesh is not None:
         for mod in experts:
             fully_shard(mod, **{**kw, "mesh": expert_mesh}, reshard_after_forward=reshard != "never")
             mod.set_gradient_divide_factor(float(dp_degree))
-    for i, block in enumerate(blocks):
-        fully_shard(block, reshard_after_forward=reshards_after_forward(reshard, i, len(blocks)), **kw)
+    units = fsdp_units(model, blocks_per_unit)
+    for i, unit in enumerate(units):
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshards_after_forward(
+            reshard, i, len(units)), **kw)
     fully_shard(model, **kw)
 
 
 def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int, *, skip_quantized: bool,
-                              reshard: str = "default") -> int:
+                              reshard: str = "default", blocks_per_unit: int = 1) -> int:
     """Estimated all-gather output bytes per rank per step (the unsharded parameters, as
-    ``hybrid_dist.fsdp2`` counts them): each block in forward and, where ``reshard``
+    ``hybrid_dist.fsdp2`` counts them): each FSDP unit in forward and, where ``reshard``
     (``--reshard-after-forward``) reshards it, again in backward; the root once. HSDP gathers
     over ``dp_shard`` only. ``skip_quantized``: leave out quantized parameters (measured)."""
     if dims.fsdp == 1:
@@ -148,10 +158,10 @@ def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int,
         return sum(t.numel() * dims.fsdp * (1 if torchao_baseline.is_float8_weight(t) else param_dtype_bytes)
                    for t in locals_ if not (skip_quantized and isinstance(t, hd.QuantizedTensor)))
 
-    blocks = list(model.layers.values())
-    total = sum(gathered(b.parameters()) * (1 + reshards_after_forward(reshard, i, len(blocks)))
-                for i, b in enumerate(blocks))
-    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    units = fsdp_units(model, blocks_per_unit)
+    total = sum(gathered(p for b in unit for p in b.parameters())
+                * (1 + reshards_after_forward(reshard, i, len(units))) for i, unit in enumerate(units))
+    block_ids = {id(p) for unit in units for b in unit for p in b.parameters()}
     total += gathered(p for p in model.parameters() if id(p) not in block_ids)
     return total
 
@@ -178,5 +188,5 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
         fsdp_copy_in.choose(cfg.fsdp_copy_in)  # process-wide: the flag of this run decides
         apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=cfg.cpu_offload, experts=experts,
                    expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp,
-                   reshard=cfg.reshard_after_forward)
+                   reshard=cfg.reshard_after_forward, blocks_per_unit=cfg.fsdp_unit)
     return model

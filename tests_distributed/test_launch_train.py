@@ -240,6 +240,55 @@ def test_reshard_after_forward_policies_train_bitwise_alike(tmp_path):
             f"{where} step {step + 1}: all-gather bytes {a} / {d} / {n}, one pass {one_pass}")
 
 
+def _unit_runs(rank, world_size, tmp):
+    """Per ``--fsdp-unit``: (losses, all-gather bytes of each step); then the compiled
+    run's Dynamo counts under units of 2 blocks."""
+    from hybrid_dist.launch.loop import train
+
+    out = {}
+    for unit in (1, 2, 4):
+        metrics = os.path.join(tmp, f"unit-{unit}.jsonl")
+        losses = train(_cfg("fp8_current", quantized_init=True, layers=4, fsdp_unit=unit, metrics=metrics))["losses"]
+        logged = [json.loads(line) for line in open(metrics)] if rank == 0 else []
+        out[unit] = (losses, [r["ag_bytes"] for r in logged if r["event"] == "step"])
+    out["compiled"] = _compiled_run(_cfg("fp8_current", quantized_init=True, layers=4, fsdp_unit=2, compile=True,
+                                         steps=2))["compile_stats"]
+    return out
+
+
+def test_fsdp_units_of_several_blocks_train_bitwise_alike(tmp_path):
+    """``--fsdp-unit N`` shards N consecutive blocks as one FSDP2 unit: the same losses,
+    bitwise, for units of 1, 2 and 4 of 4 blocks. Only the last unit stays unsharded from
+    forward to backward by default, so the backward gathers blocks 0-2, then 0-1, then none:
+    the bytes step down by one block's pass, then by two. Compiled: one graph, no break."""
+    from hybrid_dist.launch.model import Block
+    from hybrid_dist.launch.presets import preset
+
+    r0, _ = run_ranks(_unit_runs, 2, str(tmp_path))
+    where = "fp8_current qinit tiny layers=4 fsdp=2 gloo"
+    (l1, ag1), (l2, ag2), (l4, ag4) = (r0[u] for u in (1, 2, 4))
+    assert l1 == l2 == l4 and len(l1) == STEPS, f"{where}: losses unit 1 {l1} / 2 {l2} / 4 {l4}"
+    block = Block(preset("tiny"))
+    one_pass = sum(p.numel() * (4 if "norm" in n else 1) for n, p in block.named_parameters())
+    for step, (a, b, c) in enumerate(zip(ag1, ag2, ag4)):
+        assert (a - b, b - c) == (one_pass, 2 * one_pass), (
+            f"{where} step {step + 1}: all-gather bytes units of 1 / 2 / 4: {a} / {b} / {c}, one pass {one_pass}")
+    assert r0["compiled"] == {"graphs": 1, "graph_breaks": 0}, f"{where} --fsdp-unit 2 --compile: {r0['compiled']}"
+
+
+def test_fsdp_units_group_consecutive_blocks():
+    import torch
+
+    from hybrid_dist.launch.parallelize import fsdp_units
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(2, 2) for i in range(5)})
+    blocks = list(model.layers.values())
+    assert fsdp_units(model) == [[b] for b in blocks]
+    assert fsdp_units(model, 2) == [blocks[0:2], blocks[2:4], blocks[4:5]]
+    assert fsdp_units(model, 8) == [blocks]
+
+
 @slow
 def test_quantized_init_first_loss_equals_high_precision_init(tmp_path):
     r0, failures = _run_and_check(tmp_path, PAIRS["fp8_current_quantized_init_vs_hp_init"])
