@@ -50,11 +50,11 @@ copy first): FP8 codes with their transpose (``device_split.packed_fp8_rows``),
 block-format wire rows as they are, then the columnwise requantized for all local experts
 in one call (``device_split.place_rows``; NVFP4's per expert). Either way the rowwise
 direction, and a columnwise one derived from its bits, is bitwise that of exchanging high
-precision. No dequantized copy is made for autograd: the tensor the graph carries between the exchange and the experts (forward rows,
-backward dy) is a broadcast stand-in, since the expert layer reads the rows from ``io``.
+precision. No dequantized copy is made for autograd: the tensor the graph carries between
+the exchange and the experts (forward rows, backward dy) is a broadcast stand-in.
 
-Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes, so the counts are
-read on the host once per step (``make_route``); a static-capacity variant would avoid it.
+Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes: the counts are read
+on the host once per step (``make_route``).
 """
 
 from __future__ import annotations
