@@ -53,8 +53,7 @@ direction, and a columnwise one derived from its bits, is bitwise that of exchan
 precision. No dequantized copy is made for autograd: the tensor the graph carries between
 the exchange and the experts (forward rows, backward dy) is a broadcast stand-in.
 
-Host syncs (also on GPU): ``all_to_all_single`` takes host split sizes: the counts are read
-on the host once per step (``make_route``).
+Host syncs: the counts, once per step (``make_route``: ``all_to_all_single``'s split sizes).
 """
 
 from __future__ import annotations
