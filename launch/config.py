@@ -50,7 +50,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     fsdp_copy_in: str = "auto"      # FSDP2's gradient copy-in before reduce-scatter: auto, hd or torch (its own)
-    reshard_after_forward: str = "default"  # default (every block but the last), always or never
+    reshard_after_forward: str = "default"  # default (every unit but the last), always or never
     fsdp_unit: int = 1              # consecutive blocks per fully_shard unit
     compile: bool = False
     share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
