@@ -1,4 +1,4 @@
-"""Quantized token payloads: rowwise storages sent as byte rows, one tensor per field.
+"""Quantized token payloads: rowwise storages packed into one byte row per token.
 
 A rowwise direction whose blocks run along K only (block rows = 1: per-tensor FP8, MXFP8
 1×32, FP8 1×128, NVFP4 1×16, identity) quantizes each token on its own, given the
@@ -14,9 +14,8 @@ exchange advances each rank's local states, gathers their scales into the ``[E]`
 every sender uses, and records the all-reduced amax into the local states, the order and
 values of quantizing the received rows there.
 
-Wire rows of one token: the row-axis fields of the storage (``data``, block scales), each
-viewed as ``[m, bytes per row]`` uint8 and sent in its own all-to-all (no packing copy on
-either side). Per-tensor fields are not sent:
+Wire row of one token: the row-axis fields of the storage (``data``, block scales) viewed
+as bytes and concatenated: ``[m, Σ bytes per row]`` uint8. Per-tensor fields are not sent:
 every rank computes them from the same all-reduced amax (``expert_rows`` picks an
 expert's entry).
 
@@ -167,14 +166,12 @@ def quantize_slots(q, x: torch.Tensor, slot_expert: torch.Tensor, slot_offsets: 
     return st
 
 
-def pack(st: DirectionStorage) -> list[torch.Tensor]:
-    """The wire form of a rowwise storage: one ``[m, bytes]`` uint8 view per row field (the
-    codes; block scales), no copy. Each travels in its own all-to-all."""
-    return [_byte_rows(getattr(st, f)) for f in _row_fields(st)]
-
-
-def _byte_rows(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(t.shape[0], torch.Size(t.shape[1:]).numel()).view(torch.uint8)
+def pack(st: DirectionStorage) -> torch.Tensor:
+    """``[m, bytes]`` uint8: the row fields of a rowwise storage side by side (one field,
+    per-tensor FP8's codes: a view of it, no copy)."""
+    parts = [getattr(st, f).contiguous() for f in _row_fields(st)]
+    rows = [p.reshape(p.shape[0], torch.Size(p.shape[1:]).numel()).view(torch.uint8) for p in parts]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
 
 def row_bytes(st: DirectionStorage) -> int:
@@ -183,19 +180,21 @@ def row_bytes(st: DirectionStorage) -> int:
                for f in _row_fields(st))
 
 
-def unpack(bufs: list[torch.Tensor], like: DirectionStorage, dest: torch.Tensor, rows: int) -> DirectionStorage:
+def unpack(buf: torch.Tensor, like: DirectionStorage, dest: torch.Tensor, rows: int) -> DirectionStorage:
     """Inverse of ``pack``: wire row i lands on row ``dest[i]`` of a zero-filled storage of
     ``rows`` rows in ``like``'s format (its per-tensor fields kept as they are)."""
-    return from_fields([b.new_zeros(rows, b.shape[1]).index_copy_(0, dest, b) for b in bufs], like)
+    return split_fields(buf.new_zeros(rows, buf.shape[1]).index_copy_(0, dest, buf), like)
 
 
-def from_fields(placed: list[torch.Tensor], like: DirectionStorage) -> DirectionStorage:
-    """The storage in ``like``'s format whose row fields are the byte rows ``placed``
-    (``pack``'s form, any row count; its per-tensor fields kept as they are): views."""
-    out = {}
-    for f, b in zip(_row_fields(like), placed):
+def split_fields(placed: torch.Tensor, like: DirectionStorage) -> DirectionStorage:
+    """The storage in ``like``'s format whose row fields are the byte rows ``placed [C,
+    bytes]`` (``pack``'s layout; its per-tensor fields kept as they are)."""
+    rows, out, col = placed.shape[0], {}, 0
+    for f in _row_fields(like):
         t = getattr(like, f)
-        out[f] = b.view(t.dtype).reshape(b.shape[0], *t.shape[1:])
+        width = t.element_size() * torch.Size(t.shape[1:]).numel()
+        out[f] = placed[:, col:col + width].contiguous().view(t.dtype).reshape(rows, *t.shape[1:])
+        col += width
     return dataclasses.replace(like, **out)
 
 

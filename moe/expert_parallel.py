@@ -13,8 +13,8 @@ global (rank, token) order — exactly the rows a single rank would give it.
 Per step: one ``all_to_all_single`` of the ``[E]`` counts; the forward token payload
 (dispatch) and the combine's backward payload (dy) each need one ``all_reduce`` (MAX) of
 an ``[E]`` amax vector when their format has a per-tensor scale, then one
-``all_to_all_single`` per row field (``_wire``: codes; block scales); the combine forward
-and the dispatch backward exchange high precision (summed, not multiplied). The sender quantizes
+``all_to_all_single`` of packed bytes (``_wire``); the combine forward and the dispatch
+backward exchange high precision (they are summed, not multiplied). The sender quantizes
 all its slots in one pass whatever E (``_wire.quantize_slots``: per-tensor formats scale
 each row by its expert's scale), so its launches and host time do not grow with E.
 
@@ -200,20 +200,21 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     scale = _delayed_scales(row_q, states, amax[first:first + e_l] if amax is not None else None, route,
                             advance, stats, key)
     slots = _wire.quantize_slots(quantizer, x, route.slot_expert, route.slot_offsets, amax, scale)
-    recv = [_a2a(f, route.send_splits, route.recv_splits, route, stats, key) for f in _wire.pack(slots)]
+    recv = _a2a(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)  # source-major
     if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales known here
         scale_inv = slots.scale_inv[first:first + e_l]
-        g = device_split.packed_fp8_rows(recv[0].view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
+        g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
                                          packed_multiple, columnwise=need_columnwise, src=route.regroup)
         return g, (_packed_values(g, x.dtype) if values else None)
     if packed_multiple is not None:
         if values:
             raise ValueError("quantized_exchange: packed block-format rows come without values")
         return _packed_block_rows(recv, slots, quantizer, route, packed_multiple, need_columnwise, x.dtype), None
+    recv = _to_expert_major(recv, route)
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
     off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
-    dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv[0].shape[0])
-    rows_all = _wire.unpack([_to_expert_major(r, route) for r in recv], slots, dest, sum(padded))
+    dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
+    rows_all = _wire.unpack(recv, slots, dest, sum(padded))
     starts = [sum(padded[:j]) for j in range(len(padded))]
     rows = [_wire.expert_rows(rows_all, first + j, s, p) for j, (s, p) in enumerate(zip(starts, padded))]
     cols = (receiver_columnwise(quantizer, rows_all, rows, list(zip(starts, padded)), x.dtype) if need_columnwise
@@ -249,15 +250,15 @@ def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need
     in one call over all local experts (``receiver_columnwise``: every expert's padded
     segment is a multiple of the columnwise block, so the bytes are the per-expert ones);
     an NVFP4 columnwise, whose global scale is per expert, by ``split_quantize_packed`` of
-    the received values (``place_rows``' layout). ``recv``: the wire fields (``_wire.pack``),
-    source-major, read through the route's regroup."""
+    the received values (``place_rows``' layout). ``recv``: source-major, read through the
+    route's regroup."""
     counts = route.tokens_per_local_expert
-    placed = [device_split.place_rows(r, counts, multiple, src=route.regroup) for r in recv]
-    rows, g = _wire.from_fields([p[0] for p in placed], slots), placed[0][2]
+    placed, _, g = device_split.place_rows(recv, counts, multiple, src=route.regroup)
+    rows = _wire.split_fields(placed, slots)
     col = None
     cq = quantizer.direction_quantizer("columnwise")
     if need_columnwise and cq.is_per_tensor:
-        values = _wire.from_fields([_to_expert_major(r, route) for r in recv], slots).dequantize(dtype)
+        values = _wire.split_fields(_to_expert_major(recv, route), slots).dequantize(dtype)
         col = device_split.split_quantize_packed(values, counts, cq, rowwise=False, columnwise=True,
                                                  multiple=multiple).columnwise
     elif need_columnwise:

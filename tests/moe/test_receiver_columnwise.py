@@ -72,10 +72,10 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     assert len(set(scales[j] for j in (0, 2, 3))) == 3, f"per-expert global scales expected: {scales}"
     regroup = torch.randperm(sum(counts), generator=g)  # expert-major row i = received row regroup[i]
     wire = _wire.pack(rows)
-    received = [torch.empty_like(w).index_copy_(0, regroup, w) for w in wire]
+    received = torch.empty_like(wire).index_copy_(0, regroup, wire)
     route = types.SimpleNamespace(tokens_per_local_expert=tokens, regroup=regroup)
     packed = ep._packed_block_rows(received, rows, q, route, multiple, True, torch.bfloat16)
-    in_order = _wire.from_fields([device_split.place_rows(w, tokens, multiple)[0] for w in wire], rows)
+    in_order = _wire.split_fields(device_split.place_rows(wire, tokens, multiple)[0], rows)
     for f, t in packed.rowwise.items():
         assert torch.equal(t.view(torch.uint8), getattr(in_order, f).view(torch.uint8)), f"packed rowwise {f}"
     want = loop.packed("columnwise")
