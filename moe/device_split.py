@@ -105,6 +105,15 @@ class _Layout:
         self.row_expert = torch.repeat_interleave(torch.arange(e + 1, device=dev), seg, output_size=self.cap)
         self._x_pad = None
 
+    @classmethod
+    def placed(cls, x_pad: torch.Tensor, split: "PackedSplit") -> "_Layout":
+        """``split``'s layout over rows already placed in it (for the quantizers of ``x_pad``)."""
+        lay = cls.__new__(cls)
+        lay.x, lay._x_pad, lay.eid, lay.num_experts = x_pad, x_pad, None, len(split.offsets) - 1
+        lay.off, lay.poff, lay.dest, lay.row_expert, lay.cap = (split.offsets, split.padded_offsets, split.dest,
+                                                                split.row_expert, split.capacity)
+        return lay
+
     @property
     def x_pad(self) -> torch.Tensor:
         if self._x_pad is None:
@@ -346,16 +355,22 @@ def split_quantize_packed(
                        row_expert=lay.row_expert, capacity=lay.cap, multiple=mult)
 
 
+def placed_columnwise(x_pad: torch.Tensor, split: PackedSplit, quantizer) -> dict[str, torch.Tensor]:
+    """``split_quantize_packed``'s columnwise fields (block formats, NVFP4 1D; not per-tensor
+    FP8; no state) of rows placed in ``split``'s layout (``x_pad [C, K]``): the expert-
+    parallel receiver's."""
+    return _direction_fields(quantizer, _Layout.placed(x_pad, split), [None] * (len(split.offsets) - 1),
+                             "columnwise", False)
+
+
 def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
                columnwise: bool = False, src: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, PackedSplit]:
-    """1-byte ``rows [T, W]`` placed in the packed layout, token t (in expert order) from
-    row ``src[t]`` (None: row t, the rows sorted by expert): ``[C, W]`` with zero padding
-    rows, its transpose ``[W, C]`` if ``columnwise`` (else None), and the layout's split
-    with no fields (``rowwise`` / ``columnwise`` None): one read of the rows by
-    ``kernels.fp8.rows.place_codes`` on CUDA, else a gather, ``index_copy`` and a
-    transpose. The expert-parallel receiver places its wire rows with it, ``src`` its
-    regroup (``expert_parallel``)."""
+    """1-byte ``rows [T, W]`` in the packed layout, token t (expert order) from row ``src[t]``
+    (None: row t): ``[C, W]`` with zero padding rows, its transpose ``[W, C]`` if
+    ``columnwise`` (else None), and the layout's split without fields: one read of the rows
+    (``kernels.fp8.rows.place_codes``) on CUDA, else a gather, ``index_copy`` and a
+    transpose. The expert-parallel receiver's placement, ``src`` its regroup."""
     if kernels_serve(rows) and rows.stride(-1) == 1:
         from hybrid_dist.kernels.fp8.rows import place_codes
 

@@ -249,21 +249,13 @@ def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need
     field): the wire rows placed as they are, the columnwise requantized from their values
     in one call over all local experts (``receiver_columnwise``: every expert's padded
     segment is a multiple of the columnwise block, so the bytes are the per-expert ones);
-    an NVFP4 columnwise, whose global scale is per expert, by ``split_quantize_packed`` of
-    the received values (``place_rows``' layout). ``recv``: source-major, read through the
-    route's regroup."""
-    counts = route.tokens_per_local_expert
-    placed, _, g = device_split.place_rows(recv, counts, multiple, src=route.regroup)
+    an NVFP4 columnwise, whose global scale is per expert, per expert
+    (``device_split.placed_columnwise`` of the placed rows' values). ``recv``: source-major,
+    read through the route's regroup."""
+    placed, _, g = device_split.place_rows(recv, route.tokens_per_local_expert, multiple, src=route.regroup)
     rows = _wire.split_fields(placed, slots)
-    col = None
-    cq = quantizer.direction_quantizer("columnwise")
-    if need_columnwise and cq.is_per_tensor:
-        values = _wire.split_fields(_to_expert_major(recv, route), slots).dequantize(dtype)
-        col = device_split.split_quantize_packed(values, counts, cq, rowwise=False, columnwise=True,
-                                                 multiple=multiple).columnwise
-    elif need_columnwise:
-        _, col_st = cq.quantize_storages(rows.dequantize(dtype), rowwise=False, columnwise=True)
-        col = col_st.tensors()
+    col = (device_split.placed_columnwise(rows.dequantize(dtype), g, quantizer.direction_quantizer("columnwise"))
+           if need_columnwise else None)
     return dataclasses.replace(g, rowwise=rows.tensors(), columnwise=col)
 
 
