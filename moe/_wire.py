@@ -153,9 +153,10 @@ def quantize_slots(q, x: torch.Tensor, slot_expert: torch.Tensor, slot_offsets: 
     ``scale [E]``: delayed scaling's per-expert scales (the experts' states', gathered)."""
     row = q.direction_quantizer("rowwise")
     if isinstance(row, Float8Quantizer):
-        scale = row.compute_scale(x, None, amax) if scale is None else scale
+        scale, scale_inv = (device_split.expert_scales(row, x, amax, None) if scale is None
+                            else (scale, torch.reciprocal(scale)))
         data = device_split.fp8_rows_by_expert(x, scale, slot_expert, slot_offsets, row.dtype)
-        return Float8Storage(data=data, scale_inv=torch.reciprocal(scale), transposed=False)
+        return Float8Storage(data=data, scale_inv=scale_inv, transposed=False)
     if isinstance(row, NVFP4Quantizer):
         gs = nvfp4_global_scale(amax.float().to(x.device))
         data, bs = nvfp4_quantize_rows(x.float(), gs[slot_expert][:, None], block_rows=1, rand=None)

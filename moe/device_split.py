@@ -4,9 +4,7 @@ Everything is sized from shapes known on the host — ``T``, ``E`` and the paddi
 ``b`` — never from ``tokens_per_expert``'s values, so no device-to-host sync (one exception:
 NVFP4 in eager steps on CUDA, below):
 
-    capacity  C = ceil((T + E·(b-1)) / b) · b          static bound on Σ p_e
-    eid  [T]    = repeat_interleave(arange(E), m, output_size=T)      expert of each row
-    dest [T]    = arange(T) - off[eid] + poff[eid]                    padded row of each row
+    capacity C, eid [T], dest [T], row_expert [C]: ``packed_index`` (one launch on CUDA)
     x_pad [C, K]: x scattered to ``dest``; rows ≥ poff[-1] and padding rows are zero
 
 Every expert's segment starts at a multiple of b, so quantizing ``x_pad`` as one tensor
@@ -57,9 +55,10 @@ from hybrid_dist.formats import traced_rng
 from hybrid_dist.formats.nvfp4 import NV_BLOCK, NVFP4Quantizer, NVFP4State, nvfp4_global_scale, nvfp4_quantize_rows
 from hybrid_dist.formats.numerics import apply_hadamard16, hadamard16
 from hybrid_dist.moe._segment_ops import segment_state_rand
-from hybrid_dist.moe.split_quantize import padded_offsets, token_multiple
+from hybrid_dist.moe.packed_index import IndexCache, packed_index
+from hybrid_dist.moe.split_quantize import token_multiple
 
-__all__ = ["PackedSplit", "expert_amaxes", "fp8_rows_by_expert", "packed_fp8_rows", "place_rows",
+__all__ = ["PackedSplit", "expert_amaxes", "expert_scales", "fp8_rows_by_expert", "packed_fp8_rows", "place_rows",
            "split_quantize_packed", "unsupported_reason"]
 
 _BLOCK_ONLY = (IdentityQuantizer, MXFP8Quantizer, Float8BlockQuantizer)
@@ -90,19 +89,13 @@ class _Layout:
     """The packed index space of one call (module doc); ``x_pad`` is built on first use
     (per-tensor FP8 on CUDA writes its codes from ``x`` directly and never needs it)."""
 
-    def __init__(self, x, tokens_per_expert, multiple):
-        t, e = x.shape[0], tokens_per_expert.numel()
-        self.x, self.num_experts = x, e
-        self.cap = -(-(t + e * (multiple - 1)) // multiple) * multiple
-        self.off, self.poff = padded_offsets(tokens_per_expert, multiple)
-        dev = x.device
-        self.eid = torch.repeat_interleave(torch.arange(e, device=dev), tokens_per_expert, output_size=t)
-        self.dest = torch.arange(t, device=dev) - self.off[self.eid] + self.poff[self.eid]
-        # expert of each padded row, E past the last expert: repeat_interleave, not searchsorted
-        # (inductor's CUDA codegen of ``searchsorted(poff[1:], ...)`` dropped the slice's
-        # offset, torch 2.11: every row one expert late)
-        seg = torch.cat([self.poff.diff(), self.cap - self.poff[-1:]])
-        self.row_expert = torch.repeat_interleave(torch.arange(e + 1, device=dev), seg, output_size=self.cap)
+    def __init__(self, x, tokens_per_expert, multiple, cache: IndexCache | None = None):
+        rows = x.shape[0]
+        index = (cache.get(multiple) if cache is not None and cache.serves(tokens_per_expert, rows)
+                 else packed_index(tokens_per_expert, rows, multiple))
+        self.x, self.num_experts, self.cap = x, tokens_per_expert.numel(), index.capacity
+        self.off, self.poff, self.eid, self.dest, self.row_expert = (index.offsets, index.padded_offsets, index.eid,
+                                                                     index.dest, index.row_expert)
         self._x_pad = None
 
     @classmethod
@@ -157,12 +150,12 @@ def fp8_rows_by_expert(x: torch.Tensor, scale: torch.Tensor, row_expert: torch.T
     return cast_to_fp8(x * scale.float()[row_expert][:, None], dtype)  # fp32 product (type promotion)
 
 
-def _expert_scales(q: Float8Quantizer, x, amax, states):
+def expert_scales(q: Float8Quantizer, x, amax, states):
     """fp32 ``(scale [E], scale_inv [E])`` of each expert (current scaling: from ``amax``;
-    delayed: the states', recording ``amax``). Compiled on CUDA the divisions run in one
-    operator with eager's rounding (``kernels.fp8.scales``)."""
+    delayed: the states', recording ``amax``). On CUDA current scaling's divisions run in
+    one launch (eager) or operator (compiled) with torch's rounding (``kernels.fp8.scales``)."""
     compiling = torch.compiler.is_compiling()
-    traced_cuda = compiling and x.is_cuda and TRITON_INSTALLED
+    traced_cuda = x.is_cuda and TRITON_INSTALLED and (compiling or q.scaling == "current")
     scale = None
     if q.scaling == "delayed" and not compiling and all(isinstance(s, DelayedScalingState) for s in states):
         hist, scale = stacked_delayed_states(states, x.device)  # every expert's state at once
@@ -185,7 +178,7 @@ def _per_expert_fp8(q: Float8Quantizer, lay: _Layout, states, *, rowwise: bool, 
     """FP8 with one scale per expert: ``(rowwise fields or None, columnwise fields or None)``
     (one cast for both; the columnwise codes are the rowwise ones transposed)."""
     x = lay.x
-    scale, scale_inv = _expert_scales(q, x, expert_amaxes(x, lay.eid, lay.num_experts), states)
+    scale, scale_inv = expert_scales(q, x, expert_amaxes(x, lay.eid, lay.num_experts), states)
     if _fp8_kernel_fits(x):
         from hybrid_dist.kernels.fp8.rows import fp8_rows
 
@@ -322,12 +315,15 @@ def split_quantize_packed(
     states: Sequence[Any] | None = None,
     multiple: int | None = None,
     per_expert_draws: bool = False,
+    index: IndexCache | None = None,
 ) -> PackedSplit:
     """Quantize expert e's rows of ``x [T, K]`` (one quantizer for all experts, one state
     per expert) into the packed padded layout, with no device-to-host sync.
     ``per_expert_draws``: NVFP4 stochastic rounding draws each expert's padded segment
     from its own state, as ``split_quantize`` does (bitwise its draws; an opaque op that
-    reads the offsets on the host: the CPU reference, ``grouped_reference``)."""
+    reads the offsets on the host: the CPU reference, ``grouped_reference``). ``index``: the
+    layout's index when it serves these counts and rows (``packed_index.IndexCache``; its
+    owner made the counts, so they are not checked again), else one is built."""
     if x.dim() != 2 or tokens_per_expert.dim() != 1 or tokens_per_expert.device != x.device:
         raise ValueError(
             f"split_quantize_packed expects x [T, K] and tokens_per_expert [E] on x's device; got "
@@ -335,12 +331,13 @@ def split_quantize_packed(
         )
     if not x.is_floating_point():
         raise ValueError(f"split_quantize_packed expects a floating-point x, got {x.dtype}")
-    check_token_counts(tokens_per_expert, x.shape[0], "split_quantize_packed")
+    if index is None or not index.serves(tokens_per_expert, x.shape[0]):
+        check_token_counts(tokens_per_expert, x.shape[0], "split_quantize_packed")
     e = tokens_per_expert.numel()
     states = list(states) if states is not None else [None] * e
     mult = multiple or token_multiple(quantizer)
     x = x.detach()
-    lay = _Layout(x, tokens_per_expert, mult)
+    lay = _Layout(x, tokens_per_expert, mult, index)
     if _fp8_shared(quantizer) and (rowwise or columnwise):  # one cast for both directions
         st = [quantizer.direction_state(s, "rowwise") for s in states]
         row, col = _per_expert_fp8(quantizer.direction_quantizer("rowwise"), lay, st, rowwise=rowwise,
@@ -364,20 +361,21 @@ def placed_columnwise(x_pad: torch.Tensor, split: PackedSplit, quantizer) -> dic
 
 
 def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
-               columnwise: bool = False, src: torch.Tensor | None = None
+               columnwise: bool = False, src: torch.Tensor | None = None, index: IndexCache | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, PackedSplit]:
     """1-byte ``rows [T, W]`` in the packed layout, token t (expert order) from row ``src[t]``
     (None: row t): ``[C, W]`` with zero padding rows, its transpose ``[W, C]`` if
     ``columnwise`` (else None), and the layout's split without fields: one read of the rows
     (``kernels.fp8.rows.place_codes``) on CUDA, else a gather, ``index_copy`` and a
-    transpose. The expert-parallel receiver's placement, ``src`` its regroup."""
+    transpose. The expert-parallel receiver's placement, ``src`` its regroup, ``index`` its
+    route's (``split_quantize_packed``)."""
     if kernels_serve(rows) and rows.stride(-1) == 1:
         from hybrid_dist.kernels.fp8.rows import place_codes
 
-        lay = _Layout(rows, tokens_per_expert, multiple)
+        lay = _Layout(rows, tokens_per_expert, multiple, index)
         placed, placed_t = place_codes(rows, lay.row_expert, lay.off, lay.poff, columnwise=columnwise, src=src)
     else:
-        lay = _Layout(rows if src is None else rows[src], tokens_per_expert, multiple)
+        lay = _Layout(rows if src is None else rows[src], tokens_per_expert, multiple, index)
         placed = lay.x_pad
         placed_t = placed.t().contiguous() if columnwise else None
     return placed, placed_t, PackedSplit(rowwise=None, columnwise=None, offsets=lay.off, padded_offsets=lay.poff,
@@ -386,14 +384,16 @@ def place_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: in
 
 
 def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expert: torch.Tensor, multiple: int, *,
-                    columnwise: bool, src: torch.Tensor | None = None) -> PackedSplit:
+                    columnwise: bool, src: torch.Tensor | None = None, index: IndexCache | None = None
+                    ) -> PackedSplit:
     """The packed split of rows already quantized per expert: per-tensor FP8 ``data [T, K]``
     (sorted by expert, or token t at row ``src[t]``: ``place_rows``), ``scale_inv [E]``
     fp32. Equal to ``split_quantize_packed`` of the high-precision rows with the same
     per-expert scales (the codes are placed, not recomputed; columnwise = rowwise
     transposed, as for every per-tensor FP8 quantizer). The expert-parallel receiver uses
     it (``expert_parallel.quantized_exchange``)."""
-    row, col, g = place_rows(data.view(torch.uint8), tokens_per_expert, multiple, columnwise=columnwise, src=src)
+    row, col, g = place_rows(data.view(torch.uint8), tokens_per_expert, multiple, columnwise=columnwise, src=src,
+                             index=index)
     return dataclasses.replace(
         g, rowwise={"data": row.view(data.dtype), "scale_inv": scale_inv},
         columnwise={"data": col.view(data.dtype), "scale_inv": scale_inv} if columnwise else None)

@@ -2,7 +2,8 @@
 
 ``ExchangeIO`` holds the received rows (``"x_quantized"`` / ``"x_packed"``), the gradient
 the combine's backward fills before the last GroupedLinear's backward runs
-(``"dy_quantized"`` / ``"dy_packed"``), and the packed path's marker (``"packed"``).
+(``"dy_quantized"`` / ``"dy_packed"``), the packed path's marker (``"packed"``) and the
+route's packed index (``"index"``, ``packed_index.IndexCache``: one per layer and step).
 
 It is deliberately not a ``dict``, dataclass or tuple: module hooks that rebuild their
 forward arguments (FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` walks

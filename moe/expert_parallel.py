@@ -69,6 +69,7 @@ from hybrid_dist.moe.exchange_io import ExchangeIO
 from hybrid_dist.recipe_module import in_backward
 from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
+from hybrid_dist.moe.packed_index import IndexCache, packed_index
 from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
 
 __all__ = ["WireStats", "Route", "make_route", "dispatch", "combine", "combine_io"]
@@ -101,6 +102,7 @@ class Route:
     regroup: torch.Tensor  # [R]: expert-major row i = source-major row regroup[i]
     tokens_per_local_expert: torch.Tensor  # [E_l] int64 on device
     local_splits: list[int]  # [E_l]
+    index: IndexCache  # the received rows' packed index, per padding multiple (every consumer's)
 
 
 def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) -> Route:
@@ -123,16 +125,16 @@ def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) 
             pos += recv_counts[s][j]
     # built on the host (also under a CUDA default device), copied to the device once
     regroup = torch.cat([t for per in idx for t in per]) if pos else torch.zeros(0, dtype=torch.int64, device="cpu")
-    slot_offsets, _ = padded_offsets(tokens_per_expert, 1)
-    slot_expert = torch.repeat_interleave(torch.arange(e, device=tokens_per_expert.device), tokens_per_expert,
-                                          output_size=sum(counts))
+    slots = packed_index(tokens_per_expert, sum(counts), 1)
+    tokens_per_local_expert = recv.reshape(world, e_l).sum(0)
     return Route(
-        group=group, rank=rank, world=world, counts_global=counts, slot_expert=slot_expert, slot_offsets=slot_offsets,
+        group=group, rank=rank, world=world, counts_global=counts, slot_expert=slots.eid, slot_offsets=slots.offsets,
         send_splits=[sum(counts[d * e_l:(d + 1) * e_l]) for d in range(world)],
         recv_counts=recv_counts, recv_splits=[sum(r) for r in recv_counts],
         regroup=regroup.to(tokens_per_expert.device),
-        tokens_per_local_expert=recv.reshape(world, e_l).sum(0),
+        tokens_per_local_expert=tokens_per_local_expert,
         local_splits=[sum(recv_counts[s][j] for s in range(world)) for j in range(e_l)],
+        index=IndexCache(tokens_per_local_expert, pos),
     )
 
 
@@ -204,7 +206,8 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales known here
         scale_inv = slots.scale_inv[first:first + e_l]
         g = device_split.packed_fp8_rows(recv.view(row_q.dtype), scale_inv, route.tokens_per_local_expert,
-                                         packed_multiple, columnwise=need_columnwise, src=route.regroup)
+                                         packed_multiple, columnwise=need_columnwise, src=route.regroup,
+                                         index=route.index)
         return g, (_packed_values(g, x.dtype) if values else None)
     if packed_multiple is not None:
         if values:
@@ -252,7 +255,8 @@ def _packed_block_rows(recv, slots, quantizer, route: Route, multiple: int, need
     an NVFP4 columnwise, whose global scale is per expert, per expert
     (``device_split.placed_columnwise`` of the placed rows' values). ``recv``: source-major,
     read through the route's regroup."""
-    placed, _, g = device_split.place_rows(recv, route.tokens_per_local_expert, multiple, src=route.regroup)
+    placed, _, g = device_split.place_rows(recv, route.tokens_per_local_expert, multiple, src=route.regroup,
+                                           index=route.index)
     rows = _wire.split_fields(placed, slots)
     col = (device_split.placed_columnwise(rows.dequantize(dtype), g, quantizer.direction_quantizer("columnwise"))
            if need_columnwise else None)
@@ -350,7 +354,7 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
     (``GroupedLinear.packed_exchange``): the received rows arrive as ``io["x_packed"]``."""
     reason = _quantized_reason(plan, "input", need_columnwise)
     if reason is None:
-        io = ExchangeIO()
+        io = ExchangeIO(index=route.index)
         x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats, packed,
                                      plan.states["input"])
         return x, io
@@ -359,13 +363,13 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
     return _Exchange.apply(x_perm, route, True, stats, "dispatch"), None
 
 
-def combine_io(plan, packed: int | None = None) -> ExchangeIO | None:
+def combine_io(plan, packed: int | None = None, index: IndexCache | None = None) -> ExchangeIO | None:
     """The ``io`` to give the last GroupedLinear when its dy will arrive quantized
     (None: high precision; also for ``plan=None``); ``packed`` as for ``dispatch`` (dy then
-    arrives as ``io["dy_packed"]``)."""
+    arrives as ``io["dy_packed"]``); ``index`` the route's (``Route.index``)."""
     if plan is None or _quantized_reason(plan, "grad_output", True) is not None:
         return None
-    return ExchangeIO() if packed is None else ExchangeIO(packed=packed)
+    return ExchangeIO(index=index) if packed is None else ExchangeIO(packed=packed, index=index)
 
 
 def combine(y_local, route: Route, *, plan=None, io: ExchangeIO | None = None, stats=None):

@@ -215,10 +215,12 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         mult = packed_multiple(plan)
         xs = io.get("x_packed") if io else None  # expert parallel: the received rows, packed
+        index = io.get("index") if io else None  # expert parallel: the route's packed index
         x_hp = x if xs is None else None  # rows exchanged already quantized: no reference
         if xs is None:
             xs = device_split.split_quantize_packed(x, tokens_per_expert, plan.input, rowwise=True,
-                                                    columnwise=need_wgrad, states=plan.states["input"], multiple=mult)
+                                                    columnwise=need_wgrad, states=plan.states["input"], multiple=mult,
+                                                    index=index)
         offs = xs.padded_offsets[1:].to(torch.int32)
         tok_offs = xs.offsets[1:].to(torch.int32)
         w_row, w_col = _weights(weight, plan, need_dgrad)
@@ -239,6 +241,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         ctx.plan, ctx.mult, ctx.num_experts, ctx.w_from_weight = plan, mult, weight.shape[0], from_weight
         ctx.io = io if io and "packed" in io else None  # only dy_packed is read back (not the x rows)
         ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
+        ctx.index = index
         return y
 
     @staticmethod
@@ -252,7 +255,8 @@ class _QuantizedGroupedFn(torch.autograd.Function):
             plan.advance("grad_output")
             dys = device_split.split_quantize_packed(dy.contiguous(), ctx.tokens_per_expert, plan.grad_output,
                                                      rowwise=need_dgrad, columnwise=need_wgrad,
-                                                     states=plan.states["grad_output"], multiple=ctx.mult)
+                                                     states=plan.states["grad_output"], multiple=ctx.mult,
+                                                     index=ctx.index)
         w_op = _dgrad_operand(w_col, ctx.num_experts, ctx.w_from_weight, dy) if need_dgrad else None
         if ctx.stats is not None:
             row = [_token(plan.grad_output, dys.rowwise, "rowwise").storage] if need_dgrad else None

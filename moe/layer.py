@@ -127,6 +127,6 @@ class MoE(nn.Module):
         pk2 = self.fc2.packed_exchange(x_perm.new_empty(0, self.fc2.in_features), "grad_output") \
             if plan2 is not None else None
         x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire, packed=pk1)
-        io2 = ep.combine_io(plan2, packed=pk2)
+        io2 = ep.combine_io(plan2, packed=pk2, index=route.index)
         y_local = self._experts(x_local, route.tokens_per_local_expert, io1, io2)
         return ep.combine(y_local, route, plan=plan2, io=io2, stats=self.wire)

@@ -250,6 +250,23 @@ PACKED = {"fp8_current": "packed_fp8_rows", "fp8_delayed": "packed_fp8_rows", "m
 PACKED_DW_FLOOR = {"mxfp8": DW_SQNR_FLOOR_DB, "mxfp8_fwd_nvfp4_bwd": NVFP4_FLOOR}  # requantized columnwise
 
 
+def _count_index_builds() -> list:
+    """In this worker process, every packed index built (``moe.packed_index``), appended to
+    the returned list."""
+    import hybrid_dist.moe.device_split as ds
+    import hybrid_dist.moe.expert_parallel as ep_mod
+    import hybrid_dist.moe.packed_index as pi
+
+    builds, real = [], pi.packed_index
+
+    def counted(*a):
+        builds.append(a[2])
+        return real(*a)
+
+    pi.packed_index = ds.packed_index = ep_mod.packed_index = counted
+    return builds
+
+
 def _packed_worker(rank, world, recipe_name):
     """``recipe_name`` with the packed grouped path forced on CPU (its emulated kernels): the
     quantized dispatch hands the received rows over packed (``io["x_packed"]`` /
@@ -263,6 +280,7 @@ def _packed_worker(rank, world, recipe_name):
     calls, fn = [], PACKED[recipe_name]
     place = getattr(ds, fn)
     setattr(ds, fn, lambda *a, **k: calls.append(1) or place(*a, **k))
+    builds = _count_index_builds()
     torch.manual_seed(1234)
     xs = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
     dys = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
@@ -272,10 +290,17 @@ def _packed_worker(rank, world, recipe_name):
     for quantized in (True, False):
         moe = _build(recipe, dist.group.WORLD, quantized)
         _load_slice(moe, ref, rank, world)
-        n0 = len(calls)
+        n0, b0 = len(calls), len(builds)
         y, dx = _run_ep(moe, xs[rank], dys[rank], True)
-        runs[quantized] = (y, dx, moe.fc1.weight.grad, moe.fc2.weight.grad, len(calls) - n0, dict(moe.wire.bytes))
+        runs[quantized] = (y, dx, moe.fc1.weight.grad, moe.fc2.weight.grad, len(calls) - n0, dict(moe.wire.bytes),
+                           len(builds) - b0)
     hp_dy = recipe_name == "mxfp8_fwd_nvfp4_bwd"  # its dy (NVFP4 SR) travels high precision
+    # packed indexes built in the step: the route's slots, then the received rows' one index
+    # shared by the dispatch, both experts' splits and the combine's gradient; where dy travels
+    # high precision fc2 splits h and dy without the route's index. HP dispatch: every split its own
+    want_builds = (2 + 2 * hp_dy, 5)
+    if (runs[True][6], runs[False][6]) != want_builds:
+        bad.append(f"{cfg}: packed index builds {runs[True][6]} / {runs[False][6]} (expected {want_builds})")
     if (runs[True][4], runs[False][4]) != (1 if hp_dy else 2, 0):
         bad.append(f"{cfg}: {fn} calls {runs[True][4]} / {runs[False][4]} (expected {1 if hp_dy else 2} / 0)")
     requantized = recipe_name in PACKED_DW_FLOOR

@@ -47,6 +47,7 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     import types
 
     from hybrid_dist.moe import device_split, split_quantize
+    from hybrid_dist.moe.packed_index import IndexCache
     from hybrid_dist.moe.split_quantize import padded_offsets
 
     recipe = hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd")
@@ -73,7 +74,8 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     regroup = torch.randperm(sum(counts), generator=g)  # expert-major row i = received row regroup[i]
     wire = _wire.pack(rows)
     received = torch.empty_like(wire).index_copy_(0, regroup, wire)
-    route = types.SimpleNamespace(tokens_per_local_expert=tokens, regroup=regroup)
+    route = types.SimpleNamespace(tokens_per_local_expert=tokens, regroup=regroup,
+                                  index=IndexCache(tokens, sum(counts)))
     packed = ep._packed_block_rows(received, rows, q, route, multiple, True, torch.bfloat16)
     in_order = _wire.split_fields(device_split.place_rows(wire, tokens, multiple)[0], rows)
     for f, t in packed.rowwise.items():
