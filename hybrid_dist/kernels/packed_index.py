@@ -27,7 +27,7 @@ from hybrid_dist.kernels._launch import launch
 _BLOCK = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t", "c"])  # row counts change every step: no recompiles
 def _packed_index_kernel(m_ptr, off_ptr, poff_ptr, eid_ptr, dest_ptr, row_expert_ptr, t, c, e,
                          MULT: tl.constexpr, EB: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
