@@ -53,7 +53,8 @@ direction, and a columnwise one derived from its bits, is bitwise that of exchan
 precision. No dequantized copy is made for autograd: the tensor the graph carries between
 the exchange and the experts (forward rows, backward dy) is a broadcast stand-in.
 
-Host syncs: the counts, once per step (``make_route``: ``all_to_all_single``'s split sizes).
+Host syncs: one a layer and step (``make_route``: the sent and received counts, read together
+for ``all_to_all_single``'s split sizes); the regroup index is built on the device.
 """
 
 from __future__ import annotations
@@ -116,26 +117,28 @@ def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) 
     dist.all_to_all_single(recv, tokens_per_expert.contiguous(), group=group)
     if stats is not None:
         stats.add("counts", (world - 1) * e_l * tokens_per_expert.element_size())
-    counts = tokens_per_expert.tolist()  # host read: a2a split sizes (module note)
-    recv_counts = recv.reshape(world, e_l).tolist()
-    idx, pos = [[] for _ in range(e_l)], 0
-    for s in range(world):
-        for j in range(e_l):
-            idx[j].append(torch.arange(pos, pos + recv_counts[s][j], device="cpu"))
-            pos += recv_counts[s][j]
-    # built on the host (also under a CUDA default device), copied to the device once
-    regroup = torch.cat([t for per in idx for t in per]) if pos else torch.zeros(0, dtype=torch.int64, device="cpu")
+    both = torch.cat([tokens_per_expert.reshape(-1), recv.reshape(-1)]).tolist()  # the host read (module note)
+    counts, recv_counts = both[:e], [both[e + s * e_l:e + (s + 1) * e_l] for s in range(world)]
+    rows = sum(both[e:])
     slots = packed_index(tokens_per_expert, sum(counts), 1)
     tokens_per_local_expert = recv.reshape(world, e_l).sum(0)
     return Route(
         group=group, rank=rank, world=world, counts_global=counts, slot_expert=slots.eid, slot_offsets=slots.offsets,
         send_splits=[sum(counts[d * e_l:(d + 1) * e_l]) for d in range(world)],
         recv_counts=recv_counts, recv_splits=[sum(r) for r in recv_counts],
-        regroup=regroup.to(tokens_per_expert.device),
-        tokens_per_local_expert=tokens_per_local_expert,
+        regroup=_regroup(recv, world, e_l, rows), tokens_per_local_expert=tokens_per_local_expert,
         local_splits=[sum(recv_counts[s][j] for s in range(world)) for j in range(e_l)],
-        index=IndexCache(tokens_per_local_expert, pos),
+        index=IndexCache(tokens_per_local_expert, rows),
     )
+
+
+def _regroup(recv: torch.Tensor, world: int, e_l: int, rows: int) -> torch.Tensor:
+    """``[rows]`` int64: expert-major row i = source-major row ``regroup[i]`` (note "exchange
+    layout"), built on the device from the received counts ``recv [W·E_l]`` (no host copy)."""
+    cnt = recv.reshape(-1).to(torch.int64)
+    src_start = (cnt.cumsum(0) - cnt).reshape(world, e_l).t().reshape(-1)  # each block's first arriving row
+    blocks = packed_index(cnt.reshape(world, e_l).t().reshape(-1), rows, 1)  # blocks in expert-major order
+    return blocks.dest - blocks.offsets[blocks.eid] + src_start[blocks.eid]
 
 
 def _a2a(x: torch.Tensor, in_splits, out_splits, route: Route, stats, key: str) -> torch.Tensor:

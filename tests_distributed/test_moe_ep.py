@@ -295,10 +295,11 @@ def _packed_worker(rank, world, recipe_name):
         runs[quantized] = (y, dx, moe.fc1.weight.grad, moe.fc2.weight.grad, len(calls) - n0, dict(moe.wire.bytes),
                            len(builds) - b0)
     hp_dy = recipe_name == "mxfp8_fwd_nvfp4_bwd"  # its dy (NVFP4 SR) travels high precision
-    # packed indexes built in the step: the route's slots, then the received rows' one index
-    # shared by the dispatch, both experts' splits and the combine's gradient; where dy travels
-    # high precision fc2 splits h and dy without the route's index. HP dispatch: every split its own
-    want_builds = (2 + 2 * hp_dy, 5)
+    # packed indexes built in the step: the route's two (its slots, its regroup blocks), then
+    # the received rows' one index shared by the dispatch, both experts' splits and the
+    # combine's gradient; where dy travels high precision fc2 splits h and dy without the
+    # route's index. HP dispatch: every split its own
+    want_builds = (3 + 2 * hp_dy, 6)
     if (runs[True][6], runs[False][6]) != want_builds:
         bad.append(f"{cfg}: packed index builds {runs[True][6]} / {runs[False][6]} (expected {want_builds})")
     if (runs[True][4], runs[False][4]) != (1 if hp_dy else 2, 0):

@@ -77,3 +77,22 @@ def test_split_with_a_cache_equals_without(recipe_name):
     placed, _, g = device_split.place_rows(rows, counts, 32, index=cache)
     assert g.row_expert is cache.get(32).row_expert
     assert_bitwise_equal(placed, device_split.place_rows(rows, counts, 32)[0], "place_rows with the cache")
+
+
+@pytest.mark.parametrize("world,e_l", [(1, 3), (2, 2), (4, 2), (3, 1)])
+def test_regroup_is_built_on_the_device_as_the_exchange_layout(world, e_l):
+    """``expert_parallel._regroup``: expert-major row i is source-major row ``regroup[i]``,
+    the index a loop over (expert, source) blocks builds, with empty blocks."""
+    from hybrid_dist.moe.expert_parallel import _regroup
+
+    g = torch.Generator().manual_seed(world * 10 + e_l)
+    recv = torch.randint(0, 5, (world * e_l,), generator=g)
+    recv[1 % recv.numel()] = 0
+    counts = recv.reshape(world, e_l).tolist()
+    starts, pos = {}, 0
+    for s in range(world):
+        for j in range(e_l):
+            starts[s, j], pos = pos, pos + counts[s][j]
+    want = [starts[s, j] + i for j in range(e_l) for s in range(world) for i in range(counts[s][j])]
+    got = _regroup(recv, world, e_l, pos)
+    assert got.dtype == torch.int64 and got.tolist() == want, f"W={world} E_l={e_l} counts {counts}"
