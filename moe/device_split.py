@@ -155,7 +155,7 @@ def expert_scales(q: Float8Quantizer, x, amax, states):
     delayed: the states', recording ``amax``). On CUDA current scaling's divisions run in
     one launch (eager) or operator (compiled) with torch's rounding (``kernels.fp8.scales``)."""
     compiling = torch.compiler.is_compiling()
-    traced_cuda = x.is_cuda and TRITON_INSTALLED and (compiling or q.scaling == "current")
+    use_kernel = x.is_cuda and TRITON_INSTALLED and (compiling or q.scaling == "current")
     scale = None
     if q.scaling == "delayed" and not compiling and all(isinstance(s, DelayedScalingState) for s in states):
         hist, scale = stacked_delayed_states(states, x.device)  # every expert's state at once
@@ -163,9 +163,9 @@ def expert_scales(q: Float8Quantizer, x, amax, states):
         scale = scale.clone()
     elif q.scaling == "delayed":  # traced (stacking rebinds the states' tensors) or wrong states (raises)
         scale = torch.stack([q.compute_scale(x, states[i], amax[i]) for i in range(amax.numel())])
-    elif not traced_cuda:
+    elif not use_kernel:
         scale = q.compute_scale(x, None, amax)
-    if not traced_cuda:
+    if not use_kernel:
         return scale, torch.reciprocal(scale)
     from hybrid_dist.kernels.fp8.scales import fp8_expert_scales
 
