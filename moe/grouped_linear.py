@@ -213,8 +213,10 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         input quantization; ``"dy_quantized"``, filled before this layer's backward runs,
         replaces the gradient quantization (``expert_parallel``). On the packed CUDA path
         the same as ``"x_packed"`` / ``"dy_packed"`` (``device_split.PackedSplit``; ``io``
-        then holds ``"x_packed"`` or ``"packed"``: ``packed_exchange``)."""
-        self._check(x, tokens_per_expert)
+        then holds ``"x_packed"`` or ``"packed"``: ``packed_exchange``), and ``"index"``, the
+        route's packed index, whose owner made the counts (not checked again on the device)."""
+        index = io.get("index") if io is not None else None
+        self._check(x, tokens_per_expert, counted=index is not None and index.serves(tokens_per_expert, x.shape[0]))
         recipe = self.active_recipe()
         if recipe is None:
             return _grouped_mm.high_precision(x, self.weight, tokens_per_expert)
@@ -247,7 +249,7 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
             return w
         return torch.empty(w.shape, dtype=dtype, device="meta")
 
-    def _check(self, x, tokens_per_expert) -> None:
+    def _check(self, x, tokens_per_expert, counted: bool = False) -> None:
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"GroupedLinear expects x [T, {self.in_features}], got {tuple(x.shape)}")
         if (not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.shape != (self.num_experts,)
@@ -257,7 +259,8 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
                 f"{x.device}; got {getattr(tokens_per_expert, 'dtype', type(tokens_per_expert).__name__)} "
                 f"{tuple(getattr(tokens_per_expert, 'shape', ()))} on {getattr(tokens_per_expert, 'device', None)}"
             )
-        check_token_counts(tokens_per_expert, x.shape[0], "GroupedLinear")
+        if not counted:
+            check_token_counts(tokens_per_expert, x.shape[0], "GroupedLinear")
 
     def extra_repr(self) -> str:
         recipe = self.recipe.name if self.recipe else None

@@ -281,6 +281,10 @@ def _packed_worker(rank, world, recipe_name):
     place = getattr(ds, fn)
     setattr(ds, fn, lambda *a, **k: calls.append(1) or place(*a, **k))
     builds = _count_index_builds()
+    import hybrid_dist.moe.grouped_linear as gl
+
+    checks, check = [], gl.check_token_counts
+    gl.check_token_counts = lambda *a: checks.append(1) or check(*a)
     torch.manual_seed(1234)
     xs = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
     dys = list(torch.randn(world * T, H, dtype=torch.bfloat16).split(T))
@@ -290,10 +294,10 @@ def _packed_worker(rank, world, recipe_name):
     for quantized in (True, False):
         moe = _build(recipe, dist.group.WORLD, quantized)
         _load_slice(moe, ref, rank, world)
-        n0, b0 = len(calls), len(builds)
+        n0, b0, c0 = len(calls), len(builds), len(checks)
         y, dx = _run_ep(moe, xs[rank], dys[rank], True)
         runs[quantized] = (y, dx, moe.fc1.weight.grad, moe.fc2.weight.grad, len(calls) - n0, dict(moe.wire.bytes),
-                           len(builds) - b0)
+                           len(builds) - b0, len(checks) - c0)
     hp_dy = recipe_name == "mxfp8_fwd_nvfp4_bwd"  # its dy (NVFP4 SR) travels high precision
     # packed indexes built in the step: the route's two (its slots, its regroup blocks), then
     # the received rows' one index shared by the dispatch, both experts' splits and the
@@ -302,6 +306,10 @@ def _packed_worker(rank, world, recipe_name):
     want_builds = (3 + 2 * hp_dy, 6)
     if (runs[True][6], runs[False][6]) != want_builds:
         bad.append(f"{cfg}: packed index builds {runs[True][6]} / {runs[False][6]} (expected {want_builds})")
+    # GroupedLinear checks the counts on the device unless its io carries the route's index
+    want_checks = (1 if hp_dy else 0, 2)  # fc2's io is None where dy travels high precision
+    if (runs[True][7], runs[False][7]) != want_checks:
+        bad.append(f"{cfg}: GroupedLinear count checks {runs[True][7]} / {runs[False][7]} (expected {want_checks})")
     if (runs[True][4], runs[False][4]) != (1 if hp_dy else 2, 0):
         bad.append(f"{cfg}: {fn} calls {runs[True][4]} / {runs[False][4]} (expected {1 if hp_dy else 2} / 0)")
     requantized = recipe_name in PACKED_DW_FLOOR
