@@ -187,8 +187,12 @@ class Transformer(nn.Module):
         aux = torch.zeros((), dtype=torch.float32, device=h.device, requires_grad=self.cfg.moe_experts > 0)
         if self.sp_group is not None:  # blocks on [S/tp, B, D] (launch.sequence_parallel)
             h = scatter_sequence(h.transpose(0, 1), self.sp_group)
+        # side inputs in the blocks' compute dtype, as FSDP2's MixedPrecisionPolicy casts them: it
+        # does so at every block in torch 2.13, but before only at a multi-block unit's first
+        # block (--fsdp-unit), which left the others fp32 rope tables and a second graph
+        cos, sin = self.rope_cos.to(h.dtype), self.rope_sin.to(h.dtype)
         for layer in self.layers.values():
-            h, aux = layer(h, self.rope_cos, self.rope_sin, aux)
+            h, aux = layer(h, cos, sin, aux.to(h.dtype))
         if self.sp_group is not None:
             h = gather_sequence(h, self.sp_group).transpose(0, 1)
         return self.output(self.norm(h)).float(), aux
