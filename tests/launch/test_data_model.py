@@ -78,6 +78,23 @@ def test_model_forward_backward_shapes_and_recipe(moe_experts):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("moe_experts", [0, 4])
+def test_blocks_get_side_inputs_in_the_compute_dtype(moe_experts):
+    """Every block receives the rope tables and ``aux`` in the activations' dtype from the
+    model itself, as under FSDP2 mixed precision (bf16 compute, fp32 buffers): FSDP2's own
+    input cast ran only at a multi-block unit's first block before torch 2.13."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", moe_experts=moe_experts))
+    model.init_weights()
+    model.to(torch.bfloat16)
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()  # buffers stay fp32
+    seen = []
+    for block in model.layers.values():
+        block.register_forward_pre_hook(lambda m, args: seen.append([a.dtype for a in args]))
+    model(torch.randint(512, (2, 16)))
+    assert seen == [[torch.bfloat16] * 4] * len(model.layers), seen
+
+
 def test_model_is_causal():
     torch.manual_seed(0)
     model = Transformer(preset("tiny"))
