@@ -71,7 +71,7 @@ from hybrid_dist.recipe_module import in_backward
 from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.packed_index import IndexCache, packed_index
-from hybrid_dist.moe.split_quantize import GroupedQuantized, padded_offsets
+from hybrid_dist.moe.split_quantize import GroupedQuantized
 
 __all__ = ["WireStats", "Route", "make_route", "dispatch", "combine", "combine_io"]
 
@@ -218,15 +218,14 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
         return _packed_block_rows(recv, slots, quantizer, route, packed_multiple, need_columnwise, x.dtype), None
     recv = _to_expert_major(recv, route)
     padded = [-(-m // multiple) * multiple for m in route.local_splits]
-    off, poff = padded_offsets(route.tokens_per_local_expert, multiple)
-    dest = _padded_rows(route.tokens_per_local_expert, off, poff, recv.shape[0])
-    rows_all = _wire.unpack(recv, slots, dest, sum(padded))
+    index = route.index.get(multiple)  # offsets and each received row's padded row
+    rows_all = _wire.unpack(recv, slots, index.dest, sum(padded))
     starts = [sum(padded[:j]) for j in range(len(padded))]
     rows = [_wire.expert_rows(rows_all, first + j, s, p) for j, (s, p) in enumerate(zip(starts, padded))]
     cols = (receiver_columnwise(quantizer, rows_all, rows, list(zip(starts, padded)), x.dtype) if need_columnwise
             else [None] * len(rows))
     g = GroupedQuantized(rowwise=rows, columnwise=cols, splits=list(route.local_splits), padded_splits=padded,
-                         offsets=off, padded_offsets=poff)
+                         offsets=index.offsets, padded_offsets=index.padded_offsets)
     if not values:
         return g, None
     return g, torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(rows, route.local_splits)])
@@ -281,12 +280,6 @@ def receiver_columnwise(quantizer, rows_all, rows: list, spans: list[tuple[int, 
             return [col.narrow_dim0(s, p).map_tensors(torch.Tensor.contiguous) for s, p in spans]
     derived = _wire.derivable_columnwise(quantizer)
     return [_wire.columnwise_of(quantizer, st, None if derived else st.dequantize(dtype)) for st in rows]
-
-
-def _padded_rows(counts: torch.Tensor, off: torch.Tensor, poff: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[R]``: the padded row of each expert-major received row (on device)."""
-    eid = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=rows)
-    return torch.arange(rows, device=counts.device) - off[eid] + poff[eid]
 
 
 def _packed_values(g: device_split.PackedSplit, dtype) -> torch.Tensor:

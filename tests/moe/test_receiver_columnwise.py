@@ -47,8 +47,7 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     import types
 
     from hybrid_dist.moe import device_split, split_quantize
-    from hybrid_dist.moe.packed_index import IndexCache
-    from hybrid_dist.moe.split_quantize import padded_offsets
+    from hybrid_dist.moe.packed_index import IndexCache, packed_index
 
     recipe = hd.recipe_from_name("mxfp8_fwd_nvfp4_bwd")
     plan = GroupedLinear(4, 256, 256, recipe=recipe).plan(recipe)
@@ -61,8 +60,8 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     rows = q.quantize_storages(x, rowwise=True, columnwise=False)[0]  # the wire rows, expert-major
     padded = [-(-m // multiple) * multiple for m in counts]
     loop = split_quantize(rows.dequantize(torch.bfloat16), tokens, [q] * 4, multiple=multiple)
-    off, poff = padded_offsets(tokens, multiple)
-    rows_all = _wire.unpack(_wire.pack(rows), rows, ep._padded_rows(tokens, off, poff, sum(counts)), sum(padded))
+    dest = packed_index(tokens, sum(counts), multiple).dest  # each row's padded row
+    rows_all = _wire.unpack(_wire.pack(rows), rows, dest, sum(padded))
     spans = [(sum(padded[:j]), p) for j, p in enumerate(padded)]
     experts = [rows_all.narrow_dim0(s, p) for s, p in spans]
     got = ep.receiver_columnwise(q, rows_all, experts, spans, torch.bfloat16)
