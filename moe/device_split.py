@@ -91,8 +91,8 @@ class _Layout:
 
     def __init__(self, x, tokens_per_expert, multiple, cache: IndexCache | None = None):
         rows = x.shape[0]
-        index = (cache.get(multiple) if cache is not None and cache.serves(tokens_per_expert, rows)
-                 else packed_index(tokens_per_expert, rows, multiple))
+        cache = IndexCache.serving(cache, tokens_per_expert, rows)
+        index = cache.get(multiple) if cache is not None else packed_index(tokens_per_expert, rows, multiple)
         self.x, self.num_experts, self.cap = x, tokens_per_expert.numel(), index.capacity
         self.off, self.poff, self.eid, self.dest, self.row_expert = (index.offsets, index.padded_offsets, index.eid,
                                                                      index.dest, index.row_expert)
@@ -331,7 +331,7 @@ def split_quantize_packed(
         )
     if not x.is_floating_point():
         raise ValueError(f"split_quantize_packed expects a floating-point x, got {x.dtype}")
-    if index is None or not index.serves(tokens_per_expert, x.shape[0]):
+    if IndexCache.serving(index, tokens_per_expert, x.shape[0]) is None:
         check_token_counts(tokens_per_expert, x.shape[0], "split_quantize_packed")
     e = tokens_per_expert.numel()
     states = list(states) if states is not None else [None] * e

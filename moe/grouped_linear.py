@@ -55,6 +55,7 @@ from hybrid_dist.recipes import Recipe
 from hybrid_dist.moe import _grouped_mm, grouped_quantized, grouped_reference
 from hybrid_dist.moe._checks import check_token_counts
 from hybrid_dist.moe.grouped_operands import expert_weight_storages
+from hybrid_dist.moe.packed_index import IndexCache
 from hybrid_dist.moe.split_quantize import split_quantize, token_multiple
 
 __all__ = ["GroupedLinear", "GroupedPlan", "apply_grouped_linear"]
@@ -216,7 +217,7 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         then holds ``"x_packed"`` or ``"packed"``: ``packed_exchange``), and ``"index"``, the
         route's packed index, whose owner made the counts (not checked again on the device)."""
         index = io.get("index") if io is not None else None
-        self._check(x, tokens_per_expert, counted=index is not None and index.serves(tokens_per_expert, x.shape[0]))
+        self._check(x, tokens_per_expert, counted=IndexCache.serving(index, tokens_per_expert, x.shape[0]) is not None)
         recipe = self.active_recipe()
         if recipe is None:
             return _grouped_mm.high_precision(x, self.weight, tokens_per_expert)

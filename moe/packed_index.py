@@ -89,3 +89,9 @@ class IndexCache:
     def serves(self, tokens_per_expert: torch.Tensor, rows: int) -> bool:
         """Whether this cache indexes these counts (the same tensor) over ``rows`` rows."""
         return tokens_per_expert is self.tokens_per_expert and rows == self.rows
+
+    @staticmethod
+    def serving(cache: "IndexCache | None", tokens_per_expert: torch.Tensor, rows: int) -> "IndexCache | None":
+        """``cache`` if it serves these counts over ``rows`` rows (its owner made the counts,
+        so a caller need not check them again), else None."""
+        return cache if cache is not None and cache.serves(tokens_per_expert, rows) else None

@@ -53,6 +53,8 @@ def test_cache_builds_once_per_multiple(monkeypatch):
     assert built == [16, 32]
     assert cache.serves(counts, 43)
     assert not cache.serves(counts.clone(), 43) and not cache.serves(counts, 42)
+    assert pi.IndexCache.serving(cache, counts, 43) is cache
+    assert pi.IndexCache.serving(cache, counts, 42) is None and pi.IndexCache.serving(None, counts, 43) is None
 
 
 @pytest.mark.parametrize("recipe_name", ["fp8_current", "mxfp8"])
