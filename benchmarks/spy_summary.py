@@ -6,11 +6,14 @@ records inflate op-heavy host code most (its cost grows with the sampling rate: 
 From the collapsed stacks (``frame;frame;... count`` per line; with ``--subprocesses`` the
 first frame names the process) this keeps the samples inside the launcher's ``train_step`` and
 outside compilation and first calls (Dynamo, AOTAutograd, inductor and Triton compiling,
-imports inside a step), splits them by region (forward / backward / optimizer; the backward's
-Python runs on autograd's thread, outside ``train_step``: its samples are the other threads'
-stacks with a ``backward`` frame), and prints per region the functions with the most samples,
-inclusive and as the innermost frame, as shares of all kept samples. Compare summaries of
-different configurations recorded the same way.
+Triton loading a kernel and building its launcher, imports inside a step), splits them by
+region (forward / backward / optimizer; the backward's Python runs on autograd's thread,
+outside ``train_step``: its samples are the other threads' stacks with a ``backward`` frame),
+and prints per region the functions with the most samples, inclusive and as the innermost
+frame, as shares of all kept samples. Samples where the host blocks (a launch into a full
+queue, a collective's enqueue, a synchronization) count as the function that blocked: a step
+bound by its device shows them. Compare summaries of different configurations recorded the
+same way.
 
 Run: ``python -m benchmarks.spy_summary hd.txt.gz tao.txt.gz [--top 25]``.
 """
@@ -24,6 +27,7 @@ from collections import Counter
 
 COMPILING = re.compile(r"convert_frame|compile_fx|_compile_inner|aot_module|create_aot_dispatcher|codecache"
                        r"|JITFunction\._do_compile"  # Triton compiling a kernel at its first launch
+                       r"|CompiledKernel\._init_handles"  # ... and loading it (its launcher built once)
                        r"|fx_codegen|lowering|scheduler\.py|autotune|async_compile"
                        # first calls: a module imported inside a step, AOTAutograd's check of
                        # custom-op aliasing on a compiled graph's first run

@@ -14,6 +14,8 @@ LINES = [
     f"{TRAIN};forward (model.py:60);__call__ (eval_frame.py:400) 30",
     f"{TRAIN};forward (model.py:60);_compile_inner (convert_frame.py:700) 500",  # compiling: left out
     f"{TRAIN};cast (fp8_tensor.py:9);launch (_launch.py:124);JITFunction._do_compile (jit.py:3) 40",  # Triton JIT
+    f"{P};_worker (threading.py:1);backward (x.py:1);launch (_launch.py:124);JITFunction.run (jit.py:743);"
+    "CompiledKernel._init_handles (compiler.py:452);compile_module_from_src (build.py:84) 52",  # a first load
     f"{P};_worker (threading.py:1);backward (x.py:1);launch (_launch.py:124);run (jit.py:710);"
     "_find_and_load (<frozen importlib._bootstrap>:1360) 12",  # an import at a first launch: left out
     f"{TRAIN};forward (model.py:60);_AnalyzeCustomOpInputOutputMode.__torch_dispatch__ "
