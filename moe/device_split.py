@@ -391,7 +391,7 @@ def packed_fp8_rows(data: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expe
     fp32. Equal to ``split_quantize_packed`` of the high-precision rows with the same
     per-expert scales (the codes are placed, not recomputed; columnwise = rowwise
     transposed, as for every per-tensor FP8 quantizer). The expert-parallel receiver uses
-    it (``expert_parallel.quantized_exchange``)."""
+    it (``quantized_exchange``)."""
     row, col, g = place_rows(data.view(torch.uint8), tokens_per_expert, multiple, columnwise=columnwise, src=src,
                              index=index)
     return dataclasses.replace(

@@ -287,7 +287,7 @@ def grouped_linear(x, weight, tokens_per_expert, plan, io=None) -> torch.Tensor:
 def exchange_packable(plan, tensor_type: str) -> bool:
     """An expert-parallel exchange can hand this path ``tensor_type``'s rows packed: per-tensor
     FP8 with columnwise = rowwise transposed (``device_split.packed_fp8_rows``; delayed scaling's
-    scales and histories kept by the exchange, ``expert_parallel.quantized_exchange``),
+    scales and histories kept by the exchange, ``quantized_exchange``),
     or a block format without per-tensor fields whose columnwise the receiver requantizes
     from the rows (MXFP8; FP8 blocks with power-of-two scales: ``_wire``'s module doc)."""
     q = getattr(plan, tensor_type)

@@ -21,7 +21,7 @@ Without ``ep_group`` the layer makes no device-to-host sync on the CUDA paths (e
 splits read their offsets once, ``device_split``) and, on CPU,
 ``torch.compile(fullgraph=True)`` traces it whole with one graph for every routing
 (``grouped_linear``). Expert parallelism keeps a host sync: the all-to-all split sizes
-are read on the host (``expert_parallel.make_route``), and the received operands reach the
+are read on the host (``route.make_route``), and the received operands reach the
 expert layers through an opaque ``ExchangeIO``; so under ``torch.compile`` the exchange
 and the experts between it run eagerly (one graph break per forward), with the router,
 the permutation and the combine's weighting compiled around them, and a new routing

@@ -254,8 +254,8 @@ def _count_index_builds() -> list:
     """In this worker process, every packed index built (``moe.packed_index``), appended to
     the returned list."""
     import hybrid_dist.moe.device_split as ds
-    import hybrid_dist.moe.expert_parallel as ep_mod
     import hybrid_dist.moe.packed_index as pi
+    import hybrid_dist.moe.route as route_mod
 
     builds, real = [], pi.packed_index
 
@@ -263,7 +263,7 @@ def _count_index_builds() -> list:
         builds.append(a[2])
         return real(*a)
 
-    pi.packed_index = ds.packed_index = ep_mod.packed_index = counted
+    pi.packed_index = ds.packed_index = route_mod.packed_index = counted
     return builds
 
 

@@ -28,6 +28,7 @@ import hybrid_dist as hd
 from hybrid_dist.formats.numerics import e8m0_to_scale
 from hybrid_dist.moe import GroupedLinear, split_quantize
 from hybrid_dist.moe import expert_parallel as ep
+from hybrid_dist.moe.quantized_exchange import quantized_exchange
 from tests._helpers import sqnr_db
 from tests_distributed._harness import run_ranks
 
@@ -99,8 +100,8 @@ def _exchanged(rank, world, recipe_name, kind):
     x, counts = _inputs(kind, rank)
     stats = ep.WireStats()
     route = ep.make_route(counts, dist.group.WORLD, stats)
-    g, values = ep.quantized_exchange(x, route, plan.input, multiple=plan.multiple, need_columnwise=True,
-                                      stats=stats, key="dispatch")
+    g, values = quantized_exchange(x, route, plan.input, multiple=plan.multiple, need_columnwise=True,
+                                   stats=stats, key="dispatch")
     x_hp, _ = ep.dispatch(x, route)  # high precision, then quantize after
     g_hp = split_quantize(x_hp, route.tokens_per_local_expert, [plan.input] * (E // world), multiple=plan.multiple)
     for j, (st, st_hp) in enumerate(zip(g.rowwise, g_hp.rowwise)):

@@ -83,9 +83,9 @@ def test_split_with_a_cache_equals_without(recipe_name):
 
 @pytest.mark.parametrize("world,e_l", [(1, 3), (2, 2), (4, 2), (3, 1)])
 def test_regroup_is_built_on_the_device_as_the_exchange_layout(world, e_l):
-    """``expert_parallel._regroup``: expert-major row i is source-major row ``regroup[i]``,
+    """``route._regroup``: expert-major row i is source-major row ``regroup[i]``,
     the index a loop over (expert, source) blocks builds, with empty blocks."""
-    from hybrid_dist.moe.expert_parallel import _regroup
+    from hybrid_dist.moe.route import _regroup
 
     g = torch.Generator().manual_seed(world * 10 + e_l)
     recv = torch.randint(0, 5, (world * e_l,), generator=g)

@@ -1,4 +1,4 @@
-"""``expert_parallel.receiver_columnwise``: the one-call columnwise requantization of every
+"""``quantized_exchange.receiver_columnwise``: the one-call columnwise requantization of every
 local expert's received rows equals the per-expert one bitwise (MXFP8; FP8 128-row blocks
 with power-of-two scales), including an empty expert."""
 
@@ -9,7 +9,7 @@ import torch
 
 import hybrid_dist as hd
 from hybrid_dist.moe import GroupedLinear, _wire
-from hybrid_dist.moe import expert_parallel as ep
+from hybrid_dist.moe import quantized_exchange as qx
 from tests._helpers import assert_storage_equal
 
 
@@ -30,7 +30,7 @@ def test_one_call_equals_per_expert(recipe_name, monkeypatch):
     cq = q.direction_quantizer("columnwise")
     calls, quantize = [], type(cq).quantize_storages
     monkeypatch.setattr(type(cq), "quantize_storages", lambda self, *a, **k: calls.append(1) or quantize(self, *a, **k))
-    got = ep.receiver_columnwise(q, rows_all, rows, spans, torch.bfloat16)
+    got = qx.receiver_columnwise(q, rows_all, rows, spans, torch.bfloat16)
     assert len(calls) == 1, f"{recipe_name}: {len(calls)} quantize calls for {len(spans)} experts"
     monkeypatch.undo()
     for j, (st, col) in enumerate(zip(rows, got)):
@@ -64,7 +64,7 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     rows_all = _wire.unpack(_wire.pack(rows), rows, dest, sum(padded))
     spans = [(sum(padded[:j]), p) for j, p in enumerate(padded)]
     experts = [rows_all.narrow_dim0(s, p) for s, p in spans]
-    got = ep.receiver_columnwise(q, rows_all, experts, spans, torch.bfloat16)
+    got = qx.receiver_columnwise(q, rows_all, experts, spans, torch.bfloat16)
     scales = []
     for j, (col, want) in enumerate(zip(got, loop.columnwise)):
         assert_storage_equal(col, want, f"expert {j} ({counts[j]} rows)")
@@ -75,7 +75,7 @@ def test_nvfp4_columnwise_is_per_expert_and_packed_equals_the_loop():
     received = torch.empty_like(wire).index_copy_(0, regroup, wire)
     route = types.SimpleNamespace(tokens_per_local_expert=tokens, regroup=regroup,
                                   index=IndexCache(tokens, sum(counts)))
-    packed = ep._packed_block_rows(received, rows, q, route, multiple, True, torch.bfloat16)
+    packed = qx._packed_block_rows(received, rows, q, route, multiple, True, torch.bfloat16)
     in_order = _wire.split_fields(device_split.place_rows(wire, tokens, multiple)[0], rows)
     for f, t in packed.rowwise.items():
         assert torch.equal(t.view(torch.uint8), getattr(in_order, f).view(torch.uint8)), f"packed rowwise {f}"
