@@ -235,8 +235,8 @@ _HELP = {
                              "backward: no backward all-gathers, the memory of every block's unsharded weights)",
     "fsdp_unit": "blocks per FSDP2 unit: fully_shard of N consecutive blocks, gathered and reduced together "
                  "(one all-gather, one reduce-scatter and FSDP2's per-unit host work for N blocks; N blocks' "
-                 "unsharded weights in memory at once); 4 for models of ~1B parameters, whose FP8 step is "
-                 "otherwise bound by the host",
+                 "unsharded weights in memory at once; with --ep, the unit's experts form one group too); 4 for "
+                 "models of ~1B parameters, whose FP8 step is otherwise bound by the host",
     "compile": "torch.compile each block (with hd.compile_options(): layers reading one tensor share its "
                "FP8 cast)",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "

@@ -112,6 +112,21 @@ def fsdp_units(model: nn.Module, blocks_per_unit: int = 1) -> list[list[nn.Modul
     return [blocks[i:i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
 
 
+def expert_groups(units: list[list[nn.Module]], experts: list[nn.Module]) -> list[list[nn.Module]]:
+    """The expert modules of each FSDP unit's blocks, one list per unit that has any (an
+    expert outside every unit forms a group of its own): each list is sharded as one FSDP2
+    group, so a unit's experts cost one all-gather, one reduce-scatter and FSDP2's
+    per-group host work, like its blocks."""
+    groups, seen = [], set()
+    for unit in units:
+        inside = {id(m) for block in unit for m in block.modules()}
+        group = [m for m in experts if id(m) in inside]
+        seen.update(id(m) for m in group)
+        if group:
+            groups.append(group)
+    return groups + [[m] for m in experts if id(m) not in seen]
+
+
 def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_offload: bool,
                experts: list[nn.Module] = (), expert_mesh=None, dp_degree: int = 1,
                reshard: str = "default", blocks_per_unit: int = 1) -> None:
@@ -126,17 +141,20 @@ def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_off
     per-tensor FP8 sends its codes once).
 
     With expert parallelism, each rank's experts are different parameters: they shard over
-    ``expert_mesh`` (the FSDP ranks holding the same experts) and their gradients, which
-    already sum the tokens of the whole EP group, are divided by the full ``dp_degree``."""
+    ``expert_mesh`` (the FSDP ranks holding the same experts), the expert modules of a unit's
+    blocks as one FSDP2 group (``expert_groups``), and their gradients, which already sum the
+    tokens of the whole EP group, are divided by the full ``dp_degree``."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kw = dict(mesh=fsdp_mesh, mp_policy=mp)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    if expert_mesh is not None:
-        for mod in experts:
-            fully_shard(mod, **{**kw, "mesh": expert_mesh}, reshard_after_forward=reshard != "never")
-            mod.set_gradient_divide_factor(float(dp_degree))
     units = fsdp_units(model, blocks_per_unit)
+    if expert_mesh is not None:
+        for group in expert_groups(units, experts):
+            fully_shard(group if len(group) > 1 else group[0], **{**kw, "mesh": expert_mesh},
+                        reshard_after_forward=reshard != "never")
+            for mod in group:  # one FSDP2 state serves the group; set through each module alike
+                mod.set_gradient_divide_factor(float(dp_degree))
     for i, unit in enumerate(units):
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshards_after_forward(
             reshard, i, len(units)), **kw)

@@ -1,0 +1,69 @@
+"""Expert-parallel experts sharded per FSDP unit (``launch.parallelize.expert_groups``):
+the expert modules of a unit's blocks form one FSDP2 group, so ``--fsdp-unit N`` groups
+them as it groups the blocks, and the losses do not depend on the grouping (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests_distributed._harness import run_ranks
+from tests_distributed.test_launch_train import STEPS, _cfg
+
+
+def _block(experts: int = 2) -> nn.Module:
+    block = nn.Module()
+    block.attn = nn.Linear(2, 2)
+    block.experts = nn.ModuleList(nn.Linear(2, 2) for _ in range(experts))
+    return block
+
+
+def test_expert_groups_follow_the_units():
+    from hybrid_dist.launch.parallelize import expert_groups, fsdp_units
+
+    model = nn.Module()
+    model.layers = nn.ModuleDict({str(i): _block() for i in range(5)})
+    blocks = list(model.layers.values())
+    experts = [m for b in blocks for m in b.experts]
+    loose = nn.Linear(2, 2)  # an expert module outside every block: a group of its own
+    assert expert_groups(fsdp_units(model), experts) == [list(b.experts) for b in blocks]
+    assert expert_groups(fsdp_units(model, 2), experts + [loose]) == [experts[0:4], experts[4:8], experts[8:10],
+                                                                      [loose]]
+    assert expert_groups(fsdp_units(model, 8), experts) == [experts]
+    assert expert_groups(fsdp_units(model), []) == []
+
+
+def _unit_runs(rank, world_size):
+    """Per ``--fsdp-unit``: the losses and, per ``fully_shard`` call on expert modules, how
+    many modules it grouped (in call order)."""
+    from hybrid_dist.launch import parallelize
+    from hybrid_dist.launch.loop import train
+    from hybrid_dist.moe import GroupedLinear
+
+    real, calls = parallelize.fully_shard, []
+
+    def counting(module, **kw):
+        mods = module if isinstance(module, list) else [module]
+        if isinstance(mods[0], GroupedLinear):
+            calls.append(len(mods))
+        return real(module, **kw)
+
+    parallelize.fully_shard = counting
+    out = {}
+    for unit in (1, 2, 4):
+        calls.clear()
+        losses = train(_cfg("fp8_current", moe_experts=4, ep=2, layers=4, fsdp_unit=unit))["losses"]
+        out[unit] = (losses, list(calls))
+    return out
+
+
+def test_ep_experts_shard_per_unit_and_train_bitwise_alike():
+    """EP=2 × FSDP 2, 4 MoE blocks: units of 1, 2 and 4 blocks shard each unit's expert
+    modules (fc1 and fc2 of its blocks) as one group, and the losses are bitwise alike."""
+    r0, r1 = run_ranks(_unit_runs, 2)
+    for rank, r in enumerate((r0, r1)):
+        where = f"fp8_current tiny layers=4 moe_experts=4 ep=2 fsdp=2 gloo rank {rank}"
+        (l1, c1), (l2, c2), (l4, c4) = (r[u] for u in (1, 2, 4))
+        assert (c1, c2, c4) == ([2] * 4, [4] * 2, [8]), f"{where}: expert modules per group {c1} / {c2} / {c4}"
+        assert l1 == l2 == l4 and len(l1) == STEPS, f"{where}: losses unit 1 {l1} / 2 {l2} / 4 {l4}"
+        assert all(torch.isfinite(torch.tensor(l1))), f"{where}: losses {l1}"
