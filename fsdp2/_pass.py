@@ -23,7 +23,9 @@ directions too (``"forward_both"``, as ``reshard_after_forward=False`` would) an
 backward gathers both again (``"recompute_both"``). A forward gather is recompute-bound
 when it runs inside a checkpointed forward (the checkpoint's saved-tensor hooks are the
 innermost ones; ``checkpoint(fsdp_module, x)``), or when the parameter's module sits
-inside a ``CheckpointWrapper`` (``checkpoint_wrapper`` applied before ``fully_shard``);
+inside a ``CheckpointWrapper`` (``checkpoint_wrapper`` applied before ``fully_shard``, to
+the FSDP module or to one containing it, as a checkpointed block contains its experts'
+FSDP group);
 the mark is kept on the shard for the backward gathers of the same step. A recompute that
 was not detected raises instead of reading stale bytes: a forward gather inside backward
 (reentrant checkpoint, whose forward runs without saved-tensor hooks) raises
@@ -125,13 +127,17 @@ def _in_checkpointed_forward() -> bool:
 
 
 def _in_checkpoint_wrapper(module: nn.Module, group) -> bool:
-    """True if ``module`` is inside a ``CheckpointWrapper`` within the FSDP group's modules
-    (cached per module)."""
+    """True if ``module`` is inside a ``CheckpointWrapper``: within the FSDP group's modules,
+    or an ancestor of them (an expert group nested in a checkpointed block, sharded over its
+    own mesh, is recomputed with the block), found from every FSDP module's tree (cached per
+    module)."""
     if module in _CKPT_OWNER:
         return _CKPT_OWNER[module]
+    from torch.distributed import _composable_state as cs
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    roots = getattr(group, "modules", None) or ()
+    roots = list(getattr(group, "modules", None) or ())
+    roots += [m for m in list(cs._module_state_mapping) if m not in roots]
     found = any(any(sub is module for sub in w.modules())
                 for root in roots for w in root.modules() if isinstance(w, CheckpointWrapper))
     _CKPT_OWNER[module] = found

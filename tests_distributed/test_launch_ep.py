@@ -1,6 +1,13 @@
-"""Expert-parallel experts sharded per FSDP unit (``launch.parallelize.expert_groups``):
-the expert modules of a unit's blocks form one FSDP2 group, so ``--fsdp-unit N`` groups
-them as it groups the blocks, and the losses do not depend on the grouping (2 gloo ranks)."""
+"""The launcher's expert parallelism with FSDP2 units and activation recompute (2 gloo ranks).
+
+* Experts sharded per FSDP unit (``launch.parallelize.expert_groups``): the expert modules
+  of a unit's blocks form one FSDP2 group, so ``--fsdp-unit N`` groups them as it groups
+  the blocks, and the losses do not depend on the grouping.
+* ``--activation-checkpointing`` with EP and ``--quantized-init``: an expert group nests in
+  a checkpointed block but shards over its own mesh; its recomputed forward is recognised
+  (``fsdp2._pass``) and gathers both directions, so the run trains bitwise like the run
+  without recompute.
+"""
 
 from __future__ import annotations
 
@@ -67,3 +74,18 @@ def test_ep_experts_shard_per_unit_and_train_bitwise_alike():
         assert (c1, c2, c4) == ([2] * 4, [4] * 2, [8]), f"{where}: expert modules per group {c1} / {c2} / {c4}"
         assert l1 == l2 == l4 and len(l1) == STEPS, f"{where}: losses unit 1 {l1} / 2 {l2} / 4 {l4}"
         assert all(torch.isfinite(torch.tensor(l1))), f"{where}: losses {l1}"
+
+
+def _recompute_runs(rank, world_size):
+    from hybrid_dist.launch.loop import train
+
+    kw = dict(moe_experts=4, ep=2, layers=2, quantized_init=True)
+    return {ac: train(_cfg("fp8_current", activation_checkpointing=ac, **kw))["losses"] for ac in (False, True)}
+
+
+def test_ep_recompute_of_quantized_experts_trains_like_without():
+    r0, r1 = run_ranks(_recompute_runs, 2)
+    for rank, r in enumerate((r0, r1)):
+        where = f"fp8_current qinit tiny layers=2 moe_experts=4 ep=2 fsdp=2 gloo rank {rank}"
+        assert len(r[True]) == STEPS and r[True] == r[False], (
+            f"{where}: losses with --activation-checkpointing {r[True]}, without {r[False]}")
