@@ -36,7 +36,7 @@ def clip_grad_norm_(params, max_norm: float, *, expert_params=(), ep_group=None)
         key = (id(g.device_mesh) if isinstance(g, DTensor) else None, dims, id(p) in expert_ids)
         groups[key].append(local)
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for (mesh_id, dims, is_expert), locals_ in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (mesh_id, dims, is_expert), locals_ in sorted(groups.items(), key=lambda kv: _order(kv[0], meshes)):
         # one read of each gradient, few launches: per-tensor L2 norms (foreach), squared and summed
         norms = torch._foreach_norm(locals_, 2.0)
         sq = torch.stack([n.float() for n in norms]).square().sum()
@@ -53,3 +53,15 @@ def clip_grad_norm_(params, max_norm: float, *, expert_params=(), ep_group=None)
     for dtype, gs in by_dtype.items():
         torch._foreach_mul_(gs, coef.to(dtype))
     return norm
+
+
+def _order(key: tuple, meshes: dict) -> tuple:
+    """A group's place in the all-reduce sequence, the same on every rank (a mesh's id is
+    an address, which differs between ranks: ordering by it deadlocks two sharded meshes'
+    collectives): expert or not, then the mesh's dim names and shape, then the dims."""
+    mesh_id, dims, is_expert = key
+    mesh = meshes.get(mesh_id)
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    shape = tuple(mesh.mesh.shape) if mesh is not None else ()
+    return is_expert, mesh is not None, names, shape, dims
+

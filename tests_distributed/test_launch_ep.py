@@ -1,4 +1,5 @@
-"""The launcher's expert parallelism with FSDP2 units and activation recompute (2 gloo ranks).
+"""The launcher's expert parallelism with FSDP2 units, activation recompute and EP below the
+FSDP degree (gloo ranks).
 
 * Experts sharded per FSDP unit (``launch.parallelize.expert_groups``): the expert modules
   of a unit's blocks form one FSDP2 group, so ``--fsdp-unit N`` groups them as it groups
@@ -7,6 +8,9 @@
   a checkpointed block but shards over its own mesh; its recomputed forward is recognised
   (``fsdp2._pass``) and gathers both directions, so the run trains bitwise like the run
   without recompute.
+* EP below the FSDP degree (EP=2 × FSDP 4, 4 ranks): the gradient-norm all-reduces run in
+  one order on every rank (``launch.grad_clip``), the experts' reduce-scatter works on
+  gloo, and the run trains like EP=1.
 """
 
 from __future__ import annotations
@@ -89,3 +93,24 @@ def test_ep_recompute_of_quantized_experts_trains_like_without():
         where = f"fp8_current qinit tiny layers=2 moe_experts=4 ep=2 fsdp=2 gloo rank {rank}"
         assert len(r[True]) == STEPS and r[True] == r[False], (
             f"{where}: losses with --activation-checkpointing {r[True]}, without {r[False]}")
+
+
+def _ep_vs_ep1_runs(rank, world_size):
+    from hybrid_dist.launch.loop import train
+
+    kw = dict(moe_experts=4, fsdp=4, batch_size=4)
+    return {ep: train(_cfg("bf16", ep=ep, **kw))["losses"] for ep in (1, 2)}
+
+
+def test_ep_below_the_fsdp_degree_trains_like_ep1():
+    """EP=2 × FSDP 4 (each expert on 2 ranks, their gradients reduce-scattered over those 2
+    and divided by the 4 data-parallel ranks; on gloo a sum, then the division, since gloo
+    has no pre-multiplied sum) against EP=1 on the same 4 ranks: bf16, same init and data,
+    only reduction orders differ (the bounds of ``test_launch_train``'s EP=2 vs EP=1 pair)."""
+    r0, *_ = run_ranks(_ep_vs_ep1_runs, 4)
+    ep1, ep2 = r0[1], r0[2]
+    early = max(abs(a - b) for a, b in zip(ep1[:3], ep2[:3]))
+    late = max(abs(a - b) for a, b in zip(ep1, ep2))
+    assert len(ep2) == STEPS and early <= 1e-5 and late <= 1e-3, (
+        f"MoE bf16 fsdp=4 gloo: EP=2 losses {ep2} differ from EP=1 {ep1} (max |diff| {early:.2e} over 3 steps, "
+        f"{late:.2e} over {STEPS})")
