@@ -217,7 +217,9 @@ class RecipeModuleMixin:
         return self._active_recipe(in_backward())
 
     def _active_recipe(self, recompute: bool) -> Recipe | None:
-        recipe = self.recipe or current_recipe()
+        if self.recipe is not None:  # the module's own recipe: nothing to remember for a recompute
+            return self.recipe
+        recipe = current_recipe()
         if recompute:
             return recipe or self._last_recipe
         # eager: skip nn.Module.__setattr__ when unchanged; compiled: store unconditionally

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
+from hybrid_dist.warn import warn_once
 from hybrid_dist.launch import fsdp_copy_in, torchao_baseline
 from hybrid_dist.launch.config import RESHARD_POLICIES, TrainConfig
 from hybrid_dist.launch.mesh import Meshes, ParallelDims
@@ -86,6 +87,21 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     if not model.cfg.moe_experts:
         return []
     return [m for block in model.layers.values() for m in block.feed_forward.expert_modules()]
+
+
+def advances_delayed_state(model: nn.Module) -> bool:
+    """True if a module's forward advances a delayed-scaling state (its input or weight
+    quantizer keeps an amax history): a compiled activation recompute would recompute that
+    advance from the already advanced state, and quantize the backward's operands with other
+    scales than the forward's."""
+    from hybrid_dist.formats.float8 import DelayedScalingState
+
+    def delayed(state) -> bool:
+        states = state if isinstance(state, (list, tuple)) else [state]
+        return any(isinstance(s, DelayedScalingState) for s in states)
+
+    return any(delayed(plan.states.get(t)) for m in model.modules() for plan in getattr(m, "_plans", {}).values()
+               for t in ("input", "weight"))
 
 
 def apply_ac(model: nn.Module) -> None:
@@ -199,7 +215,11 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
     experts = expert_modules(model)  # before AC/compile wrap the blocks
     if cfg.activation_checkpointing:
         apply_ac(model)
-    if cfg.compile:
+    if cfg.compile and cfg.activation_checkpointing and advances_delayed_state(model):
+        warn_once("--compile with --activation-checkpointing: the blocks advance delayed-scaling states "
+                  "in their forward, which a compiled recompute would read advanced; they run eagerly "
+                  "(compile without recompute, or use a current-scaling recipe)")
+    elif cfg.compile:
         for name, block in list(model.layers.items()):
             model.layers[name] = torch.compile(block, options=hd.compile_options())
     if cfg.cpu_offload and device_type != "cuda":
