@@ -64,4 +64,3 @@ def _order(key: tuple, meshes: dict) -> tuple:
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
     shape = tuple(mesh.mesh.shape) if mesh is not None else ()
     return is_expert, mesh is not None, names, shape, dims
-
