@@ -104,6 +104,17 @@ def advances_delayed_state(model: nn.Module) -> bool:
                for t in ("input", "weight"))
 
 
+def compiled_recompute_refusal(model: nn.Module, dims: ParallelDims) -> str | None:
+    """Why the blocks cannot compile under activation recompute (a checkpoint is one
+    higher-order op, which Dynamo traces whole or not at all), or None."""
+    if dims.ep > 1:
+        return "the expert-parallel exchange runs eagerly (host split sizes), and a compiled checkpoint cannot break"
+    if advances_delayed_state(model):
+        return ("the blocks advance delayed-scaling states in their forward, which a compiled recompute would "
+                "read advanced")
+    return None
+
+
 def apply_ac(model: nn.Module) -> None:
     """Full activation checkpointing of every block (non-reentrant)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -215,10 +226,10 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
     experts = expert_modules(model)  # before AC/compile wrap the blocks
     if cfg.activation_checkpointing:
         apply_ac(model)
-    if cfg.compile and cfg.activation_checkpointing and advances_delayed_state(model):
-        warn_once("--compile with --activation-checkpointing: the blocks advance delayed-scaling states "
-                  "in their forward, which a compiled recompute would read advanced; they run eagerly "
-                  "(compile without recompute, or use a current-scaling recipe)")
+    eager = compiled_recompute_refusal(model, dims) if cfg.compile and cfg.activation_checkpointing else None
+    if eager is not None:
+        warn_once(f"--compile with --activation-checkpointing: {eager}; the blocks run eagerly (compile "
+                  "without recompute to compile them)")
     elif cfg.compile:
         for name, block in list(model.layers.items()):
             model.layers[name] = torch.compile(block, options=hd.compile_options())

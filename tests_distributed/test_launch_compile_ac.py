@@ -3,10 +3,11 @@
 A module with its own recipe keeps no Python state in its forward, so a checkpointed block
 compiles whole (Dynamo refuses a side effect inside the checkpoint's higher-order op and
 would run the whole block eagerly): one graph, no break, and the losses bitwise those of the
-compiled run without recompute. Blocks that advance delayed-scaling states in their forward
-run eagerly instead, with a warning: a compiled recompute would recompute that advance from
-the already advanced state (``launch.parallelize.advances_delayed_state``); their losses are
-bitwise the eager recompute's.
+compiled run without recompute. Blocks that advance delayed-scaling states in their forward,
+or hold an expert-parallel exchange, run eagerly instead, with a warning
+(``launch.parallelize.compiled_recompute_refusal``): a compiled recompute would recompute that
+advance from the already advanced state, and the exchange cannot run inside a compiled
+checkpoint (Dynamo cannot break there); their losses are bitwise the eager recompute's.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ def _runs(rank, world_size):
     current = {ac: _compiled_run(_cfg("fp8_current", compile=True, activation_checkpointing=ac, **kw))
                for ac in (False, True)}
     out["current"] = {ac: (r["losses"], r["compile_stats"]) for ac, r in current.items()}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        delayed = _compiled_run(_cfg("fp8_delayed", compile=True, activation_checkpointing=True, **kw))
-    eager = train(_cfg("fp8_delayed", activation_checkpointing=True, **kw))
-    out["delayed"] = (delayed["losses"], delayed["compile_stats"], eager["losses"],
-                      [str(w.message) for w in caught if "delayed-scaling" in str(w.message)])
+    for name, recipe, extra, word in (("delayed", "fp8_delayed", {}, "delayed-scaling"),
+                                      ("ep", "fp8_current", dict(moe_experts=4, ep=2), "expert-parallel")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = _compiled_run(_cfg(recipe, compile=True, activation_checkpointing=True, **kw, **extra))
+        eager = train(_cfg(recipe, activation_checkpointing=True, **kw, **extra))
+        out[name] = (compiled["losses"], compiled["compile_stats"], eager["losses"],
+                     [str(w.message) for w in caught if word in str(w.message)])
     return out
 
 
@@ -41,6 +44,7 @@ def test_compiled_recompute_compiles_whole_or_stays_eager_for_delayed_scaling():
     assert ac_stats == plain_stats == {"graphs": 1, "graph_breaks": 0}, (
         f"{where} fp8_current: with recompute {ac_stats}, without {plain_stats}")
     assert ac == plain and len(ac) == STEPS, f"{where} fp8_current: losses with recompute {ac}, without {plain}"
-    compiled, stats, eager, warned = r0["delayed"]
-    assert stats["graphs"] == 0 and warned, f"{where} fp8_delayed --activation-checkpointing: {stats}, {warned}"
-    assert compiled == eager, f"{where} fp8_delayed with recompute: losses {compiled}, eager {eager}"
+    for name, what in (("delayed", "fp8_delayed"), ("ep", "fp8_current moe_experts=4 ep=2")):
+        compiled, stats, eager, warned = r0[name]
+        assert stats["graphs"] == 0 and warned, f"{where} {what} --activation-checkpointing: {stats}, {warned}"
+        assert compiled == eager, f"{where} {what} with recompute: losses {compiled}, eager {eager}"
