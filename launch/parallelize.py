@@ -109,6 +109,9 @@ def compiled_recompute_refusal(model: nn.Module, dims: ParallelDims) -> str | No
     higher-order op, which Dynamo traces whole or not at all), or None."""
     if dims.ep > 1:
         return "the expert-parallel exchange runs eagerly (host split sizes), and a compiled checkpoint cannot break"
+    if dims.tp > 1:
+        return ("the tensor-parallel linears keep their device mesh for backward, which AOTAutograd cannot save "
+                "inside a compiled checkpoint")
     if advances_delayed_state(model):
         return ("the blocks advance delayed-scaling states in their forward, which a compiled recompute would "
                 "read advanced")
