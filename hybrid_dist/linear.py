@@ -31,6 +31,7 @@ from hybrid_dist import gemm, saved_storages
 from hybrid_dist.inspection.capture import active_stats
 from hybrid_dist.recipe_module import QUANTIZER_STATE_KEY, RecipeModuleMixin, in_backward  # noqa: F401 (re-export)
 from hybrid_dist.formats._quantizer import Quantizer
+from hybrid_dist.formats.float8 import DelayedScalingState
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe, Role
 
@@ -55,6 +56,11 @@ class LinearPlan:
     def start_forward_pass(self) -> None:
         self.input.advance_state(self.states["input"])
         self.weight.advance_state(self.states["weight"])
+
+    @property
+    def advances_state(self) -> bool:
+        """The forward advances a delayed-scaling state (input or weight amax history)."""
+        return any(isinstance(self.states[t], DelayedScalingState) for t in ("input", "weight"))
 
 
 def weight_operands(weight, plan: LinearPlan, need_dgrad: bool):

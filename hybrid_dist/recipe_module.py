@@ -217,9 +217,15 @@ class RecipeModuleMixin:
         return self._active_recipe(in_backward())
 
     def _active_recipe(self, recompute: bool) -> Recipe | None:
-        if self.recipe is not None:  # the module's own recipe: nothing to remember for a recompute
+        # a module's own recipe needs no memory for a recompute, and storing none keeps Python
+        # side effects out of a compiled checkpoint, which then compiles whole. A forward that
+        # advances delayed-scaling states stores it anyway: AOTAutograd's recompute would rerun
+        # that advance from the advanced state, and the side effect makes Dynamo run the
+        # checkpointed region eagerly, where the recompute is exact ([Note: recompute and delayed
+        # scaling] in ``linear``)
+        if self.recipe is not None and not self.plan_for(self.recipe).advances_state:
             return self.recipe
-        recipe = current_recipe()
+        recipe = self.recipe or current_recipe()
         if recompute:
             return recipe or self._last_recipe
         # eager: skip nn.Module.__setattr__ when unchanged; compiled: store unconditionally

@@ -90,18 +90,10 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def advances_delayed_state(model: nn.Module) -> bool:
-    """True if a module's forward advances a delayed-scaling state (its input or weight
-    quantizer keeps an amax history): a compiled activation recompute would recompute that
-    advance from the already advanced state, and quantize the backward's operands with other
-    scales than the forward's."""
-    from hybrid_dist.formats.float8 import DelayedScalingState
-
-    def delayed(state) -> bool:
-        states = state if isinstance(state, (list, tuple)) else [state]
-        return any(isinstance(s, DelayedScalingState) for s in states)
-
-    return any(delayed(plan.states.get(t)) for m in model.modules() for plan in getattr(m, "_plans", {}).values()
-               for t in ("input", "weight"))
+    """True if a module's forward advances a delayed-scaling state (``advances_state`` of its
+    plans): a compiled activation recompute would recompute that advance from the already
+    advanced state, and quantize the backward's operands with other scales than the forward's."""
+    return any(plan.advances_state for m in model.modules() for plan in getattr(m, "_plans", {}).values())
 
 
 def compiled_recompute_refusal(model: nn.Module, dims: ParallelDims) -> str | None:

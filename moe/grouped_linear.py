@@ -74,6 +74,11 @@ class GroupedPlan:
         self.multiple = token_multiple(self.input, self.grad_output)  # x and dy pad alike
         self.stats: Any = None  # an inspection.ModuleStats once a StatsCollector is attached
 
+    @property
+    def advances_state(self) -> bool:
+        """The forward advances a delayed-scaling state (input or weight amax histories)."""
+        return any(isinstance(s, DelayedScalingState) for t in ("input", "weight") for s in self.states[t])
+
     def advance(self, tensor_type: str) -> None:
         q, states = getattr(self, tensor_type), self.states[tensor_type]
         if states and all(isinstance(s, DelayedScalingState) for s in states):
