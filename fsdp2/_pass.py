@@ -138,7 +138,8 @@ def _in_checkpoint_wrapper(module: nn.Module, group) -> bool:
 
     roots = list(getattr(group, "modules", None) or ())
     roots += [m for m in list(cs._module_state_mapping) if m not in roots]
-    found = any(any(sub is module for sub in w.modules())
-                for root in roots for w in root.modules() if isinstance(w, CheckpointWrapper))
+    # nested FSDP modules' trees overlap: each wrapper is searched once
+    wrappers = {id(w): w for root in roots for w in root.modules() if isinstance(w, CheckpointWrapper)}
+    found = any(any(sub is module for sub in w.modules()) for w in wrappers.values())
     _CKPT_OWNER[module] = found
     return found
