@@ -46,6 +46,12 @@ class LinearPlan:
     grad_output: Quantizer
     states: dict[str, Any]  # tensor_type -> quantizer state (delayed history, SR RNG)
     stats: Any = None  # an inspection.ModuleStats once a StatsCollector is attached (else nothing records)
+    # the forward advances a delayed-scaling state (input or weight amax history); fixed at
+    # construction, read on every forward (``RecipeModuleMixin._active_recipe``)
+    advances_state: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.advances_state = any(isinstance(self.states[t], DelayedScalingState) for t in ("input", "weight"))
 
     @classmethod
     def build(cls, recipe: Recipe, *, module_type: str, name: str) -> "LinearPlan":
@@ -56,11 +62,6 @@ class LinearPlan:
     def start_forward_pass(self) -> None:
         self.input.advance_state(self.states["input"])
         self.weight.advance_state(self.states["weight"])
-
-    @property
-    def advances_state(self) -> bool:
-        """The forward advances a delayed-scaling state (input or weight amax history)."""
-        return any(isinstance(self.states[t], DelayedScalingState) for t in ("input", "weight"))
 
 
 def weight_operands(weight, plan: LinearPlan, need_dgrad: bool):

@@ -60,11 +60,7 @@ class ExpertsPlan:
         self.recipe = recipe
         self.gemms = {w: GroupedPlan(recipe, num_experts=num_experts, name=f"{name}.{w}") for w in WEIGHTS}
         self.states = {f"{w}.{t}": s for w, plan in self.gemms.items() for t, s in plan.states.items()}
-
-    @property
-    def advances_state(self) -> bool:
-        """The forward advances a delayed-scaling state (``GroupedPlan.advances_state``)."""
-        return any(plan.advances_state for plan in self.gemms.values())
+        self.advances_state = any(plan.advances_state for plan in self.gemms.values())  # GroupedPlan's
 
 
 def _gemm_shapes(dim: int, hidden_dim: int) -> dict[str, tuple[int, int]]:

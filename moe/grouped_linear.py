@@ -72,12 +72,10 @@ class GroupedPlan:
         self.states = {t: [getattr(self, t).make_state() for _ in range(num_experts)]
                        for t in ("input", "weight", "grad_output")}
         self.multiple = token_multiple(self.input, self.grad_output)  # x and dy pad alike
+        # the forward advances a delayed-scaling state (input or weight amax histories)
+        self.advances_state = any(isinstance(s, DelayedScalingState) for t in ("input", "weight")
+                                  for s in self.states[t])
         self.stats: Any = None  # an inspection.ModuleStats once a StatsCollector is attached
-
-    @property
-    def advances_state(self) -> bool:
-        """The forward advances a delayed-scaling state (input or weight amax histories)."""
-        return any(isinstance(s, DelayedScalingState) for t in ("input", "weight") for s in self.states[t])
 
     def advance(self, tensor_type: str) -> None:
         q, states = getattr(self, tensor_type), self.states[tensor_type]
