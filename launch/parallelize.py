@@ -177,7 +177,7 @@ def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_off
                         reshard_after_forward=reshard != "never")
             for mod in group:  # one FSDP2 state serves the group; set through each module alike
                 mod.set_gradient_divide_factor(float(dp_degree))
-                if expert_mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+                if expert_mesh.device_type == "cpu" and expert_mesh.size() > 1:  # gloo has no PREMUL_SUM
                     mod.set_force_sum_reduction_for_comms(True)
     for i, unit in enumerate(units):
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshards_after_forward(
