@@ -66,9 +66,9 @@ $(end_to_end_rows 8b4k "$M8B4K" 150)
 1b_nr_bf16_compile|120|0|$M1B --reshard-after-forward never --recipe bf16 --compile
 1b_nr_torchao_float8_compile|120|1|$M1B --reshard-after-forward never $TAO
 1b_nr_fp8_current_qinit_compile|120|0|$M1B --reshard-after-forward never $QI --compile
-1b_u4_bf16_compile|120|0|$M1B --fsdp-unit 4 --recipe bf16 --compile
-1b_u4_torchao_float8_compile|120|1|$M1B --fsdp-unit 4 $TAO
-1b_u4_fp8_current_qinit_compile|120|0|$M1B --fsdp-unit 4 $QI --compile
+1b_u1_bf16_compile|120|0|$M1B --fsdp-unit 1 --recipe bf16 --compile
+1b_u1_torchao_float8_compile|120|1|$M1B --fsdp-unit 1 $TAO
+1b_u1_fp8_current_qinit_compile|120|0|$M1B --fsdp-unit 1 $QI --compile
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
 1b_moe8_bf16_compile|100|0|$MOE --recipe bf16 --compile

@@ -51,7 +51,7 @@ class TrainConfig:
     cpu_offload: bool = False
     fsdp_copy_in: str = "auto"      # FSDP2's gradient copy-in before reduce-scatter: auto, hd or torch (its own)
     reshard_after_forward: str = "default"  # default (every unit but the last), always or never
-    fsdp_unit: int = 1              # consecutive blocks per fully_shard unit
+    fsdp_unit: int = 0              # consecutive blocks per fully_shard unit (0 = by block size)
     compile: bool = False
     share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
     data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
@@ -77,9 +77,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-        for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every", "profile_steps", "fsdp_unit"):
+        for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every", "profile_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.fsdp_unit < 0:
+            raise ValueError(f"--fsdp-unit must be >= 0 (0 = by block size), got {self.fsdp_unit}")
         if self.layers < 0:
             raise ValueError(f"--layers must be >= 1 (or 0 for the preset's depth), got {self.layers}")
         if self.fsdp_copy_in not in ("auto", "hd", "torch"):
@@ -235,8 +237,9 @@ _HELP = {
                              "backward: no backward all-gathers, the memory of every block's unsharded weights)",
     "fsdp_unit": "blocks per FSDP2 unit: fully_shard of N consecutive blocks, gathered and reduced together "
                  "(one all-gather, one reduce-scatter and FSDP2's per-unit host work for N blocks; N blocks' "
-                 "unsharded weights in memory at once; with --ep, the unit's experts form one group too); 4 for "
-                 "models of ~1B parameters, whose FP8 step is otherwise bound by the host",
+                 "unsharded weights in memory at once; with --ep, the unit's experts form one group too); 0 "
+                 "(default): the fewest blocks holding 200M parameters, at most a quarter of them (the 8b: 1, "
+                 "the 1b: 4, whose FP8 step is otherwise bound by the host)",
     "compile": "torch.compile each block (with hd.compile_options(): layers reading one tensor share its "
                "FP8 cast)",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "

@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hybrid_dist as hd
 from hybrid_dist.launch.config import TrainConfig, load_recipe
 from hybrid_dist.launch.mesh import ParallelDims
-from hybrid_dist.launch.parallelize import EP_API, apply_fsdp, apply_tp, expert_modules, require
+from hybrid_dist.launch.parallelize import EP_API, apply_fsdp, apply_tp, blocks_per_unit, expert_modules, require
 from hybrid_dist.launch.presets import ModelConfig, preset
 
 # (name, in_features, out_features, tensor-parallel split): "col" shards out, "row" shards in.
@@ -115,6 +115,9 @@ def _shard_on_fake_pg(m: ModelConfig, cfg: TrainConfig, dims: ParallelDims) -> t
                expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp,
                reshard=cfg.reshard_after_forward, blocks_per_unit=cfg.fsdp_unit)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    unit = blocks_per_unit(model, cfg.fsdp_unit)
+    notes.append(f"FSDP2 units of {unit} block{'s' if unit > 1 else ''}"
+                 + ("" if cfg.fsdp_unit else " (--fsdp-unit 0: by block size)"))
     return local, notes
 
 

@@ -34,8 +34,8 @@ from hybrid_dist.launch.grad_clip import clip_grad_norm_
 from hybrid_dist.launch.guards import NonFiniteLoss, first_nonfinite, nonfinite_amaxes, nonfinite_anywhere
 from hybrid_dist.launch.heartbeat import CollectiveTimeout, Heartbeat, is_timeout, shorten_timeouts, timeout_message
 from hybrid_dist.launch.inspect_stats import StepInspector
-from hybrid_dist.launch.parallelize import (EP_API, all_gather_bytes_per_step, expert_modules, needs_fsdp,
-                                            parallelize, require)
+from hybrid_dist.launch.parallelize import (EP_API, all_gather_bytes_per_step, blocks_per_unit, expert_modules,
+                                            needs_fsdp, parallelize, require)
 from hybrid_dist.launch.presets import preset
 from hybrid_dist.launch.profile import StepProfiler
 from hybrid_dist.launch.quantized_init import check_quantized_init
@@ -212,8 +212,9 @@ def compile_stats(since: dict | None = None) -> dict:
     return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
 
 
-def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, start: int, data) -> dict:
-    """The metrics JSONL's ``start`` record: what was run (the throughput table reads it)."""
+def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, start: int, data, unit: int) -> dict:
+    """The metrics JSONL's ``start`` record: what was run (the throughput table reads it);
+    ``unit``: the blocks per FSDP unit that ``--fsdp-unit`` resolved to."""
     return {"name": cfg.name, "recipe": recipe.name, "baseline": cfg.baseline, "preset": cfg.preset,
             "n_layers": mcfg.n_layers, "world_size": dims.world_size, "fsdp": dims.fsdp, "hsdp": dims.hsdp,
             "tp": dims.tp, "ep": dims.ep, "start_step": start, "moe_experts": mcfg.moe_experts,
@@ -221,7 +222,7 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "seq_len": cfg.seq_len, "quantized_init": cfg.quantized_init, "compile": cfg.compile,
             "inspect_every": cfg.inspect_every,
             "activation_checkpointing": cfg.activation_checkpointing, "timing_warmup": cfg.timing_warmup,
-            "reshard_after_forward": cfg.reshard_after_forward, "fsdp_unit": cfg.fsdp_unit,
+            "reshard_after_forward": cfg.reshard_after_forward, "fsdp_unit": unit,
             "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
@@ -320,7 +321,7 @@ def _make_meter(cfg: TrainConfig, dims: ParallelDims, model, mcfg, recipe, start
                   world_size=dims.world_size, device=device, rank=dist.get_rank(), jsonl_path=cfg.metrics,
                   log_every=cfg.log_every, quiet=cfg.quiet, ag_measured=measured,
                   ag_bytes_per_step=hp_ag_bytes, timing_warmup=cfg.timing_warmup,
-                  run=_run_info(cfg, dims, mcfg, recipe, start, data))
+                  run=_run_info(cfg, dims, mcfg, recipe, start, data, blocks_per_unit(model, cfg.fsdp_unit)))
     return meter, measured, hp_ag_bytes
 
 

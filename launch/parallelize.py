@@ -127,11 +127,28 @@ def reshards_after_forward(policy: str, unit: int, n_units: int) -> bool:
     return policy == "always" or (policy == "default" and unit < n_units - 1)
 
 
-def fsdp_units(model: nn.Module, blocks_per_unit: int = 1) -> list[list[nn.Module]]:
-    """The model's blocks in FSDP units of ``blocks_per_unit`` consecutive blocks (``--fsdp-unit``;
-    the last unit may hold fewer)."""
+# --fsdp-unit 0: a unit holds at least this many parameters (the 8b's block alone; four of the 1b's)
+AUTO_UNIT_PARAMS = 200_000_000
+
+
+def blocks_per_unit(model: nn.Module, requested: int) -> int:
+    """Consecutive blocks per FSDP unit: ``requested`` (``--fsdp-unit``), or for 0 the fewest
+    whose parameters reach ``AUTO_UNIT_PARAMS`` (counted at full size, so the answer is the
+    same before and after sharding), at most a quarter of the blocks so that gathers still
+    overlap compute. The 8b's blocks stay one per unit, the 1b's go four to a unit."""
+    if requested:
+        return requested
     blocks = list(model.layers.values())
-    return [blocks[i:i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    return max(1, min(-(-AUTO_UNIT_PARAMS // max(largest, 1)), len(blocks) // 4))
+
+
+def fsdp_units(model: nn.Module, blocks_per_unit_: int = 1) -> list[list[nn.Module]]:
+    """The model's blocks in FSDP units of ``blocks_per_unit(model, blocks_per_unit_)``
+    consecutive blocks (``--fsdp-unit``; the last unit may hold fewer)."""
+    n = blocks_per_unit(model, blocks_per_unit_)
+    blocks = list(model.layers.values())
+    return [blocks[i:i + n] for i in range(0, len(blocks), n)]
 
 
 def expert_groups(units: list[list[nn.Module]], experts: list[nn.Module]) -> list[list[nn.Module]]:
