@@ -60,8 +60,11 @@ def packed_index(tokens_per_expert: torch.Tensor, rows: int, capacity: int, mult
     ``rows``; ``capacity`` ≥ the padded total."""
     e = tokens_per_expert.numel()
     new = dict(dtype=torch.int64, device=tokens_per_expert.device)
-    flat = torch.empty(2 * (e + 1) + 2 * rows + capacity, **new)  # one allocation, five views
-    off, poff, eid, dest, row_expert = flat.split([e + 1, e + 1, rows, rows, capacity])
+    # one allocation, five views, each starting 16-byte aligned whatever ``rows`` is: Triton
+    # specializes pointers on that alignment, and an odd row count would compile a new variant
+    sizes = (e + 1, e + 1, rows, rows, capacity)
+    flat = torch.empty(sum(n + n % 2 for n in sizes), **new)
+    off, poff, eid, dest, row_expert = [v[:n] for v, n in zip(flat.split([n + n % 2 for n in sizes]), sizes)]
     if e:
         grid = (triton.cdiv(max(capacity, 1), _BLOCK),)
         launch(_packed_index_kernel, grid, tokens_per_expert.contiguous(), off, poff, eid, dest, row_expert,
