@@ -63,8 +63,11 @@ def _launch_transpose(dst: torch.Tensor, src: torch.Tensor, run) -> torch.Tensor
     """The kernel's launch for checked ``dst``/``src``, through ``run(kernel, grid, ...)``
     (the eager launcher or ``traced_launch``); bytes are moved as unsigned words."""
     r, c = src.shape
+    view = _VIEW[src.element_size()]
+    if r == 1 or c == 1:  # a vector: a copy of its bytes (Triton would compile a variant for a 1)
+        dst.view(-1).view(view).copy_(src.reshape(-1).view(view))
+        return dst
     if r and c:
-        view = _VIEW[src.element_size()]
         run(_transpose_kernel, (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE)),
             src.view(view) if src.dtype != view else src, dst.view(view) if dst.dtype != view else dst,
             r, c, src.stride(0), src.stride(1), TILE=_TILE)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 70), (130, 65), (4096, 3584), (256, 4096)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 70), (70, 1), (3, 70), (130, 65), (4096, 3584), (256, 4096)])
 def test_transpose_bitwise(dtype, shape):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, 120, (shape[0], shape[1] * torch.empty((), dtype=dtype).element_size()),

@@ -17,7 +17,8 @@ def test_transposed_2d_is_a_transposed_copy(device, dtype):
     gen = torch.Generator().manual_seed(0)
     base = torch.randint(0, 100, (130, 200), generator=gen).to(device)
     t = base.to(torch.uint8).view(dtype) if dtype.itemsize == 1 and dtype != torch.uint8 else base.to(dtype)
-    for src in (t, t[3:101, 7:190]):  # contiguous, and a strided view
+    # contiguous, a strided view, and vectors (a byte copy: no kernel variant for a dimension of 1)
+    for src in (t, t[3:101, 7:190], t[5:6, 3:150], t[2:90, 4:5], t[7:8, 9:10]):
         got = transposed_2d(src)
         assert got.is_contiguous() and got.shape == src.shape[::-1]
         assert_bitwise_equal(got, src.t().contiguous(), f"{dtype} {tuple(src.shape)} on {device}")
