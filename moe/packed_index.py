@@ -2,13 +2,18 @@
 
 For ``tokens_per_expert [E]`` over T rows sorted by expert and a padding multiple b:
 
-    capacity  C = ceil((T + E·(b-1)) / b) · b          static bound on Σ p_e, p_e = ⌈m_e/b⌉·b
+    capacity  C = ceil((T + E·(b-1)) / g) · g          static bound on Σ p_e, p_e = ⌈m_e/b⌉·b,
+                                                       g = lcm(b, CAPACITY_ROWS)
     off, poff [E+1]                                    cumulative token / padded counts
     eid  [T]    = repeat_interleave(arange(E), m)      expert of each row
     dest [T]    = arange(T) - off[eid] + poff[eid]     padded row of each row
     row_expert [C]                                     expert of each padded row (E past the last)
 
-All from shapes known on the host and device arithmetic: no device-to-host sync. On CUDA
+All from shapes known on the host and device arithmetic: no device-to-host sync. C is a
+multiple of ``CAPACITY_ROWS`` (128) as well: kernels over the whole packed buffer pick a form
+by its row count (MXFP8's columnwise words kernel runs unmasked, its scales staged, where
+C is a multiple of its tile rows), and one row class whatever the routing keeps them from
+compiling a second form mid-run (``tests_distributed/test_moe_ep_recompile.py``). On CUDA
 outside a traced graph one Triton launch computes all five (``kernels.packed_index``,
 bitwise the torch form); compiled graphs and the CPU use the torch form.
 
@@ -20,6 +25,7 @@ once per padding multiple for all of them (the expert-parallel ``Route`` holds o
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -43,9 +49,14 @@ class PackedIndex:
     multiple: int
 
 
+CAPACITY_ROWS = 128  # the tile rows of MXFP8's default columnwise words kernel (``kernels.mxfp8.configs``)
+
+
 def packed_capacity(rows: int, num_experts: int, multiple: int) -> int:
-    """``C``: the padded rows' static bound for ``rows`` tokens over ``num_experts`` experts."""
-    return -(-(rows + num_experts * (multiple - 1)) // multiple) * multiple
+    """``C``: the padded rows' static bound for ``rows`` tokens over ``num_experts`` experts,
+    rounded up to a multiple of ``CAPACITY_ROWS`` too (module doc)."""
+    granule = math.lcm(multiple, CAPACITY_ROWS)
+    return -(-(rows + num_experts * (multiple - 1)) // granule) * granule
 
 
 def packed_index(tokens_per_expert: torch.Tensor, rows: int, multiple: int) -> PackedIndex:

@@ -60,14 +60,16 @@ def _unstage_kernel(a_src, a_dst, a_T, a_R, b_src, b_dst, b_T, b_R, TWO: tl.cons
 def unstage(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Each ``(dst, stage)``: ``dst [R, S]`` uint8 (contiguous) from its stage ``[T, R]``.
     Where the units tile ``dst`` exactly (``S % U == 0``) one launch moves them all (tiles of
-    ``transpose.transpose_tile``); else the stage is transposed (``transpose.transposed``)
-    and its first ``S`` columns copied."""
+    ``transpose.transpose_tile``; a stage of one row or column is copied); else the stage is
+    transposed (``transpose.transposed``) and its first ``S`` columns copied."""
     exact = []
     for dst, stage in pairs:
         if not dst.numel():
             continue
         u = stage.element_size()
-        if dst.shape[1] % u == 0:
+        if dst.shape[1] % u == 0 and min(stage.shape) == 1:  # a vector: a copy (Triton would compile a variant for a 1)
+            dst.view(stage.dtype).view(-1).copy_(stage.view(-1))
+        elif dst.shape[1] % u == 0:
             exact.append((dst.view(stage.dtype), stage))
         else:
             dst.copy_(transposed(stage).view(torch.uint8)[:, :dst.shape[1]])

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -98,3 +100,26 @@ def test_regroup_is_built_on_the_device_as_the_exchange_layout(world, e_l):
     want = [starts[s, j] + i for j in range(e_l) for s in range(world) for i in range(counts[s][j])]
     got = _regroup(recv, world, e_l, pos)
     assert got.dtype == torch.int64 and got.tolist() == want, f"W={world} E_l={e_l} counts {counts}"
+
+
+def test_capacity_bounds_the_padded_rows_in_whole_granules():
+    """C ≥ Σ ⌈m_e/b⌉·b for any split of T rows, and a multiple of ``CAPACITY_ROWS`` and of b:
+    one row class for the kernels over the packed buffer whatever the routing."""
+    gen = torch.Generator().manual_seed(0)
+    for multiple in (1, 16, 32, 128):
+        for rows in (0, 1, 424, 1024, 1025, 5000):
+            cap = pi.packed_capacity(rows, 8, multiple)
+            assert cap % pi.CAPACITY_ROWS == 0 and cap % multiple == 0, (rows, multiple, cap)
+            assert cap < rows + 8 * (multiple - 1) + math.lcm(multiple, pi.CAPACITY_ROWS), (rows, multiple, cap)
+            for _ in range(20):
+                counts = torch.multinomial(torch.ones(8), rows, replacement=True, generator=gen).bincount(
+                    minlength=8) if rows else torch.zeros(8, dtype=torch.int64)
+                assert int((-(-counts // multiple) * multiple).sum()) <= cap, (counts.tolist(), multiple, cap)
+
+
+def test_capacity_rows_cover_the_default_mxfp8_columnwise_tile():
+    """The packed buffer's row count is a multiple of the default MXFP8 words kernel's tile
+    rows, so that kernel runs in one form whatever the routing (module doc)."""
+    from hybrid_dist.kernels.mxfp8.configs import MXFP8_WORDS_DEFAULT
+
+    assert pi.CAPACITY_ROWS % MXFP8_WORDS_DEFAULT.bm == 0

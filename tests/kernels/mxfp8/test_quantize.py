@@ -78,7 +78,8 @@ def _check_mxfp8():
         outs = {f"row sets {cfg.label()}": mxfp8.mxfp8_quantize_tiles(x, dtype, True, True, cfg, words=False)
                 for cfg in MXFP8_SWEEP[:2]}
         for cfg in MXFP8_WORDS_SWEEP[:3]:  # scales unstaged in one launch (K % 64 == 0) or not (K = 160)
-            for xi, what in ((x, "96x160"), (x[:, :128], "96x128 view")):
+            x1 = mxfp8_input((128, 64), bits, gen)  # stages of one unit row (BM = 128, BK = 64): copied
+            for xi, what in ((x, "96x160"), (x[:, :128], "96x128 view"), (x1, "128x64")):
                 r = (*mxfp8_quantize_rows(xi, dtype), *mxfp8_quantize_rows(xi.t(), dtype))
                 for name, a, b in zip(("row", "row_scale", "col", "col_scale"),
                                       mxfp8.mxfp8_quantize_tiles(xi, dtype, True, True, cfg, words=True), r):
