@@ -26,8 +26,9 @@ Each GEMM picks, from its operand pair:
 * anything else (MXFP8, NVFP4 1D/2D, FP8 blocks, identity, mixed pairs):
   both operands to bf16 (``grouped_operands.bf16_values``: block scales applied, exact but
   for FP8 blocks), the two per-expert per-tensor scales folded in fp32 into ONE operand
-  (the one with fewer elements: per expert for the weight, per packed row/column for a
-  token operand) before its bf16 cast, then
+  before its bf16 cast (fprop and dgrad: the token rows, each by its expert's scales, so
+  that an expert's output does not depend on how many rows the others hold; wgrad: the
+  token operand with fewer feature rows, a choice fixed by the layer's shape), then
   ``torch._grouped_mm`` (fp32 accumulation, bf16 out). NVFP4 operands that share a
   Hadamard seed multiply in the transformed domain (wgrad of the NVFP4 recipes).
 
@@ -146,11 +147,9 @@ def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config, dest,
 
         return grouped_rows(sa.data, sb.data.view(e, r, kc), a.scale, b.scale, offs, config.use_fast_accum,
                             tok_offs, dest.numel())
-    else:
-        if sa.shape2d[0] < sb.shape2d[0]:  # fold both scales into the smaller operand
-            va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
-        else:
-            va, vb = bf16_values(sa), fold_experts(fold_source(sb), e, a.scale, b.scale)
+    else:  # both scales folded into the token rows, whatever the routing: an expert's rows come
+        # out the same however many rows the other experts (or ranks) hold
+        va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
         out = _grouped_mm(va, vb.transpose(1, 2), offs)  # vb [E, R, Kc]
     return out.index_select(0, dest)
 
