@@ -143,10 +143,10 @@ def blocks_per_unit(model: nn.Module, requested: int) -> int:
     return max(1, min(-(-AUTO_UNIT_PARAMS // max(largest, 1)), len(blocks) // 4))
 
 
-def fsdp_units(model: nn.Module, blocks_per_unit_: int = 1) -> list[list[nn.Module]]:
-    """The model's blocks in FSDP units of ``blocks_per_unit(model, blocks_per_unit_)``
-    consecutive blocks (``--fsdp-unit``; the last unit may hold fewer)."""
-    n = blocks_per_unit(model, blocks_per_unit_)
+def fsdp_units(model: nn.Module, requested: int = 1) -> list[list[nn.Module]]:
+    """The model's blocks in FSDP units of ``blocks_per_unit(model, requested)`` consecutive
+    blocks (``--fsdp-unit``; the last unit may hold fewer)."""
+    n = blocks_per_unit(model, requested)
     blocks = list(model.layers.values())
     return [blocks[i:i + n] for i in range(0, len(blocks), n)]
 

@@ -66,13 +66,12 @@ def unstage(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
     for dst, stage in pairs:
         if not dst.numel():
             continue
-        u = stage.element_size()
-        if dst.shape[1] % u == 0 and min(stage.shape) == 1:  # a vector: a copy (Triton would compile a variant for a 1)
-            dst.view(stage.dtype).view(-1).copy_(stage.view(-1))
-        elif dst.shape[1] % u == 0:
-            exact.append((dst.view(stage.dtype), stage))
-        else:
+        if dst.shape[1] % stage.element_size():
             dst.copy_(transposed(stage).view(torch.uint8)[:, :dst.shape[1]])
+        elif min(stage.shape) == 1:  # a vector: a copy (Triton would compile a variant for a dimension of 1)
+            dst.view(stage.dtype).view(-1).copy_(stage.view(-1))
+        else:
+            exact.append((dst.view(stage.dtype), stage))
     if exact:
         _launch(exact)
 
