@@ -69,6 +69,8 @@ $(end_to_end_rows 8b4k "$M8B4K" 150)
 1b_u1_bf16_compile|120|0|$M1B --fsdp-unit 1 --recipe bf16 --compile
 1b_u1_torchao_float8_compile|120|1|$M1B --fsdp-unit 1 $TAO
 1b_u1_fp8_current_qinit_compile|120|0|$M1B --fsdp-unit 1 $QI --compile
+8b_pf1_fp8_current_qinit_compile|150|0|$M8B --fsdp-prefetch 1 $QI --compile
+8b_pf1_torchao_float8_compile|150|1|$M8B --fsdp-prefetch 1 $TAO
 1b_moe8_bf16|75|0|$MOE --recipe bf16
 1b_moe8_fp8_current|75|0|$MOE --recipe fp8_current
 1b_moe8_bf16_compile|100|0|$MOE --recipe bf16 --compile

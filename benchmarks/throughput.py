@@ -7,7 +7,8 @@ one row per run, grouped by model:
 - preset: from the ``start`` record: the preset, ``moe<E>top<k>`` for MoE, ``L<n>`` when
   ``--layers`` changed the depth, tokens per GPU as ``batch×seq``, ``fsdp<N>`` (and
   ``tp<N>`` / ``ep<N>`` where used, ``reshard-<policy>`` for another
-  ``--reshard-after-forward`` than the default, ``unit<N>`` for ``--fsdp-unit N``);
+  ``--reshard-after-forward`` than the default, ``unit<N>`` for ``--fsdp-unit N``,
+  ``prefetch<N>`` for ``--fsdp-prefetch N``);
 - recipe: the recipe or the baseline (``torchao-float8``), ``+qinit`` (``--quantized-init``),
   ``+compile``;
 - tokens/s: from the ``summary`` record: all ranks' tokens / time over the timed steps
@@ -89,6 +90,8 @@ def model_label(start: dict) -> str:
         label += f" reshard-{start['reshard_after_forward']}"
     if start.get("fsdp_unit", 1) != 1:  # --fsdp-unit
         label += f" unit{start['fsdp_unit']}"
+    if start.get("fsdp_prefetch", 0):  # --fsdp-prefetch
+        label += f" prefetch{start['fsdp_prefetch']}"
     return label
 
 

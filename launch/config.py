@@ -52,6 +52,7 @@ class TrainConfig:
     fsdp_copy_in: str = "auto"      # FSDP2's gradient copy-in before reduce-scatter: auto, hd or torch (its own)
     reshard_after_forward: str = "default"  # default (every unit but the last), always or never
     fsdp_unit: int = 0              # consecutive blocks per fully_shard unit (0 = by block size)
+    fsdp_prefetch: int = 0          # units whose forward all-gathers each unit issues early (0 = FSDP2's own)
     compile: bool = False
     share_quantized_inputs: bool = False  # norms / SwiGLU quantize once for their consumers (opt-in: see README)
     data: str | None = None         # .npy or raw token file; None = synthetic Markov stream
@@ -80,6 +81,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "hsdp", "tp", "ep", "log_every", "profile_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.fsdp_prefetch < 0:
+            raise ValueError(f"--fsdp-prefetch must be >= 0 (0 = FSDP2's implicit prefetch), got {self.fsdp_prefetch}")
         if self.fsdp_unit < 0:
             raise ValueError(f"--fsdp-unit must be >= 0 (0 = by block size), got {self.fsdp_unit}")
         if self.layers < 0:
@@ -240,6 +243,10 @@ _HELP = {
                  "unsharded weights in memory at once; with --ep, the unit's experts form one group too); 0 "
                  "(default): the fewest blocks holding 200M parameters, at most a quarter of them (the 8b: 1, "
                  "the 1b: 4, whose FP8 step is otherwise bound by the host)",
+    "fsdp_prefetch": "N > 0: each FSDP2 unit issues the forward all-gathers of the next N units as soon as its "
+                     "own are copied out (FSDP2's explicit prefetch; N more units' weights in memory at most), "
+                     "so a host running behind the GPU still starts each gather a unit ahead; 0 (default): "
+                     "FSDP2's implicit prefetch, each gather issued at its unit's own pre-forward",
     "compile": "torch.compile each block (with hd.compile_options(): layers reading one tensor share its "
                "FP8 cast)",
     "share_quantized_inputs": "quantize each norm / SwiGLU output once for the layers reading it "

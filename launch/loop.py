@@ -223,7 +223,7 @@ def _run_info(cfg: TrainConfig, dims: ParallelDims, mcfg, recipe: hd.Recipe, sta
             "inspect_every": cfg.inspect_every,
             "activation_checkpointing": cfg.activation_checkpointing, "timing_warmup": cfg.timing_warmup,
             "reshard_after_forward": cfg.reshard_after_forward, "fsdp_unit": unit,
-            "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
+            "fsdp_prefetch": cfg.fsdp_prefetch, "entropy_floor": data.entropy_floor, "log_vocab": math.log(mcfg.vocab_size)}
 
 
 def report_nonfinite_amaxes(model, step: int, reported: set) -> None:

@@ -168,11 +168,16 @@ def expert_groups(units: list[list[nn.Module]], experts: list[nn.Module]) -> lis
 
 def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_offload: bool,
                experts: list[nn.Module] = (), expert_mesh=None, dp_degree: int = 1,
-               reshard: str = "default", blocks_per_unit: int = 1) -> None:
+               reshard: str = "default", blocks_per_unit: int = 1, prefetch: int = 0) -> None:
     """``fully_shard`` each unit of ``blocks_per_unit`` blocks (``fsdp_units``), then the
     root (embedding, norm, head). Applied even on one rank, where it only casts parameters
     to ``param_dtype`` for compute. A unit of several blocks is one FSDP2 parameter group:
     one all-gather, one reduce-scatter and FSDP2's per-group host work serve all of them.
+
+    ``prefetch`` (``--fsdp-prefetch``) > 0: each unit, and the root, issue the forward
+    all-gathers of the next ``prefetch`` units from the host as soon as their own are copied
+    out (FSDP2's explicit forward prefetch), not at those units' own pre-forward: a host that
+    runs late then still starts each gather a unit ahead.
 
     ``reshard`` (``reshards_after_forward``): under ``"never"`` (no expert group resharded
     either) the backward gathers nothing, and each block's unsharded weights stay in memory
@@ -200,6 +205,11 @@ def apply_fsdp(model: nn.Module, fsdp_mesh, *, param_dtype: torch.dtype, cpu_off
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshards_after_forward(
             reshard, i, len(units)), **kw)
     fully_shard(model, **kw)
+    if prefetch:
+        heads = [unit[0] for unit in units]  # a unit's modules share one FSDP2 state
+        model.set_modules_to_forward_prefetch(heads[:prefetch])
+        for i, head in enumerate(heads):
+            head.set_modules_to_forward_prefetch(heads[i + 1:i + 1 + prefetch])
 
 
 def all_gather_bytes_per_step(model, dims: ParallelDims, param_dtype_bytes: int, *, skip_quantized: bool,
@@ -251,5 +261,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
         fsdp_copy_in.choose(cfg.fsdp_copy_in)  # process-wide: the flag of this run decides
         apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=cfg.cpu_offload, experts=experts,
                    expert_mesh=meshes.ep_fsdp if dims.ep > 1 else None, dp_degree=dims.dp,
-                   reshard=cfg.reshard_after_forward, blocks_per_unit=cfg.fsdp_unit)
+                   reshard=cfg.reshard_after_forward, blocks_per_unit=cfg.fsdp_unit,
+                   prefetch=cfg.fsdp_prefetch)
     return model

@@ -188,3 +188,4 @@ def test_model_label_names_tp_and_ep_where_used():
     assert throughput.model_label({**start, "reshard_after_forward": "never"}) == "8b L16 1×8192 fsdp2 reshard-never"
     assert throughput.model_label({**start, "reshard_after_forward": "default"}) == "8b L16 1×8192 fsdp2"
     assert throughput.model_label({**start, "fsdp_unit": 2}) == "8b L16 1×8192 fsdp2 unit2"
+    assert throughput.model_label({**start, "fsdp_prefetch": 1}) == "8b L16 1×8192 fsdp2 prefetch1"

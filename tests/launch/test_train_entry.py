@@ -21,6 +21,7 @@ from hybrid_dist.launch.train import main
     (["--save-every", "2"], "--save-every needs --checkpoint-dir"),
     (["--gc-every", "-1"], "--gc-every must be >= 0 (0 = Python's automatic collector), got -1"),
     (["--fsdp-unit", "-1"], "--fsdp-unit must be >= 0 (0 = by block size), got -1"),
+    (["--fsdp-prefetch", "-1"], "--fsdp-prefetch must be >= 0 (0 = FSDP2's implicit prefetch), got -1"),
     (["--reshard-after-forward", "sometimes"],
      "--reshard-after-forward must be one of default, always, never, got 'sometimes'"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the TP ranks: it needs --tp 2"),
