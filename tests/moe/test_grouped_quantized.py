@@ -164,30 +164,35 @@ def test_grouped_path_with_more_tokens_than_weight_rows(recipe_name):
     _check(hd.recipe_from_name(recipe_name), quantized_init=False, steps=1, splits=[500, 300], k=128, n=256)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("recipe_name", ["nvfp4", "fp8_current"])
-def test_an_experts_rows_do_not_depend_on_the_other_experts_rows(recipe_name, monkeypatch):
+def test_an_experts_rows_do_not_depend_on_the_other_experts_rows(recipe_name, device, monkeypatch):
     """Expert 0's 40 rows, alone or beside 600 rows of expert 1 (more packed rows than the
     experts' weight rows, so a fold chosen by size would move to the other operand): fprop
     and dgrad rows of expert 0 bitwise the same (NVFP4: fprop; its gradients' stochastic
     rounding draws by packed position). Expert parallelism relies on it: a rank's rows for
-    an expert do not depend on what the other ranks route."""
+    an expert do not depend on what the other ranks route. On CUDA the packed path's own
+    kernels; on CPU its emulation."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     monkeypatch.setattr(grouped_quantized, "fits", lambda plan, x, w: grouped_quantized.unsupported_reason(
         plan, x, w) is None)  # the packed path on CPU too (its emulated kernels)
     recipe = hd.recipe_from_name(recipe_name)
     torch.manual_seed(0)
-    mod = GroupedLinear(2, K, N, recipe=recipe, dtype=torch.bfloat16)
-    x0, dy0 = torch.randn(40, K, dtype=torch.bfloat16), torch.randn(40, N, dtype=torch.bfloat16)
-    x1, dy1 = torch.randn(600, K, dtype=torch.bfloat16), torch.randn(600, N, dtype=torch.bfloat16)
+    mod = GroupedLinear(2, K, N, recipe=recipe, dtype=torch.bfloat16, device=device)
+    new = dict(dtype=torch.bfloat16, device=device)
+    x0, dy0 = torch.randn(40, K, **new), torch.randn(40, N, **new)
+    x1, dy1 = torch.randn(600, K, **new), torch.randn(600, N, **new)
     out = {}
     for name, x, dy, counts in (("alone", x0, dy0, [40, 0]), ("beside", torch.cat([x0, x1]), torch.cat([dy0, dy1]),
                                                                        [40, 600])):
         x = x.clone().requires_grad_(True)
-        y = mod(x, torch.tensor(counts))
+        y = mod(x, torch.tensor(counts, device=device))
         y.backward(dy)
         out[name] = (y[:40].detach(), x.grad[:40])
     checked = ("y", "dx") if recipe_name == "fp8_current" else ("y",)
     for what, a, b in zip(checked, out["alone"], out["beside"]):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{recipe_name} expert 0 {what}"
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{recipe_name} expert 0 {what} on {device}"
 
 
 @pytest.mark.parametrize("grads", ["x_only", "weight_only", "none"])
