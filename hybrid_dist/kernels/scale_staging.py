@@ -60,16 +60,15 @@ def _unstage_kernel(a_src, a_dst, a_T, a_R, b_src, b_dst, b_T, b_R, TWO: tl.cons
 def unstage(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Each ``(dst, stage)``: ``dst [R, S]`` uint8 (contiguous) from its stage ``[T, R]``.
     Where the units tile ``dst`` exactly (``S % U == 0``) one launch moves them all (tiles of
-    ``transpose.transpose_tile``; a stage of one row or column is copied); else the stage is
-    transposed (``transpose.transposed``) and its first ``S`` columns copied."""
+    ``transpose.transpose_tile``); else, and for a stage of one row or column, the stage is
+    transposed (``transpose.transposed``, a copy for a vector) and its first ``S`` columns
+    copied."""
     exact = []
     for dst, stage in pairs:
         if not dst.numel():
             continue
-        if dst.shape[1] % stage.element_size():
+        if dst.shape[1] % stage.element_size() or min(stage.shape) == 1:  # a vector: transposed() copies it
             dst.copy_(transposed(stage).view(torch.uint8)[:, :dst.shape[1]])
-        elif min(stage.shape) == 1:  # a vector: a copy (Triton would compile a variant for a dimension of 1)
-            dst.view(stage.dtype).view(-1).copy_(stage.view(-1))
         else:
             exact.append((dst.view(stage.dtype), stage))
     if exact:
