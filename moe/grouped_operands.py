@@ -248,13 +248,29 @@ def row_scales(scale: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
     return torch.cat([scale.float(), scale.new_ones(1, dtype=torch.float32)])[row_expert]
 
 
-def fold_rows(v: torch.Tensor, row_expert: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
-    """``v [C, R]`` (C = packed token axis) → bf16 times ``Π scales[expert of row]``."""
+def _line_folded(st: DirectionStorage, row_expert, scales, axis: int) -> torch.Tensor:
+    """``st`` stored ``[R, C]`` in bf16 times ``Π scales[expert]`` of each row (``axis=0``)
+    or column (``axis=1``), the packed token axis: in the dequantize kernel's one pass on
+    CUDA (MXFP8, NVFP4), else ``fold_source`` then one fp32 multiply and cast (bitwise
+    alike: the kernel's values are the exact ``bf16_values``)."""
     s = _combine(*scales)
-    return v.to(BF16) if s is None else _times(v, row_scales(s, row_expert)[:, None])
+    if s is None:
+        return fold_source(st).to(BF16)
+    line = row_scales(s, row_expert)
+    if st.device.type == "cuda" and isinstance(st, (MXFP8Storage, NVFP4Storage)):
+        from hybrid_dist.kernels.gemm import bf16_operand  # Triton: CUDA installs only
+
+        return bf16_operand(st, **{"row_scale" if axis == 0 else "col_scale": line})
+    return _times(fold_source(st), line[:, None] if axis == 0 else line[None, :])
 
 
-def fold_columns(v: torch.Tensor, row_expert: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
-    """``v [R, C]`` (C = packed token axis) → bf16 times ``Π scales[expert of column]``."""
-    s = _combine(*scales)
-    return v.to(BF16) if s is None else _times(v, row_scales(s, row_expert)[None, :])
+def fold_rows(st: DirectionStorage, row_expert: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
+    """Packed tokens stored ``[C, R]`` (C = packed token axis) → bf16 times
+    ``Π scales[expert of row]``."""
+    return _line_folded(st, row_expert, scales, axis=0)
+
+
+def fold_columns(st: DirectionStorage, row_expert: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
+    """Packed tokens stored ``[R, C]`` (C = packed token axis) → bf16 times
+    ``Π scales[expert of column]``."""
+    return _line_folded(st, row_expert, scales, axis=1)

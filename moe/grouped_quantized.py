@@ -56,7 +56,7 @@ from hybrid_dist.kernels import TRITON_INSTALLED
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.grouped_operands import (
     BF16, TokenOperand, WeightOperand, batched_fp8_weights, bf16_values, expert_weight_storages, fold_columns,
-    fold_experts, fold_rows, fold_source, row_scales, stack_dim0_segments, stack_experts, token_operand,
+    fold_experts, fold_rows, row_scales, stack_dim0_segments, stack_experts, token_operand,
     unstack_experts,
 )
 from hybrid_dist.quantized_tensor import QuantizedTensor
@@ -149,7 +149,7 @@ def rows_gemm(a: TokenOperand, b: WeightOperand, offs, row_expert, config, dest,
                             tok_offs, dest.numel())
     else:  # both scales folded into the token rows, whatever the routing: an expert's rows come
         # out the same however many rows the other experts (or ranks) hold
-        va, vb = fold_rows(fold_source(sa), row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
+        va, vb = fold_rows(sa, row_expert, a.scale, b.scale), fold_experts(bf16_values(sb), e)
         out = _grouped_mm(va, vb.transpose(1, 2), offs)  # vb [E, R, Kc]
     return out.index_select(0, dest)
 
@@ -167,10 +167,10 @@ def tokens_gemm(a: TokenOperand, b: TokenOperand, offs, row_expert, counts, conf
         scale_b = b.scale.float()[:, None].expand(e, rb).reshape(-1)
         out = _scaled_grouped_mm(sa.data, sb.data.t(), scale_a, scale_b, offs, config.use_fast_accum)
     elif ra <= rb:  # fold both scales into the smaller operand
-        va = fold_columns(fold_source(sa), row_expert, a.scale, b.scale)
+        va = fold_columns(sa, row_expert, a.scale, b.scale)
         out = _grouped_mm(va, bf16_values(sb).t(), offs)
     else:
-        vb = fold_columns(fold_source(sb), row_expert, a.scale, b.scale)
+        vb = fold_columns(sb, row_expert, a.scale, b.scale)
         out = _grouped_mm(bf16_values(sa), vb.t(), offs)
     return torch.where((counts > 0)[:, None, None], out, out.new_zeros(()))
 

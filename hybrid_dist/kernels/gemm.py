@@ -69,17 +69,19 @@ def _scaled_mm_blockwise(a: Float8BlockStorage, b: Float8BlockStorage, out_dtype
         return None
 
 
-def bf16_operand(st, tensor_scale_a=None, tensor_scale_b=None):
+def bf16_operand(st, tensor_scale_a=None, tensor_scale_b=None, *, row_scale=None, col_scale=None):
     """bf16 ``[R, C]`` with block scales applied (exact), or None if not exact in bf16.
-    ``tensor_scale_a/_b`` (fp32 scalars, MXFP8/NVFP4 only): also multiplied in, one
-    rounding. The dequantize kernels index row-major buffers: strided views (e.g. a
-    transposed saved or gathered field) are made contiguous first."""
+    ``tensor_scale_a/_b`` (fp32 scalars) and ``row_scale [R]`` / ``col_scale [C]`` (fp32;
+    MXFP8/NVFP4 only): also multiplied in, one rounding (``kernels.dequant``). The
+    dequantize kernels index row-major buffers: strided views (e.g. a transposed saved or
+    gathered field) are made contiguous first."""
     if isinstance(st, MXFP8Storage):
-        return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous(), tensor_scale_a, tensor_scale_b)
+        return dequant.mxfp8_dequantize(st.data.contiguous(), st.scale.contiguous(), tensor_scale_a, tensor_scale_b,
+                                        row_scale, col_scale)
     if isinstance(st, NVFP4Storage):
         return dequant.nvfp4_dequantize(st.data.contiguous(), st.block_scale.contiguous(), st.block_rows,
-                                        tensor_scale_a, tensor_scale_b)
-    if tensor_scale_a is not None or tensor_scale_b is not None:
+                                        tensor_scale_a, tensor_scale_b, row_scale, col_scale)
+    if any(s is not None for s in (tensor_scale_a, tensor_scale_b, row_scale, col_scale)):
         return None
     if isinstance(st, Float8Storage):
         return st.data.to(torch.bfloat16)
