@@ -15,6 +15,9 @@ step (dispatch, combine and their gradients, token counts, amax), averaged over 
 each payload in its consumer's format where the recipe allows it (``moe.expert_parallel``;
 otherwise it falls back to high precision, and the bytes show it), ``bf16`` exchanges high
 precision and quantizes after (bitwise the same result: ``tests_distributed/test_moe_ep.py``).
+``--dx-exchange early,after`` times each row twice: the dispatch's backward all-to-all
+started inside fc1's backward, during its wgrad (``early``, the layer's default), and
+after it (``after``: the dispatch column says ``dx after``).
 On CPU (gloo) it runs too, for the smoke test (``--tiny``).
 """
 
@@ -51,13 +54,14 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group, profile=False):
-    """(median step seconds on this rank, bytes sent per step) for one recipe and dispatch."""
+def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group, profile=False, early=True):
+    """(median step seconds on this rank, bytes sent per step) for one recipe and dispatch;
+    ``early``: the layer's ``early_input_grad``."""
     world = dist.get_world_size(group)
     recipe = None if recipe_name == "bf16" else hd.recipe_from_name(recipe_name)
     torch.manual_seed(0)
     moe = MoE(shape.hidden, shape.ffn, shape.experts_per_rank * world, shape.top_k, recipe=recipe, ep_group=group,
-              quantized_dispatch=quantized, name="moe", device=device, dtype=torch.bfloat16)
+              quantized_dispatch=quantized, early_input_grad=early, name="moe", device=device, dtype=torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank(group))
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=torch.bfloat16, generator=gen)
     def step():
@@ -82,20 +86,23 @@ def _time_recipe(recipe_name, quantized, shape, device, steps, warmup, group, pr
 
 
 def run_ep(rank: int, world: int, recipes: list[str], shape: Shape = Shape(), steps: int = 8,
-           warmup: int = 3, profile: bool = False) -> list[list]:
-    """Table rows (the same on every rank): recipe, dispatch, time ms, × bf16, sent MB, × bf16."""
+           warmup: int = 3, profile: bool = False, dx_exchange: tuple[str, ...] = ("early",)) -> list[list]:
+    """Table rows (the same on every rank): recipe, dispatch, time ms, × bf16, sent MB, × bf16
+    (the first bf16 row); one row per ``dx_exchange`` mode (``early``, ``after``) each."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     group = dist.group.WORLD
     results = []
     for name in recipes:
         for quantized in ((False,) if name == "bf16" else (True, False)):
-            sec, sent = _time_recipe(name, quantized, shape, device, steps, warmup, group, profile)
-            t = torch.tensor([sec, sent], dtype=torch.float64, device=device)
-            slowest, total = t.clone(), t.clone()
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            dist.all_reduce(total, group=group)
-            results.append((name, "quantized" if quantized else "bf16", slowest[0].item() * 1e3,
-                            total[1].item() / world / 1e6))
+            for mode in dx_exchange:
+                sec, sent = _time_recipe(name, quantized, shape, device, steps, warmup, group, profile,
+                                         early=mode == "early")
+                t = torch.tensor([sec, sent], dtype=torch.float64, device=device)
+                slowest, total = t.clone(), t.clone()
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(total, group=group)
+                label = ("quantized" if quantized else "bf16") + ("" if mode == "early" else ", dx after")
+                results.append((name, label, slowest[0].item() * 1e3, total[1].item() / world / 1e6))
     base = next(((ms, mb) for n, _, ms, mb in results if n == "bf16"), None)
     return [[n, d, ms, base[0] / ms if base else "", mb, mb / base[1] if base and base[1] else ""]
             for n, d, ms, mb in results]  # one rank sends nothing: no bytes ratio
@@ -111,14 +118,19 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one step per row: top GPU kernels and host ops (CUDA)")
+    p.add_argument("--dx-exchange", default="early",
+                   help="comma-separated: early (dx's all-to-all during fc1's wgrad), after (module doc)")
     args = p.parse_args()
+    modes = tuple(args.dx_exchange.split(","))
+    if not modes or set(modes) - {"early", "after"}:
+        p.error(f"--dx-exchange takes early and/or after, got {args.dx_exchange!r}")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     shape = TINY if args.tiny else dataclasses.replace(Shape(), tokens=args.tokens)
     rows = run_ep(dist.get_rank(), dist.get_world_size(), args.recipes.split(","), shape, args.steps, args.warmup,
-                  args.profile and cuda)
+                  args.profile and cuda, modes)
     if dist.get_rank() == 0:
         dev = torch.cuda.get_device_name() if cuda else "CPU (gloo)"
         print_table(["recipe", "dispatch", "time ms", "x bf16", "sent MB", "x bf16 bytes"], rows,

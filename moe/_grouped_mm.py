@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_dist.formats.identity import IdentityQuantizer, IdentityStorage
+from hybrid_dist.moe.exchange_io import hand_off_input_grad, input_grad_sender
 from hybrid_dist.linear import DequantizeFn
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -65,10 +66,10 @@ def _record(stats, tensor_type: str, t: torch.Tensor, offs: torch.Tensor, column
 
 class _GroupedMMFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, stats):
+    def forward(ctx, x, weight, tokens_per_expert, stats, io):
         offs = _offs(tokens_per_expert)
         ctx.save_for_backward(x, weight, offs)
-        ctx.stats = stats
+        ctx.stats, ctx.dx_sender = stats, input_grad_sender(io)
         if stats is not None:
             _record(stats, "input", x, offs, ctx.needs_input_grad[1])
             e = weight.shape[0]
@@ -86,26 +87,27 @@ class _GroupedMMFn(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # dgrad: dx [T, K] = dy [T, N] · W_e [N, K]
-            dx = torch._grouped_mm(dy, weight, offs=offs)
+            dx = hand_off_input_grad(ctx.dx_sender, torch._grouped_mm(dy, weight, offs=offs))
         if ctx.needs_input_grad[1]:
             # wgrad: dW [E, N, K] = dyᵀ [N, T] · x [T, K], groups along T
             dw = torch._grouped_mm(dy.t(), x, offs=offs)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def grouped_mm_linear(x, weight, tokens_per_expert, stats=None) -> torch.Tensor:
+def grouped_mm_linear(x, weight, tokens_per_expert, stats=None, io=None) -> torch.Tensor:
     """``y [T, N]``; ``stats``: the plan's ``inspection.ModuleStats`` while a logging step
-    captures (the high-precision rows and their candidate formats), else None."""
-    return _GroupedMMFn.apply(x, weight, tokens_per_expert, stats)
+    captures (the high-precision rows and their candidate formats), else None; ``io``: an
+    expert-parallel ``ExchangeIO`` whose early sender takes dx (``hand_off_input_grad``)."""
+    return _GroupedMMFn.apply(x, weight, tokens_per_expert, stats, io)
 
 
-def high_precision(x, weight, tokens_per_expert) -> torch.Tensor:
+def high_precision(x, weight, tokens_per_expert, io=None) -> torch.Tensor:
     """No recipe: plain math (``_grouped_mm`` on CUDA bf16, else a per-expert loop that
-    reads the split sizes on the host)."""
+    reads the split sizes on the host); ``io`` as ``grouped_mm_linear``'s."""
     if isinstance(weight, QuantizedTensor):
         weight = DequantizeFn.apply(weight, x.dtype)
     if available() and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
-        return grouped_mm_linear(x, weight, tokens_per_expert)
+        return grouped_mm_linear(x, weight, tokens_per_expert, io=io)
     splits = tokens_per_expert.tolist()
     outs = [F.linear(xe, weight[i]) for i, xe in enumerate(torch.split(x, splits))]
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])

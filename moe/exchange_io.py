@@ -2,8 +2,10 @@
 
 ``ExchangeIO`` holds the received rows (``"x_quantized"`` / ``"x_packed"``), the gradient
 the combine's backward fills before the last GroupedLinear's backward runs
-(``"dy_quantized"`` / ``"dy_packed"``), the packed path's marker (``"packed"``) and the
-route's packed index (``"index"``, ``packed_index.IndexCache``: one per layer and step).
+(``"dy_quantized"`` / ``"dy_packed"``), the packed path's marker (``"packed"``), the
+route's packed index (``"index"``, ``packed_index.IndexCache``: one per layer and step)
+and the dispatch's early sender of the first GroupedLinear's input gradient
+(``"dx_sender"``, ``hand_off_input_grad``).
 
 It is deliberately not a ``dict``, dataclass or tuple: module hooks that rebuild their
 forward arguments (FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` walks
@@ -15,6 +17,8 @@ leave the original, which the combine's backward fills, unseen by the expert lay
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 
 class ExchangeIO:
@@ -42,3 +46,28 @@ class ExchangeIO:
 
     def __repr__(self) -> str:
         return f"ExchangeIO({', '.join(self._slots)})"
+
+
+def carries_operands(io: ExchangeIO | None) -> bool:
+    """Whether ``io`` is an exchange's (operands received, or to be filled before the
+    backward: a ``combine_io``), not only the early sender of a high-precision dispatch."""
+    return io is not None and len(io) > ("dx_sender" in io)
+
+
+def input_grad_sender(io: ExchangeIO | None):
+    """The dispatch's early sender of the first GroupedLinear's input gradient in ``io``
+    (``"dx_sender"``, set by ``expert_parallel.dispatch``), or None. A layer's forward keeps
+    it (not ``io``, whose received rows it need not hold) for ``hand_off_input_grad``."""
+    return io.get("dx_sender") if io is not None else None
+
+
+def hand_off_input_grad(sender, dx: torch.Tensor | None) -> torch.Tensor | None:
+    """For a GroupedLinear's backward once its dgrad ``dx`` is computed, before its wgrad:
+    with an early ``sender`` (``input_grad_sender``), give it ``dx``, whose all-to-all back
+    to the slots then runs during the wgrad GEMM, and return what autograd carries in its
+    place (broadcast zeros: the dispatch's backward takes the exchanged rows from the
+    sender); without one, ``dx`` itself."""
+    if sender is None or dx is None:
+        return dx
+    sender.send(dx)
+    return dx.new_zeros(()).expand(dx.shape)

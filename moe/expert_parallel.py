@@ -14,6 +14,11 @@ sent direction (both NVFP4 recipes' dy: the expert's generator draws).
 A quantized payload reaches the expert layer through ``io`` (``ExchangeIO``), not through
 autograd: no dequantized copy is made for autograd, and the tensor the graph carries
 between the exchange and the experts (forward rows, backward dy) is a broadcast stand-in.
+
+With ``early_input_grad`` (the ``MoE`` layer's setting) the dispatch's backward exchange
+starts inside the first expert layer's backward, as soon as its dgrad is computed
+(``InputGradSender``): the all-to-all then runs during that layer's wgrad GEMM instead of
+after it, and the dispatch's backward only waits for it. The rows are the same.
 """
 
 from __future__ import annotations
@@ -26,23 +31,48 @@ from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.packed_index import IndexCache
 from hybrid_dist.moe.quantized_exchange import quantized_exchange
-from hybrid_dist.moe.route import Route, WireStats, exchange, make_route
+from hybrid_dist.moe.route import PendingRows, Route, WireStats, exchange, exchange_to_slots_async, make_route
 
-__all__ = ["WireStats", "Route", "make_route", "dispatch", "combine", "combine_io"]
+__all__ = ["WireStats", "Route", "InputGradSender", "make_route", "dispatch", "combine", "combine_io"]
+
+
+class InputGradSender:
+    """The dispatch's backward exchange, started early (module note): the first expert
+    layer's backward calls ``send(dx)`` once its dgrad is computed; the dispatch's backward
+    then ``take()``s the exchanged rows (None: nothing was sent, it exchanges itself)."""
+
+    def __init__(self, route: Route, stats):
+        self._route, self._stats, self._pending = route, stats, None
+
+    def send(self, dx: torch.Tensor) -> None:
+        self._pending = exchange_to_slots_async(dx, self._route, self._stats, "dispatch_grad")
+
+    def take(self) -> torch.Tensor | None:
+        pending, self._pending = self._pending, None
+        return pending.wait() if isinstance(pending, PendingRows) else None
+
+
+def _dispatch_grad(dx, route, stats, sender: InputGradSender | None) -> torch.Tensor:
+    """The dispatch's backward: the early sender's rows, else ``dx`` exchanged now."""
+    early = sender.take() if sender is not None else None
+    return early if early is not None else exchange(dx.contiguous(), route, False, stats, "dispatch_grad")
 
 
 class _Exchange(torch.autograd.Function):
     """High-precision exchange: dispatch (``to_experts=True``: slots → experts) or combine."""
 
     @staticmethod
-    def forward(ctx, x, route: Route, to_experts: bool, stats, key: str):
-        ctx.route, ctx.to_experts, ctx.stats, ctx.key = route, to_experts, stats, key
+    def forward(ctx, x, route: Route, to_experts: bool, stats, key: str, sender: InputGradSender | None):
+        ctx.route, ctx.to_experts, ctx.stats, ctx.key, ctx.sender = route, to_experts, stats, key, sender
         return exchange(x, route, to_experts, stats, key)
 
     @staticmethod
     def backward(ctx, g):
-        dx = exchange(g.contiguous(), ctx.route, not ctx.to_experts, ctx.stats, ctx.key + "_grad")
-        return dx, None, None, None, None
+        if ctx.to_experts:
+            dx = _dispatch_grad(g, ctx.route, ctx.stats, ctx.sender)
+        else:
+            dx = exchange(g.contiguous(), ctx.route, True, ctx.stats, ctx.key + "_grad")
+        return dx, None, None, None, None, None
 
 
 def _rows_stand_in(g, like: torch.Tensor) -> torch.Tensor:
@@ -63,12 +93,12 @@ class _QuantizedDispatch(torch.autograd.Function):
                                   stats=stats, key="dispatch", packed_multiple=packed, values=False,
                                   states=states, advance=not in_backward())
         io["x_packed" if packed is not None else "x_quantized"] = g
-        ctx.route, ctx.stats = route, stats
+        ctx.route, ctx.stats, ctx.sender = route, stats, io.get("dx_sender")
         return _rows_stand_in(g, x_perm)
 
     @staticmethod
     def backward(ctx, dx):
-        return exchange(dx.contiguous(), ctx.route, False, ctx.stats, "dispatch_grad"), *([None] * 8)
+        return _dispatch_grad(dx, ctx.route, ctx.stats, ctx.sender), *([None] * 8)
 
 
 class _QuantizedCombine(torch.autograd.Function):
@@ -96,23 +126,28 @@ def _warn_once(reason: str) -> None:
 
 
 def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, stats=None,
-             packed: int | None = None):
+             packed: int | None = None, early_input_grad: bool = False):
     """Slots → local experts (expert-major rows). With a quantized ``plan`` (the first
     GroupedLinear's) whose input format allows it, the payload travels quantized; returns
-    ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP). With
-    ``io``, the rows are in ``io`` and ``x_local`` is their stand-in (broadcast zeros of the
-    rows' shape): it carries the gradient path, and only that GroupedLinear may consume it.
-    ``packed``: the GroupedLinear's packed padding multiple when it takes the packed path
-    (``GroupedLinear.packed_exchange``): the received rows arrive as ``io["x_packed"]``."""
+    ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP without
+    ``early_input_grad``). With exchanged rows in ``io``, ``x_local`` is their stand-in
+    (broadcast zeros of the rows' shape): it carries the gradient path, and only that
+    GroupedLinear may consume it. ``packed``: the GroupedLinear's packed padding multiple
+    when it takes the packed path (``GroupedLinear.packed_exchange``): the received rows
+    arrive as ``io["x_packed"]``. ``early_input_grad``: ``io`` also holds an
+    ``InputGradSender`` (module note); then ``x_local``'s only consumer must be that
+    GroupedLinear, whose dx is the whole gradient of ``x_local``."""
+    sender = InputGradSender(route, stats) if early_input_grad else None
     reason = _quantized_reason(plan, "input", need_columnwise)
     if reason is None:
-        io = ExchangeIO(index=route.index)
+        io = ExchangeIO(index=route.index) if sender is None else ExchangeIO(index=route.index, dx_sender=sender)
         x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats, packed,
                                      plan.states["input"])
         return x, io
     if plan is not None and reason != "identity":
         _warn_once(reason)
-    return _Exchange.apply(x_perm, route, True, stats, "dispatch"), None
+    io = None if sender is None else ExchangeIO(dx_sender=sender)
+    return _Exchange.apply(x_perm, route, True, stats, "dispatch", sender), io
 
 
 def combine_io(plan, packed: int | None = None, index: IndexCache | None = None) -> ExchangeIO | None:
@@ -134,7 +169,7 @@ def combine(y_local, route: Route, *, plan=None, io: ExchangeIO | None = None, s
     reason = _quantized_reason(plan, "grad_output", True)
     if plan is not None and reason not in (None, "identity"):
         _warn_once(reason)
-    return _Exchange.apply(y_local, route, False, stats, "combine")
+    return _Exchange.apply(y_local, route, False, stats, "combine", None)
 
 
 def _quantized_reason(plan, tensor_type: str, need_columnwise: bool) -> str | None:

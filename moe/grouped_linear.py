@@ -49,7 +49,7 @@ from hybrid_dist.inspection import active_stats
 from hybrid_dist.recipe_module import RecipeModuleMixin, in_backward
 from hybrid_dist.formats.float8 import DelayedScalingState, advance_stacked
 from hybrid_dist.linear import LinearPlan
-from hybrid_dist.moe.exchange_io import ExchangeIO
+from hybrid_dist.moe.exchange_io import ExchangeIO, carries_operands, hand_off_input_grad, input_grad_sender
 from hybrid_dist.quantized_tensor import QuantizedTensor
 from hybrid_dist.recipes import Recipe
 from hybrid_dist.moe import _grouped_mm, grouped_quantized, grouped_reference
@@ -118,7 +118,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                                config=plan.recipe.fprop, width=n, like=x)
         x_cols = x_q.columnwise if need_wgrad else [None] * e
         saved_storages.pack(ctx, *x_cols, *(w_cols if need_dgrad else [None] * e))
-        ctx.plan, ctx.io, ctx.num_experts = plan, io, e
+        ctx.plan, ctx.io, ctx.num_experts, ctx.dx_sender = plan, io, e, input_grad_sender(io)
         ctx.splits, ctx.padded = x_q.splits, x_q.padded_splits
         ctx.x_dtype, ctx.w_dtype, ctx.k = x.dtype, weight.dtype, x.shape[1]
         ctx.tokens_per_expert = tokens_per_expert  # device [E]; not differentiable
@@ -147,6 +147,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             # dgrad: dx_e [p_e, K] = dy_e [p_e, N] · W_e [N, K]   (W_e columnwise stored [K, N])
             dx = _grouped_gemm_rows(dy_q.rowwise, w_cols, ctx.splits, out_dtype=plan.recipe.dgrad.out_dtype
                                     or ctx.x_dtype, config=plan.recipe.dgrad, width=ctx.k, like=dy)
+            dx = hand_off_input_grad(ctx.dx_sender, dx)  # its exchange runs during the wgrad
         if need_wgrad:
             # wgrad: dW_e [N, K] = dy_eᵀ [N, p_e] · x_e [p_e, K]   (grouped along tokens)
             dw = torch.stack([
@@ -163,20 +164,20 @@ def apply_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_exper
     device), through the path the module doc picks. Unless it runs inside a backward (an
     activation recompute), it starts a new pass of the plan's input and weight states. ``io``: as
     ``GroupedLinear.forward``; ``name`` only labels errors. Inputs are not checked here."""
-    if io is None and _grouped_mm.fits(plan, x, weight):
-        return _grouped_mm.grouped_mm_linear(x, weight, tokens_per_expert, active_stats(plan))
+    if not carries_operands(io) and _grouped_mm.fits(plan, x, weight):
+        return _grouped_mm.grouped_mm_linear(x, weight, tokens_per_expert, active_stats(plan), io)
     if not in_backward():
         if not (io is not None and ("x_quantized" in io or "x_packed" in io)):
             plan.advance("input")  # else the exchange that quantized x advanced it (expert_parallel)
         plan.advance("weight")
     packed_io = io is not None and ("x_packed" in io or "packed" in io)
-    if (io is None or packed_io) and grouped_quantized.fits(plan, x, weight):
+    if (not carries_operands(io) or packed_io) and grouped_quantized.fits(plan, x, weight):
         return grouped_quantized.grouped_linear(x, weight, tokens_per_expert, plan, io)
     if packed_io:
         raise ValueError(f"GroupedLinear {name!r}: packed expert-parallel operands, but this call does "
                          "not take the packed path (see packed_exchange)")
     if grouped_reference.fits(plan, x, io):
-        return grouped_reference.grouped_linear(x, weight, tokens_per_expert, plan)
+        return grouped_reference.grouped_linear(x, weight, tokens_per_expert, plan, io)
     return _GroupedLinearFn.apply(x, weight, tokens_per_expert, plan, io)
 
 
@@ -223,7 +224,7 @@ class GroupedLinear(RecipeModuleMixin, nn.Module):
         self._check(x, tokens_per_expert, counted=IndexCache.serving(index, tokens_per_expert, x.shape[0]) is not None)
         recipe = self.active_recipe()
         if recipe is None:
-            return _grouped_mm.high_precision(x, self.weight, tokens_per_expert)
+            return _grouped_mm.high_precision(x, self.weight, tokens_per_expert, io)
         return apply_grouped_linear(x, self.weight, tokens_per_expert, self.plan(recipe), io=io, name=self.name)
 
     def packed_exchange(self, x: torch.Tensor, tensor_type: str) -> int | None:

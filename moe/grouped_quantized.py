@@ -54,6 +54,7 @@ from hybrid_dist.formats.nvfp4 import NVFP4Quantizer
 from hybrid_dist.inspection import active_stats
 from hybrid_dist.kernels import TRITON_INSTALLED
 from hybrid_dist.moe import _wire, device_split
+from hybrid_dist.moe.exchange_io import hand_off_input_grad, input_grad_sender
 from hybrid_dist.moe.grouped_operands import (
     BF16, TokenOperand, WeightOperand, batched_fp8_weights, bf16_values, expert_weight_storages, fold_columns,
     fold_experts, fold_rows, row_scales, stack_dim0_segments, stack_experts, token_operand,
@@ -239,6 +240,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         saved_storages.pack(ctx, x_col, w_col)
         ctx.plan, ctx.mult, ctx.num_experts, ctx.w_from_weight = plan, mult, weight.shape[0], from_weight
         ctx.io = io if io and "packed" in io else None  # only dy_packed is read back (not the x rows)
+        ctx.dx_sender = input_grad_sender(io)
         ctx.offs, ctx.tok_offs, ctx.tokens_per_expert = offs, tok_offs, tokens_per_expert  # device int tensors
         ctx.index = index
         return y
@@ -268,6 +270,7 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         if need_dgrad:
             dx = rows_gemm(_token(plan.grad_output, dys.rowwise, "rowwise"), w_op, ctx.offs, dys.row_expert,
                            plan.recipe.dgrad, dys.dest, ctx.tok_offs)
+            dx = hand_off_input_grad(ctx.dx_sender, dx)  # its exchange runs during the wgrad
         if need_wgrad:
             x_op = TokenOperand(storage=x_col, scale=x_col.tensor_scale())
             dw = tokens_gemm(_token(plan.grad_output, dys.columnwise, "columnwise"), x_op, ctx.offs, dys.row_expert,

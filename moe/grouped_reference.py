@@ -32,6 +32,7 @@ from hybrid_dist import saved_storages
 from hybrid_dist.inspection import active_stats
 from hybrid_dist.moe import device_split
 from hybrid_dist.moe._segment_ops import segment_mm_rows, segment_mm_tokens
+from hybrid_dist.moe.exchange_io import carries_operands, hand_off_input_grad, input_grad_sender
 from hybrid_dist.moe.grouped_operands import expert_weight_storages, row_scales, token_operand
 from hybrid_dist.quantized_tensor import QuantizedTensor
 
@@ -39,9 +40,9 @@ __all__ = ["fits", "grouped_linear"]
 
 
 def fits(plan, x: torch.Tensor, io) -> bool:
-    """True when this path computes the call: CPU, no expert-parallel ``io``, and token
-    quantizers ``split_quantize_packed`` serves."""
-    return (io is None and x.device.type == "cpu"
+    """True when this path computes the call: CPU, no exchanged operands in ``io``, and
+    token quantizers ``split_quantize_packed`` serves."""
+    return (not carries_operands(io) and x.device.type == "cpu"
             and all(device_split.unsupported_reason(q) is None for q in (plan.input, plan.grad_output)))
 
 
@@ -90,8 +91,9 @@ def _tokens_gemm(a, b, ps, out_dtype) -> torch.Tensor:
 
 class _PackedReferenceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, plan):
+    def forward(ctx, x, weight, tokens_per_expert, plan, io):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.dx_sender = input_grad_sender(io)
         ps, x_row, x_col = _split(x, tokens_per_expert, plan.input, plan.states["input"], plan.multiple,
                                   rowwise=True, columnwise=need_wgrad)
         w_rows, w_cols = expert_weight_storages(weight, plan, need_dgrad=need_dgrad)
@@ -131,13 +133,15 @@ class _PackedReferenceFn(torch.autograd.Function):
         if need_dgrad:
             # dgrad: dx [T, K] = dy_e [p_e, N] · W_e [N, K] per segment (W_e columnwise stored [K, N])
             dx = _rows_gemm(dy_row, w_cols, ps, plan.recipe.dgrad.out_dtype or ctx.x_dtype)
+            dx = hand_off_input_grad(ctx.dx_sender, dx)  # its exchange runs during the wgrad
         if need_wgrad:
             # wgrad: dW_e [N, K] = dy_eᵀ [N, p_e] · x_e [p_e, K] (segments along the packed tokens)
             dw = _tokens_gemm(dy_col, x_col, ps, plan.recipe.wgrad.out_dtype or ctx.w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def grouped_linear(x, weight, tokens_per_expert, plan) -> torch.Tensor:
+def grouped_linear(x, weight, tokens_per_expert, plan, io=None) -> torch.Tensor:
     """``y [T, N]`` of ``GroupedLinear`` (module doc); ``plan`` a ``GroupedPlan`` whose
-    input and weight states this step has advanced."""
-    return _PackedReferenceFn.apply(x, weight, tokens_per_expert, plan)
+    input and weight states this step has advanced; ``io`` an ``ExchangeIO`` without
+    operands (its early sender takes dx, ``hand_off_input_grad``) or None."""
+    return _PackedReferenceFn.apply(x, weight, tokens_per_expert, plan, io)

@@ -65,18 +65,23 @@ class MoE(nn.Module):
     ``ep_group``: process group for expert parallelism (None: all experts local).
     ``quantized_dispatch``: send token payloads in the experts' formats where they allow
     it (``expert_parallel``); False exchanges high precision and quantizes after.
+    ``early_input_grad``: start the dispatch's backward all-to-all inside fc1's backward,
+    once its dgrad is computed, so that it runs during fc1's wgrad GEMM (same gradients);
+    False exchanges after fc1's backward.
     ``wire``: bytes this rank sent to other ranks, by exchange (accumulates).
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, shared_ffn: int = 0,
                  norm_topk_prob: bool = True, recipe: Recipe | None = None, ep_group=None,
-                 quantized_dispatch: bool = True, name: str = "", device=None, dtype=None):
+                 quantized_dispatch: bool = True, early_input_grad: bool = True, name: str = "", device=None,
+                 dtype=None):
         super().__init__()
         world = 1 if ep_group is None else torch.distributed.get_world_size(ep_group)
         if num_experts % world:
             raise ValueError(f"num_experts={num_experts} must be a multiple of the EP group size {world}")
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.recipe, self.ep_group, self.quantized_dispatch = recipe, ep_group, quantized_dispatch
+        self.early_input_grad = early_input_grad
         self.num_local_experts = num_experts // world
         self.router = TopKRouter(hidden, num_experts, top_k, norm_topk_prob=norm_topk_prob, device=device, dtype=dtype)
         kw = dict(recipe=recipe, device=device, dtype=dtype)
@@ -126,7 +131,9 @@ class MoE(nn.Module):
         pk1 = self.fc1.packed_exchange(x_perm, "input") if plan1 is not None else None
         pk2 = self.fc2.packed_exchange(x_perm.new_empty(0, self.fc2.in_features), "grad_output") \
             if plan2 is not None else None
-        x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire, packed=pk1)
+        # x_local's one consumer is fc1: its dx can go back while fc1 computes its wgrad
+        x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire, packed=pk1,
+                                   early_input_grad=self.early_input_grad)
         io2 = ep.combine_io(plan2, packed=pk2, index=route.index)
         y_local = self._experts(x_local, route.tokens_per_local_expert, io1, io2)
         return ep.combine(y_local, route, plan=plan2, io=io2, stats=self.wire)

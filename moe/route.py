@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from hybrid_dist.moe.packed_index import IndexCache, packed_index
 
-__all__ = ["WireStats", "Route", "make_route", "all_to_all", "exchange", "to_expert_major", "to_source_major"]
+__all__ = ["WireStats", "Route", "PendingRows", "make_route", "all_to_all", "exchange", "exchange_to_slots_async",
+           "to_expert_major", "to_source_major"]
 
 
 @dataclasses.dataclass
@@ -93,15 +94,30 @@ def _regroup(recv: torch.Tensor, world: int, e_l: int, rows: int) -> torch.Tenso
     return blocks.dest - blocks.offsets[blocks.eid] + src_start[blocks.eid]
 
 
-def all_to_all(x: torch.Tensor, in_splits, out_splits, route: Route, stats, key: str) -> torch.Tensor:
+class PendingRows:
+    """Rows an asynchronous ``all_to_all`` is delivering: ``wait()`` orders the current
+    stream after it and returns them. Holds the sent buffer until then."""
+
+    def __init__(self, out: torch.Tensor, work, sent: torch.Tensor):
+        self._out, self._work, self._sent = out, work, sent
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        self._sent = None
+        return self._out
+
+
+def all_to_all(x: torch.Tensor, in_splits, out_splits, route: Route, stats, key: str, *, async_op: bool = False):
     """``x``'s rows split ``in_splits`` to the group's ranks, ``out_splits`` from them (one
-    ``all_to_all_single``); the bytes sent to other ranks counted under ``key``."""
+    ``all_to_all_single``); the bytes sent to other ranks counted under ``key``. With
+    ``async_op`` a ``PendingRows``, else the rows."""
     out = x.new_empty(sum(out_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=route.group)
+    x = x.contiguous()
+    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=route.group, async_op=async_op)
     if stats is not None:
         row = torch.Size(x.shape[1:]).numel() * x.element_size()
         stats.add(key, (sum(in_splits) - in_splits[route.rank]) * row)
-    return out
+    return PendingRows(out, work, x) if async_op else out
 
 
 def to_expert_major(x, route: Route):
@@ -122,3 +138,10 @@ def exchange(x, route: Route, to_experts: bool, stats, key: str):
     if to_experts:
         return to_expert_major(all_to_all(x, route.send_splits, route.recv_splits, route, stats, key), route)
     return all_to_all(to_source_major(x, route), route.recv_splits, route.send_splits, route, stats, key)
+
+
+def exchange_to_slots_async(x, route: Route, stats, key: str) -> PendingRows:
+    """``exchange(x, route, False, ...)`` started asynchronously: the experts' rows back to
+    the slots, delivered when the result's ``wait()`` is called."""
+    return all_to_all(to_source_major(x, route), route.recv_splits, route.send_splits, route, stats, key,
+                      async_op=True)
