@@ -30,10 +30,12 @@ from hybrid_dist.recipe_module import in_backward
 from hybrid_dist.warn import warn_once
 from hybrid_dist.moe import _wire, device_split
 from hybrid_dist.moe.packed_index import IndexCache
-from hybrid_dist.moe.quantized_exchange import quantized_exchange
-from hybrid_dist.moe.route import PendingRows, Route, WireStats, exchange, exchange_to_slots_async, make_route
+from hybrid_dist.moe.quantized_exchange import quantize_payload, quantized_exchange
+from hybrid_dist.moe.route import (PendingRows, Route, RouteStart, WireStats, exchange, exchange_to_slots_async,
+                                   finish_route, make_route, start_route)
 
-__all__ = ["WireStats", "Route", "InputGradSender", "make_route", "dispatch", "combine", "combine_io"]
+__all__ = ["WireStats", "Route", "RouteStart", "InputGradSender", "make_route", "start_route", "finish_route",
+           "dispatch_payload", "dispatch", "combine", "combine_io"]
 
 
 class InputGradSender:
@@ -88,17 +90,17 @@ class _QuantizedDispatch(torch.autograd.Function):
     slots."""
 
     @staticmethod
-    def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats, packed, states):
+    def forward(ctx, x_perm, route, quantizer, multiple, need_columnwise, io, stats, packed, states, payload):
         g, _ = quantized_exchange(x_perm, route, quantizer, multiple=multiple, need_columnwise=need_columnwise,
                                   stats=stats, key="dispatch", packed_multiple=packed, values=False,
-                                  states=states, advance=not in_backward())
+                                  states=states, advance=not in_backward(), payload=payload)
         io["x_packed" if packed is not None else "x_quantized"] = g
         ctx.route, ctx.stats, ctx.sender = route, stats, io.get("dx_sender")
         return _rows_stand_in(g, x_perm)
 
     @staticmethod
     def backward(ctx, dx):
-        return _dispatch_grad(dx, ctx.route, ctx.stats, ctx.sender), *([None] * 8)
+        return _dispatch_grad(dx, ctx.route, ctx.stats, ctx.sender), *([None] * 9)
 
 
 class _QuantizedCombine(torch.autograd.Function):
@@ -125,8 +127,20 @@ def _warn_once(reason: str) -> None:
     warn_once(f"expert parallel: exchanging high precision and quantizing after, because {reason}", stacklevel=4)
 
 
+def dispatch_payload(x_perm, start: RouteStart, *, plan=None, need_columnwise: bool = True, stats=None):
+    """The quantized dispatch's payload (``quantize_payload``) made from ``start_route``'s
+    device layout, before ``finish_route`` reads the counts: the sender's quantization is
+    then queued on the device while the host waits for that read, not issued after it.
+    None where ``dispatch`` will exchange high precision. Give it to ``dispatch(payload=)``
+    with the same ``plan`` and ``need_columnwise``."""
+    if _quantized_reason(plan, "input", need_columnwise) is not None:
+        return None
+    return quantize_payload(x_perm, start, plan.input, stats=stats, key="dispatch", states=plan.states["input"],
+                            advance=not in_backward())
+
+
 def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, stats=None,
-             packed: int | None = None, early_input_grad: bool = False):
+             packed: int | None = None, early_input_grad: bool = False, payload=None):
     """Slots → local experts (expert-major rows). With a quantized ``plan`` (the first
     GroupedLinear's) whose input format allows it, the payload travels quantized; returns
     ``(x_local, io)`` where ``io`` feeds ``GroupedLinear.forward(io=...)`` (None: HP without
@@ -136,13 +150,14 @@ def dispatch(x_perm, route: Route, *, plan=None, need_columnwise: bool = True, s
     when it takes the packed path (``GroupedLinear.packed_exchange``): the received rows
     arrive as ``io["x_packed"]``. ``early_input_grad``: ``io`` also holds an
     ``InputGradSender`` (module note); then ``x_local``'s only consumer must be that
-    GroupedLinear, whose dx is the whole gradient of ``x_local``."""
+    GroupedLinear, whose dx is the whole gradient of ``x_local``. ``payload``:
+    ``dispatch_payload``'s, made before the route was finished (else made here)."""
     sender = InputGradSender(route, stats) if early_input_grad else None
     reason = _quantized_reason(plan, "input", need_columnwise)
     if reason is None:
         io = ExchangeIO(index=route.index) if sender is None else ExchangeIO(index=route.index, dx_sender=sender)
         x = _QuantizedDispatch.apply(x_perm, route, plan.input, plan.multiple, need_columnwise, io, stats, packed,
-                                     plan.states["input"])
+                                     plan.states["input"], payload)
         return x, io
     if plan is not None and reason != "identity":
         _warn_once(reason)

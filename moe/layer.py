@@ -21,7 +21,7 @@ Without ``ep_group`` the layer makes no device-to-host sync on the CUDA paths (e
 splits read their offsets once, ``device_split``) and, on CPU,
 ``torch.compile(fullgraph=True)`` traces it whole with one graph for every routing
 (``grouped_linear``). Expert parallelism keeps a host sync: the all-to-all split sizes
-are read on the host (``route.make_route``), and the received operands reach the
+are read on the host (``route.finish_route``), and the received operands reach the
 expert layers through an opaque ``ExchangeIO``; so under ``torch.compile`` the exchange
 and the experts between it run eagerly (one graph break per forward), with the router,
 the permutation and the combine's weighting compiled around them, and a new routing
@@ -120,20 +120,23 @@ class MoE(nn.Module):
 
     @torch.compiler.disable  # host split sizes and ExchangeIO: eager (module note)
     def _experts_parallel(self, x_perm, tokens_per_expert):
-        route = ep.make_route(tokens_per_expert, self.ep_group, self.wire)
+        start = ep.start_route(tokens_per_expert, self.ep_group, self.wire, num_slots=x_perm.shape[0])
         training = torch.is_grad_enabled()
         # the payload formats are those the expert layers will use (their recipe resolution)
         r1, r2 = (fc.recipe or self.recipe or current_recipe() for fc in (self.fc1, self.fc2))
         plan1 = self.fc1.plan(r1) if (r1 is not None and self.quantized_dispatch) else None
         plan2 = self.fc2.plan(r2) if (r2 is not None and self.quantized_dispatch and training) else None
         need_col = training and self.fc1.weight.requires_grad
+        # the sender's quantization is queued before the host waits for the counts
+        payload = ep.dispatch_payload(x_perm, start, plan=plan1, need_columnwise=need_col, stats=self.wire)
+        route = ep.finish_route(start)
         # received rows go straight into the packed grouped GEMMs where the layer takes that path
         pk1 = self.fc1.packed_exchange(x_perm, "input") if plan1 is not None else None
         pk2 = self.fc2.packed_exchange(x_perm.new_empty(0, self.fc2.in_features), "grad_output") \
             if plan2 is not None else None
         # x_local's one consumer is fc1: its dx can go back while fc1 computes its wgrad
         x_local, io1 = ep.dispatch(x_perm, route, plan=plan1, need_columnwise=need_col, stats=self.wire, packed=pk1,
-                                   early_input_grad=self.early_input_grad)
+                                   early_input_grad=self.early_input_grad, payload=payload)
         io2 = ep.combine_io(plan2, packed=pk2, index=route.index)
         y_local = self._experts(x_local, route.tokens_per_local_expert, io1, io2)
         return ep.combine(y_local, route, plan=plan2, io=io2, stats=self.wire)

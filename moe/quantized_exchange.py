@@ -48,15 +48,36 @@ import torch.distributed as dist
 from hybrid_dist.amax_sync import all_reduce_amaxes
 from hybrid_dist.formats.float8 import Float8Quantizer, advance_stacked, stacked_delayed_states
 from hybrid_dist.moe import _wire, device_split
-from hybrid_dist.moe.route import Route, all_to_all, to_expert_major
+from hybrid_dist.moe.route import Route, RouteStart, all_to_all, to_expert_major
 from hybrid_dist.moe.split_quantize import GroupedQuantized
 
-__all__ = ["quantized_exchange", "receiver_columnwise"]
+__all__ = ["quantize_payload", "quantized_exchange", "receiver_columnwise"]
+
+
+def quantize_payload(x_perm, layout: Route | RouteStart, quantizer, *, stats, key: str, states=None,
+                     advance: bool = True):
+    """The sender's half of ``quantized_exchange``: the slots' rowwise direction quantized
+    for the wire (``_wire.quantize_slots``; per-tensor formats after one MAX all-reduce of
+    the ``[E]`` per-expert amaxes). Needs only the device layout of the slots, so it can be
+    queued before the host reads the counts (``route.start_route``)."""
+    e = layout.num_experts
+    e_l = e // layout.world
+    x = x_perm.detach()
+    row_q = quantizer.direction_quantizer("rowwise")
+    amax = None
+    if row_q.is_per_tensor:  # one MAX all-reduce of the [E] per-expert amaxes
+        amax = all_reduce_amaxes(device_split.expert_amaxes(x, layout.slot_expert, e), [layout.group])
+        if stats is not None:
+            stats.add(key + "_amax", amax.numel() * amax.element_size())  # all-reduce payload
+    first = layout.rank * e_l  # this rank's first global expert
+    scale = _delayed_scales(row_q, states, amax[first:first + e_l] if amax is not None else None, layout,
+                            advance, stats, key)
+    return _wire.quantize_slots(quantizer, x, layout.slot_expert, layout.slot_offsets, amax, scale)
 
 
 def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_columnwise: bool,
                        stats, key: str, packed_multiple: int | None = None, values: bool = True,
-                       states=None, advance: bool = True):
+                       states=None, advance: bool = True, payload=None):
     """Send the slots' rowwise direction in ``quantizer``'s format (``_wire``: one quantize
     pass over all slots) and build the experts' :class:`GroupedQuantized` (padded to
     ``multiple``) at the receiver; with ``packed_multiple`` (``grouped_quantized.
@@ -64,21 +85,15 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     instead. Delayed scaling needs ``states``, this rank's local experts' states of the
     quantizer's role: advanced first (unless ``advance=False``: an activation recompute),
     then their scales quantize every sender's rows and the step's amax is recorded in them
-    (``_wire`` module doc). Returns that and the received rows' values ``[R, K]`` in x's
+    (``_wire`` module doc). ``payload``: ``quantize_payload``'s result for these slots, made
+    earlier (else made here). Returns that and the received rows' values ``[R, K]`` in x's
     dtype (expert-major), or None without ``values``."""
-    e = len(route.counts_global)
-    e_l = e // route.world
+    e_l = route.num_experts // route.world
     x = x_perm.detach()
     row_q = quantizer.direction_quantizer("rowwise")
-    amax = None
-    if row_q.is_per_tensor:  # one MAX all-reduce of the [E] per-expert amaxes
-        amax = all_reduce_amaxes(device_split.expert_amaxes(x, route.slot_expert, e), [route.group])
-        if stats is not None:
-            stats.add(key + "_amax", amax.numel() * amax.element_size())  # all-reduce payload
+    slots = payload if payload is not None else quantize_payload(x, route, quantizer, stats=stats, key=key,
+                                                                 states=states, advance=advance)
     first = route.rank * e_l  # this rank's first global expert
-    scale = _delayed_scales(row_q, states, amax[first:first + e_l] if amax is not None else None, route,
-                            advance, stats, key)
-    slots = _wire.quantize_slots(quantizer, x, route.slot_expert, route.slot_offsets, amax, scale)
     recv = all_to_all(_wire.pack(slots), route.send_splits, route.recv_splits, route, stats, key)  # source-major
     if packed_multiple is not None and row_q.is_per_tensor:  # FP8: a wire row is its K codes; scales known here
         scale_inv = slots.scale_inv[first:first + e_l]
@@ -105,7 +120,7 @@ def quantized_exchange(x_perm, route: Route, quantizer, *, multiple: int, need_c
     return g, torch.cat([st.dequantize(x.dtype)[:m] for st, m in zip(rows, route.local_splits)])
 
 
-def _delayed_scales(row_q, states, local_amax, route: Route, advance: bool, stats, key: str):
+def _delayed_scales(row_q, states, local_amax, route: Route | RouteStart, advance: bool, stats, key: str):
     """Delayed scaling: every global expert's scale ``[E]`` (None for other scalings), with
     this rank's local expert states advanced (``advance``) and ``local_amax [E_l]`` recorded."""
     if not (isinstance(row_q, Float8Quantizer) and row_q.scaling == "delayed"):

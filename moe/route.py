@@ -11,9 +11,12 @@ expert-major, ``[e_0: src 0, src 1, ...][e_1: ...]``, so expert e sees its token
 global (rank, token) order — exactly the rows a single rank would give it.
 
 Per step: one ``all_to_all_single`` of the ``[E]`` counts, then one of the payload per
-exchange. Host syncs: one a layer and step (``make_route``: the sent and received counts,
-read together for ``all_to_all_single``'s split sizes); the regroup index is built on the
-device.
+exchange. Host syncs: one a layer and step (the sent and received counts, read together
+for ``all_to_all_single``'s split sizes); the regroup index is built on the device.
+``make_route`` is ``finish_route(start_route(...))``: ``start_route`` exchanges the counts,
+lays out the slots and starts the counts' copy to the host, so that work which needs no
+host count (the sender's quantization of its slots) can be queued on the device before
+``finish_route`` waits for the copy.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import torch.distributed as dist
 
 from hybrid_dist.moe.packed_index import IndexCache, packed_index
 
-__all__ = ["WireStats", "Route", "PendingRows", "make_route", "all_to_all", "exchange", "exchange_to_slots_async",
-           "to_expert_major", "to_source_major"]
+__all__ = ["WireStats", "Route", "RouteStart", "PendingRows", "make_route", "start_route", "finish_route",
+           "all_to_all", "exchange", "exchange_to_slots_async", "to_expert_major", "to_source_major"]
 
 
 @dataclasses.dataclass
@@ -38,6 +41,24 @@ class WireStats:
 
     def add(self, key: str, n: int) -> None:
         self.bytes[key] = self.bytes.get(key, 0) + int(n)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RouteStart:
+    """A layer's exchange plan before the host read (``start_route``): what the device
+    knows. The sender's payload needs only this (``group``, ``rank``, ``world``,
+    ``num_experts``, ``slot_expert``, ``slot_offsets``, as a ``Route`` has them)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    num_experts: int
+    slot_expert: torch.Tensor | None  # [S] global expert of each slot (sorted), on device (None: S not given)
+    slot_offsets: torch.Tensor | None  # [E+1] each global expert's first slot, on device
+    tokens_per_expert: torch.Tensor  # [E] this rank's slots per global expert, on device
+    recv: torch.Tensor  # [W·E_l] slots from each source per local expert, on device
+    host_counts: torch.Tensor  # [E + W·E_l] both on the host once ``ready`` (pinned on CUDA)
+    ready: object  # the copy's CUDA event, or None (a CPU copy, done)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,31 +79,69 @@ class Route:
     local_splits: list[int]  # [E_l]
     index: IndexCache  # the received rows' packed index, per padding multiple (every consumer's)
 
+    @property
+    def num_experts(self) -> int:
+        return len(self.counts_global)
 
-def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) -> Route:
-    """Exchange the counts and plan the step (one ``all_to_all_single``, one host read)."""
+
+def start_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None,
+                num_slots: int | None = None) -> RouteStart:
+    """Exchange the counts (one ``all_to_all_single``), lay out this rank's ``num_slots``
+    slots (the permuted rows; None: laid out by ``finish_route`` from the host counts) and
+    start the counts' copy to the host; nothing waits for the device."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     e = tokens_per_expert.numel()
     if e % world:
         raise ValueError(f"{e} experts cannot be split over an EP group of {world} ranks; use a multiple")
-    e_l = e // world
     recv = torch.zeros_like(tokens_per_expert)
     dist.all_to_all_single(recv, tokens_per_expert.contiguous(), group=group)
     if stats is not None:
-        stats.add("counts", (world - 1) * e_l * tokens_per_expert.element_size())
-    both = torch.cat([tokens_per_expert.reshape(-1), recv.reshape(-1)]).tolist()  # the host read (module note)
+        stats.add("counts", (world - 1) * (e // world) * tokens_per_expert.element_size())
+    both = torch.cat([tokens_per_expert.reshape(-1), recv.reshape(-1)])
+    ready = None
+    if both.is_cuda:  # the one host read, started here and waited for in finish_route (module note)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    else:
+        host = both
+    slots = packed_index(tokens_per_expert, num_slots, 1) if num_slots is not None else None
+    return RouteStart(group=group, rank=rank, world=world, num_experts=e,
+                      slot_expert=slots.eid if slots is not None else None,
+                      slot_offsets=slots.offsets if slots is not None else None,
+                      tokens_per_expert=tokens_per_expert, recv=recv, host_counts=host, ready=ready)
+
+
+def finish_route(start: RouteStart) -> Route:
+    """The host read of the counts (waits for ``start_route``'s copy) and the plan."""
+    if start.ready is not None:
+        start.ready.synchronize()
+    both = start.host_counts.tolist()
+    e, world = start.num_experts, start.world
+    e_l = e // world
     counts, recv_counts = both[:e], [both[e + s * e_l:e + (s + 1) * e_l] for s in range(world)]
     rows = sum(both[e:])
-    slots = packed_index(tokens_per_expert, sum(counts), 1)
-    tokens_per_local_expert = recv.reshape(world, e_l).sum(0)
+    if start.slot_expert is None:
+        slots = packed_index(start.tokens_per_expert, sum(counts), 1)
+        start = dataclasses.replace(start, slot_expert=slots.eid, slot_offsets=slots.offsets)
+    elif sum(counts) != start.slot_expert.numel():
+        raise ValueError(f"start_route was given {start.slot_expert.numel()} slots, but the counts sum to "
+                         f"{sum(counts)}")
+    tokens_per_local_expert = start.recv.reshape(world, e_l).sum(0)
     return Route(
-        group=group, rank=rank, world=world, counts_global=counts, slot_expert=slots.eid, slot_offsets=slots.offsets,
-        send_splits=[sum(counts[d * e_l:(d + 1) * e_l]) for d in range(world)],
+        group=start.group, rank=start.rank, world=world, counts_global=counts, slot_expert=start.slot_expert,
+        slot_offsets=start.slot_offsets, send_splits=[sum(counts[d * e_l:(d + 1) * e_l]) for d in range(world)],
         recv_counts=recv_counts, recv_splits=[sum(r) for r in recv_counts],
-        regroup=_regroup(recv, world, e_l, rows), tokens_per_local_expert=tokens_per_local_expert,
+        regroup=_regroup(start.recv, world, e_l, rows), tokens_per_local_expert=tokens_per_local_expert,
         local_splits=[sum(recv_counts[s][j] for s in range(world)) for j in range(e_l)],
         index=IndexCache(tokens_per_local_expert, rows),
     )
+
+
+def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) -> Route:
+    """Exchange the counts and plan the step (one ``all_to_all_single``, one host read)."""
+    return finish_route(start_route(tokens_per_expert, group, stats))
 
 
 def _regroup(recv: torch.Tensor, world: int, e_l: int, rows: int) -> torch.Tensor:

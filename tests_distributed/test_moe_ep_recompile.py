@@ -69,14 +69,14 @@ def _worker(rank, world, recipe_name):
               device=device, dtype=torch.bfloat16)
     steer(moe)
     received, compiled = [], []
-    make_route = ep.make_route
+    finish_route = ep.finish_route
 
     def recording_route(*args, **kwargs):
-        route = make_route(*args, **kwargs)
+        route = finish_route(*args, **kwargs)
         received.append(sum(route.recv_splits))
         return route
 
-    ep.make_route = recording_route
+    ep.finish_route = recording_route
     triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append((len(received), kw["repr"][:160]))
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     for plan in PLAN:
