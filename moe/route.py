@@ -100,12 +100,14 @@ def start_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None,
     both = torch.cat([tokens_per_expert.reshape(-1), recv.reshape(-1)])
     ready = None
     if both.is_cuda:  # the one host read, started here and waited for in finish_route (module note)
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host = torch.empty(both.shape, dtype=both.dtype, device="cpu", pin_memory=True)  # not the default device
         host.copy_(both, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
     else:
         host = both
+        if num_slots is not None:  # the counts are on the host already: check before laying out
+            _check_slots(num_slots, int(tokens_per_expert.sum()))
     slots = packed_index(tokens_per_expert, num_slots, 1) if num_slots is not None else None
     return RouteStart(group=group, rank=rank, world=world, num_experts=e,
                       slot_expert=slots.eid if slots is not None else None,
@@ -125,9 +127,8 @@ def finish_route(start: RouteStart) -> Route:
     if start.slot_expert is None:
         slots = packed_index(start.tokens_per_expert, sum(counts), 1)
         start = dataclasses.replace(start, slot_expert=slots.eid, slot_offsets=slots.offsets)
-    elif sum(counts) != start.slot_expert.numel():
-        raise ValueError(f"start_route was given {start.slot_expert.numel()} slots, but the counts sum to "
-                         f"{sum(counts)}")
+    else:
+        _check_slots(start.slot_expert.numel(), sum(counts))
     tokens_per_local_expert = start.recv.reshape(world, e_l).sum(0)
     return Route(
         group=start.group, rank=start.rank, world=world, counts_global=counts, slot_expert=start.slot_expert,
@@ -137,6 +138,11 @@ def finish_route(start: RouteStart) -> Route:
         local_splits=[sum(recv_counts[s][j] for s in range(world)) for j in range(e_l)],
         index=IndexCache(tokens_per_local_expert, rows),
     )
+
+
+def _check_slots(num_slots: int, counted: int) -> None:
+    if num_slots != counted:
+        raise ValueError(f"start_route was given {num_slots} slots, but the counts sum to {counted}")
 
 
 def make_route(tokens_per_expert: torch.Tensor, group, stats: WireStats | None) -> Route:

@@ -75,3 +75,23 @@ def test_route_built_on_the_counts_device_under_another_default_device():
         assert route.recv_counts == [[3, 0], [5, 2]], route.recv_counts  # the fake group echoes the counts
     finally:
         dist.destroy_process_group()
+
+
+def test_started_route_equals_the_route_and_checks_the_slot_count():
+    """``finish_route(start_route(counts, num_slots=S))`` (the layer's order: the slots laid
+    out before the host read) plans what ``make_route`` does; a wrong ``num_slots`` is named."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        counts = torch.tensor([3, 0, 5, 2], dtype=torch.int64)
+        want = ep.make_route(counts, dist.group.WORLD, None)
+        start = ep.start_route(counts, dist.group.WORLD, None, num_slots=10)
+        assert start.slot_expert.tolist() == want.slot_expert.tolist(), "slots laid out before the host read"
+        got = ep.finish_route(start)
+        for field in ("counts_global", "send_splits", "recv_counts", "recv_splits", "local_splits"):
+            assert getattr(got, field) == getattr(want, field), field
+        for field in ("slot_expert", "slot_offsets", "regroup", "tokens_per_local_expert"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+        with pytest.raises(ValueError, match="given 11 slots, but the counts sum to 10"):
+            ep.finish_route(ep.start_route(counts, dist.group.WORLD, None, num_slots=11))
+    finally:
+        dist.destroy_process_group()
