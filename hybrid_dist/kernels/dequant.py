@@ -8,9 +8,9 @@ into one operand), each value is ``v · (ta · tb)`` computed in fp32 and rounde
 bf16: relative error ≤ 2⁻⁸ per element. Given an fp32 per-row ``row_scale [R]`` or
 per-column ``col_scale [C]`` (grouped GEMMs: each packed token's expert scales), it is
 multiplied in after those, in fp32, before the one rounding: bitwise
-``(v.float() · row_scale[:, None]).to(bf16)`` of the exact values. ``scale_cast`` applies per-tensor scales to an
-fp32 accumulator and casts, in the reference's order (``(acc · s_a) · s_b``, then one
-rounding).
+``(v.float() · row_scale[:, None]).to(bf16)`` of the exact values. ``scale_cast`` applies
+per-tensor scales to an fp32 accumulator and casts, in the reference's order
+(``(acc · s_a) · s_b``, then one rounding).
 """
 
 from __future__ import annotations
