@@ -47,11 +47,18 @@ class LinearPlan:
     states: dict[str, Any]  # tensor_type -> quantizer state (delayed history, SR RNG)
     stats: Any = None  # an inspection.ModuleStats once a StatsCollector is attached (else nothing records)
     # the forward advances a delayed-scaling state (input or weight amax history); fixed at
-    # construction, read on every forward (``RecipeModuleMixin._active_recipe``)
+    # construction (or by ``hoist``), read on every forward (``RecipeModuleMixin._active_recipe``)
     advances_state: bool = dataclasses.field(init=False)
+    # the module's forward starts the pass (``start_forward_pass``); False once hoisted
+    advance_in_forward: bool = dataclasses.field(default=True, init=False)
 
     def __post_init__(self) -> None:
         self.advances_state = any(isinstance(self.states[t], DelayedScalingState) for t in ("input", "weight"))
+
+    def hoist(self) -> None:
+        """Leave ``start_forward_pass`` to the caller (``hoisted_advance``): the forward then
+        only reads and records its states."""
+        self.advance_in_forward = self.advances_state = False
 
     @classmethod
     def build(cls, recipe: Recipe, *, module_type: str, name: str) -> "LinearPlan":
@@ -202,7 +209,7 @@ class Linear(RecipeModuleMixin, nn.Module):
                 w = DequantizeFn.apply(w, x.dtype)
             return F.linear(x, w, self.bias)
         plan = self.plan_for(recipe)
-        if not recompute:
+        if not recompute and plan.advance_in_forward:
             plan.start_forward_pass()
         if torch.compiler.is_compiling():
             return _LinearFn.apply(x, self.weight, self.bias, plan, torch.is_grad_enabled())

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 import hybrid_dist as hd
+from hybrid_dist.hoisted_advance import hoist_delayed_advance
 from hybrid_dist.warn import warn_once
 from hybrid_dist.launch import fsdp_copy_in, torchao_baseline
 from hybrid_dist.launch.config import RESHARD_POLICIES, TrainConfig
@@ -104,7 +105,7 @@ def compiled_recompute_refusal(model: nn.Module, dims: ParallelDims) -> str | No
     if dims.tp > 1:
         return ("the tensor-parallel linears keep their device mesh for backward, which AOTAutograd cannot save "
                 "inside a compiled checkpoint")
-    if advances_delayed_state(model):
+    if advances_delayed_state(model):  # (not hoisted: ``hoisted_advance``)
         return ("the blocks advance delayed-scaling states in their forward, which a compiled recompute would "
                 "read advanced")
     return None
@@ -248,6 +249,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, meshes: 
     experts = expert_modules(model)  # before AC/compile wrap the blocks
     if cfg.activation_checkpointing:
         apply_ac(model)
+    if cfg.compile and cfg.activation_checkpointing and dims.ep == 1 and dims.tp == 1:
+        hoist_delayed_advance(model)  # delayed scaling's advance in the root's pre-hook, outside the checkpoints
     eager = compiled_recompute_refusal(model, dims) if cfg.compile and cfg.activation_checkpointing else None
     if eager is not None:
         warn_once(f"--compile with --activation-checkpointing: {eager}; the blocks run eagerly (compile "

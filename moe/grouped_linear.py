@@ -75,7 +75,16 @@ class GroupedPlan:
         # the forward advances a delayed-scaling state (input or weight amax histories)
         self.advances_state = any(isinstance(s, DelayedScalingState) for t in ("input", "weight")
                                   for s in self.states[t])
+        self.advance_in_forward = True  # the forward starts the pass; False once hoisted (``LinearPlan``'s)
         self.stats: Any = None  # an inspection.ModuleStats once a StatsCollector is attached
+
+    def start_forward_pass(self) -> None:
+        self.advance("input")
+        self.advance("weight")
+
+    def hoist(self) -> None:
+        """As ``LinearPlan.hoist``."""
+        self.advance_in_forward = self.advances_state = False
 
     def advance(self, tensor_type: str) -> None:
         q, states = getattr(self, tensor_type), self.states[tensor_type]
@@ -166,7 +175,7 @@ def apply_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_exper
     ``GroupedLinear.forward``; ``name`` only labels errors. Inputs are not checked here."""
     if not carries_operands(io) and _grouped_mm.fits(plan, x, weight):
         return _grouped_mm.grouped_mm_linear(x, weight, tokens_per_expert, active_stats(plan), io)
-    if not in_backward():
+    if not in_backward() and plan.advance_in_forward:
         if not (io is not None and ("x_quantized" in io or "x_packed" in io)):
             plan.advance("input")  # else the exchange that quantized x advanced it (expert_parallel)
         plan.advance("weight")

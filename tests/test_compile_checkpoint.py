@@ -9,6 +9,10 @@ that carry their own recipe, on CPU (backend ``aot_eager``).
 * Delayed scaling: the forward advances the amax history, which AOTAutograd's recompute
   would rerun from the advanced state; the layer then keeps a side effect, Dynamo runs the
   region eagerly (a graph break), and three steps are bitwise the eager recompute's.
+* Delayed scaling with the advance hoisted into a forward pre-hook of the model that holds
+  the checkpointed block (``hoisted_advance``; outside the checkpoint, as the launcher's
+  root): the region compiles whole (one graph, no break) and three steps, and the amax
+  histories and scales after them, are bitwise the eager recompute's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import hybrid_dist as hd
+from hybrid_dist.hoisted_advance import hoist_delayed_advance
 
 K, N, T = 64, 64, 32
 
@@ -76,3 +81,43 @@ def test_delayed_scaling_checkpoint_runs_eagerly_and_exact():
     assert breaks > 0, "fp8_delayed: the compiled checkpoint did not break (its recompute would re-advance)"
     bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
     assert not bad, f"fp8_delayed: compiled checkpoint differs from the eager recompute at tensors {bad}"
+
+
+class _Outer(torch.nn.Module):
+    """The launcher's shape: a model whose blocks are checkpointed (and compiled) inside it,
+    so its forward pre-hook runs outside every checkpoint."""
+
+    def __init__(self, block: torch.nn.Module, call):
+        super().__init__()
+        self.block, self.call = block, call
+
+    def forward(self, x):
+        return self.call(self.block, x)
+
+
+def test_hoisted_delayed_advance_compiles_whole_and_exact():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _model("fp8_delayed")
+    ref = copy.deepcopy(model)
+    outer = _Outer(model, torch.compile(_checkpointed, backend="aot_eager"))
+    assert hoist_delayed_advance(outer) == 2, "both fp8_delayed layers hoisted"
+    got = _steps(lambda m, x: outer(x), model)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    want = _steps(_checkpointed, ref)
+    assert breaks == 0 and graphs == 1, f"fp8_delayed hoisted: {graphs} graphs, {breaks} breaks"
+    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    assert not bad, f"fp8_delayed hoisted: compiled checkpoint differs from the eager recompute at tensors {bad}"
+    for m, r in zip(model, ref):
+        if isinstance(m, hd.Linear):
+            for t in ("input", "weight", "grad_output"):
+                a, b = m.plan_for(m.recipe).states[t], r.plan_for(r.recipe).states[t]
+                assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale), (m.name, t)
+
+
+def test_hoisting_refuses_parallel_layers():
+    model = _model("fp8_delayed")
+    model[0]._hd_tp = object()  # what a tensor-parallel style sets
+    with pytest.raises(ValueError, match="tensor- or expert-parallel"):
+        hoist_delayed_advance(model)
