@@ -12,7 +12,8 @@ that carry their own recipe, on CPU (backend ``aot_eager``).
 * Delayed scaling with the advance hoisted into a forward pre-hook of the model that holds
   the checkpointed block (``hoisted_advance``; outside the checkpoint, as the launcher's
   root): the region compiles whole (one graph, no break) and three steps, and the amax
-  histories and scales after them, are bitwise the eager recompute's.
+  histories and scales after them, are bitwise the eager recompute's; for a GroupedLinear
+  (per-expert states) too.
 """
 
 from __future__ import annotations
@@ -114,6 +115,35 @@ def test_hoisted_delayed_advance_compiles_whole_and_exact():
             for t in ("input", "weight", "grad_output"):
                 a, b = m.plan_for(m.recipe).states[t], r.plan_for(r.recipe).states[t]
                 assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale), (m.name, t)
+
+
+class _Experts(torch.nn.Module):
+    """A GroupedLinear over a fixed split of the tokens (its delayed states are per expert)."""
+
+    def __init__(self, recipe_name: str):
+        super().__init__()
+        from hybrid_dist.moe import GroupedLinear
+
+        torch.manual_seed(0)
+        self.fc = GroupedLinear(2, K, N, recipe=hd.recipe_from_name(recipe_name), name="experts")
+        self.register_buffer("counts", torch.tensor([T // 4, T - T // 4]))
+
+    def forward(self, x):
+        return self.fc(x, self.counts)
+
+
+def test_hoisted_delayed_advance_of_grouped_layers_is_exact():
+    torch._dynamo.reset()
+    model, ref = _Experts("fp8_delayed"), _Experts("fp8_delayed")
+    outer = _Outer(model, torch.compile(_checkpointed, backend="aot_eager"))
+    assert hoist_delayed_advance(outer) == 1, "the fp8_delayed GroupedLinear hoisted"
+    got, want = _steps(lambda m, x: outer(x), model), _steps(_checkpointed, ref)
+    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    assert not bad, f"fp8_delayed GroupedLinear hoisted: differs from the eager recompute at tensors {bad}"
+    plan, ref_plan = model.fc.plan(model.fc.recipe), ref.fc.plan(ref.fc.recipe)
+    for t in ("input", "weight"):
+        for a, b in zip(plan.states[t], ref_plan.states[t]):
+            assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale), t
 
 
 def test_hoisting_refuses_parallel_layers():
