@@ -26,3 +26,17 @@ def test_moe_ep_benchmark_rows_on_two_ranks():
     # dispatch backward does not run (x needs no gradient): (2 * 66 + 128) / (3 * 128) plus counts
     assert 0.66 < rows[("mxfp8", "quantized")][5] < 0.70, rows[("mxfp8", "quantized")]
     assert rows[("mxfp8", "bf16")][5] == 1.0, rows[("mxfp8", "bf16")]
+
+
+def _rows_both_dx(rank, world):
+    return run_ep(rank, world, ["bf16", "fp8_current"], TINY, steps=1, warmup=1, dx_exchange=("early", "after"))
+
+
+def test_moe_ep_benchmark_times_the_dx_exchange_both_ways():
+    rows = run_ranks(_rows_both_dx, 2)[0]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("bf16", "bf16"), ("bf16", "bf16, dx after"), ("fp8_current", "quantized"),
+        ("fp8_current", "quantized, dx after"), ("fp8_current", "bf16"), ("fp8_current", "bf16, dx after")]
+    # the same exchanges either way: equal bytes on the wire for each recipe and dispatch
+    for early, after in zip(rows[0::2], rows[1::2]):
+        assert early[4] == after[4] and early[2] > 0 and after[2] > 0, (early, after)
